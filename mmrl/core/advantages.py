@@ -1,0 +1,308 @@
+"""Advantage estimators: what each sample learns from.
+
+Every function takes a flat batch (``rewards [N]`` with ``group_ids [N]``; groups may differ in size), is
+vectorised over samples and groups, works on any device, and raises ``ValueError`` on NaN rewards, shape
+mismatches or empty input rather than dropping anything silently.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from mmrl.core._checks import check_1d, check_finite, check_same_shape
+from mmrl.core.groups import Groups, groups_for, make_groups
+
+__all__ = [
+    "clip_advantages",
+    "decoupled_multi_reward",
+    "entropy_shaped",
+    "group_normalized",
+    "median_centered",
+    "nonzero_mask",
+    "rloo",
+    "single_rollout",
+    "tree_depthwise",
+]
+
+
+def _check_rewards(rewards: torch.Tensor, group_ids: torch.Tensor) -> Groups:
+    check_1d("rewards", rewards)
+    check_finite("rewards", rewards)
+    return groups_for(rewards, group_ids)
+
+
+def group_normalized(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    std: Literal["group", "global", "none"] = "group",
+    center: Literal["mean", "median"] = "mean",
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Group-relative advantages (GRPO and its scale variants).
+
+    ``A_i = (r_i - c_g(i)) / (s + eps)`` where ``c_g`` is the mean (or lower median) of sample i's group and
+    ``s`` is the population std (ddof=0) of the group (``"group"``, GRPO, DeepSeekMath 2402.03300 eq. 3), of the
+    whole batch (``"global"``, as in REINFORCE++ 2501.03262), or 1 (``"none"``, Dr.GRPO 2503.20783 sec. 3.1).
+
+    Args:
+        rewards: ``[N]`` float rewards.
+        group_ids: ``[N]`` integer group id per sample (any values; groups may differ in size).
+        std: which standard deviation divides the centred reward.
+        center: ``"mean"`` or ``"median"`` (lower median for even-sized groups, as ``torch.median``).
+        eps: added to the std so constant groups give 0, not NaN.
+
+    Returns:
+        ``[N]`` advantages in the dtype of ``rewards``.
+    """
+    groups = _check_rewards(rewards, group_ids)
+    if center == "mean":
+        centre = groups.mean(rewards)
+    elif center == "median":
+        centre = groups.median(rewards)[0]
+    else:
+        raise ValueError(f"center must be 'mean' or 'median', got {center!r}")
+    centred = rewards - centre[groups.index]
+    if std == "group":
+        scale = groups.std(rewards)[groups.index]
+    elif std == "global":
+        scale = rewards.std(correction=0)
+    elif std == "none":
+        return centred
+    else:
+        raise ValueError(f"std must be 'group', 'global' or 'none', got {std!r}")
+    return centred / (scale + eps)
+
+
+def rloo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """REINFORCE leave-one-out advantages (Ahmadian et al. 2402.14740 eq. 5; Kool et al. 2019).
+
+    ``A_i = r_i - (1/(G-1)) * sum_{j != i} r_j = G/(G-1) * (r_i - mean_g)``.
+
+    Raises:
+        ValueError: if any group has a single sample (its leave-one-out baseline is undefined).
+    """
+    groups = _check_rewards(rewards, group_ids)
+    if bool((groups.sizes < 2).any()):
+        raise ValueError("rloo needs at least 2 samples per group; a group of size 1 has no leave-one-out baseline")
+    sums = groups.sum(rewards)[groups.index]
+    sizes = groups.sizes.to(rewards.dtype)[groups.index]
+    return rewards - (sums - rewards) / (sizes - 1)
+
+
+def median_centered(
+    rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MC-GRPO median-centred advantages with the pivot sample excluded.
+
+    Each group has an odd number ``G+1`` of samples; ``A_i = (r_i - median_g) / (std_g + eps)`` with the
+    population std of the group. The median is scaled by the std, not the MAD: for binary rewards the MAD is
+    usually 0 and would blow the advantages up. The sample sitting at the median (the pivot; ties resolved by
+    batch order) gets ``A = 0`` and ``pivot_mask = True`` and must be excluded from the loss, leaving ``G``
+    trained samples per group (MC-GRPO, "median-centred GRPO").
+
+    Returns:
+        ``(adv [N], pivot_mask [N] bool)``.
+
+    Raises:
+        ValueError: if a group has an even number of samples (its median is not a sample).
+    """
+    groups = _check_rewards(rewards, group_ids)
+    if bool((groups.sizes % 2 == 0).any()):
+        sizes = groups.sizes[groups.sizes % 2 == 0].unique().tolist()
+        raise ValueError(f"median_centered needs odd group sizes (G+1 rollouts); got groups of size {sizes}")
+    median, pivot = groups.median(rewards)
+    adv = (rewards - median[groups.index]) / (groups.std(rewards)[groups.index] + eps)
+    pivot_mask = torch.zeros_like(rewards, dtype=torch.bool)
+    pivot_mask[pivot] = True
+    return adv.masked_fill(pivot_mask, 0.0), pivot_mask
+
+
+def decoupled_multi_reward(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """GDPO: normalise each reward within its group, take the weighted sum, then whiten over the batch.
+
+    ``a_ik = (r_ik - mean_g(r_k)) / (std_g(r_k) + eps)``, ``s_i = sum_k w_k a_ik``,
+    ``A_i = (s_i - mean(s)) / (std(s) + eps)`` (Liu et al., GDPO, 2601.05242). Normalising each reward on its
+    own keeps reward combinations that plain GRPO on the summed reward collapses to the same advantage.
+
+    Args:
+        rewards: ``[N, K]`` K rewards per sample.
+        group_ids: ``[N]``.
+        weights: ``[K]`` reward weights (default all ones).
+    """
+    if rewards.ndim != 2 or rewards.numel() == 0:
+        raise ValueError(f"rewards must be a non-empty [N, K] tensor, got shape {tuple(rewards.shape)}")
+    check_finite("rewards", rewards)
+    groups = make_groups(group_ids)
+    if group_ids.shape[0] != rewards.shape[0]:
+        raise ValueError(f"group_ids has {group_ids.shape[0]} entries but rewards has {rewards.shape[0]} rows")
+    k = rewards.shape[1]
+    weights = torch.ones(k, dtype=rewards.dtype, device=rewards.device) if weights is None else weights
+    if weights.shape != (k,):
+        raise ValueError(f"weights must have shape [{k}] (one per reward), got {tuple(weights.shape)}")
+    sizes = groups.sizes.to(rewards.dtype).unsqueeze(1)  # [G, 1]
+    zeros = torch.zeros(groups.num_groups, k, dtype=rewards.dtype, device=rewards.device)
+    mean = zeros.index_add(0, groups.index, rewards) / sizes  # [G, K]
+    centred = rewards - mean[groups.index]  # [N, K]
+    std = (zeros.index_add(0, groups.index, centred * centred) / sizes).sqrt()  # [G, K]
+    summed = (centred / (std[groups.index] + eps)) @ weights.to(rewards.dtype)  # [N]
+    return (summed - summed.mean()) / (summed.std(correction=0) + eps)
+
+
+def tree_depthwise(
+    leaf_rewards: torch.Tensor,
+    parent: torch.Tensor,
+    tree_ids: torch.Tensor | None = None,
+    fusion: Literal["mean", "path_prob"] = "mean",
+    edge_logprob: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """BranchGRPO tree advantages: fuse leaf rewards into every node, normalise among nodes of a depth.
+
+    Nodes are numbered ``0..M-1``; ``parent[m]`` is the parent node (``-1`` for a root) and must be smaller than
+    ``m`` (nodes listed parents first, as a rollout creates them). A node's reward is the mean of the rewards of
+    the leaves below it (``fusion="mean"``) or their path-probability-weighted mean (``"path_prob"``: at each
+    node the children are weighted by the softmax of their edge log-probs, so a leaf's weight is the product of
+    those along its path). The advantage of node ``m`` is its reward normalised among the nodes of the same depth
+    in the same tree: ``A_m = (R_m - mean_{d,t}) / (std_{d,t} + eps)`` (Li et al., BranchGRPO, 2509.06040,
+    "depth-wise advantage"). Every edge ``parent -> m`` trains with ``A_m``. Roots get 0 (they have no edge).
+
+    Args:
+        leaf_rewards: ``[M]`` rewards at leaves; entries at internal nodes are ignored (may be NaN).
+        parent: ``[M]`` int64 parent index, ``-1`` for roots.
+        tree_ids: ``[M]`` tree of each node (default: derived from the roots).
+        fusion: ``"mean"`` or ``"path_prob"``.
+        edge_logprob: ``[M]`` log-prob of the edge into each node (required for ``"path_prob"``).
+
+    Returns:
+        ``(adv [M], node_reward [M])``.
+    """
+    check_1d("parent", parent)
+    check_same_shape(leaf_rewards=leaf_rewards, parent=parent)
+    m = parent.numel()
+    ids = torch.arange(m, device=parent.device)
+    if bool((parent >= ids).any()):
+        raise ValueError("parent[m] must be < m (list parents before their children) or -1 for a root")
+    has_child = torch.zeros(m, dtype=torch.bool, device=parent.device)
+    has_child[parent[parent >= 0]] = True
+    is_leaf = ~has_child
+    check_finite("leaf_rewards at leaves", leaf_rewards[is_leaf])
+
+    # Depth and root of every node: one pass per tree level (a handful), never one per node.
+    depth = torch.zeros(m, dtype=torch.long, device=parent.device)
+    root_of = ids.clone()
+    ancestor = parent.clone()
+    while bool((ancestor >= 0).any()):
+        has = ancestor >= 0
+        depth = depth + has.long()
+        root_of = torch.where(has, ancestor, root_of)
+        ancestor = torch.where(has, parent[ancestor.clamp(min=0)], ancestor)
+    tree = root_of if tree_ids is None else tree_ids
+
+    dtype = leaf_rewards.dtype if leaf_rewards.is_floating_point() else torch.float32
+    if fusion == "mean":
+        edge_weight = torch.ones(m, dtype=dtype, device=parent.device)
+    elif fusion == "path_prob":
+        if edge_logprob is None:
+            raise ValueError("fusion='path_prob' needs edge_logprob, the log-prob of the edge into each node")
+        check_same_shape(edge_logprob=edge_logprob, parent=parent)
+        # softmax over siblings: exp(l_c - max) / sum over siblings
+        sib = torch.where(parent >= 0, parent, ids)
+        lp = edge_logprob.to(dtype)
+        sib_max = torch.full((m,), -torch.inf, dtype=dtype, device=parent.device).scatter_reduce(
+            0, sib, lp, reduce="amax"
+        )
+        expd = (lp - sib_max[sib]).exp()
+        edge_weight = expd / torch.zeros(m, dtype=dtype, device=parent.device).index_add(0, sib, expd)[sib]
+    else:
+        raise ValueError(f"fusion must be 'mean' or 'path_prob', got {fusion!r}")
+
+    # Bottom-up: numerator/denominator of the weighted leaf mean, one level at a time.
+    num = torch.where(is_leaf, leaf_rewards.to(dtype), torch.zeros((), dtype=dtype, device=parent.device))
+    den = is_leaf.to(dtype)
+    for d in range(int(depth.max()), 0, -1):
+        at = (depth == d).nonzero().squeeze(1)
+        num = num.index_add(0, parent[at], edge_weight[at] * num[at])
+        den = den.index_add(0, parent[at], edge_weight[at] * den[at])
+    node_reward = num / den
+
+    key = tree * (int(depth.max()) + 1) + depth
+    level = make_groups(key)
+    mean = level.mean(node_reward)[level.index]
+    std = level.std(node_reward)[level.index]
+    adv = ((node_reward - mean) / (std + eps)).masked_fill(parent < 0, 0.0)
+    return adv, node_reward
+
+
+def single_rollout(
+    rewards: torch.Tensor,
+    baseline: torch.Tensor,
+    scale: Literal["batch_std", "none"] = "batch_std",
+    center: bool = False,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Single-rollout advantages against a persistent per-prompt baseline (SPO 2509.13232; MSSR).
+
+    ``A_i = r_i - V(x_i)`` with ``V`` the prompt's value from the statistics store (posterior mean), then divided
+    by the batch std of ``A`` (``scale="batch_std"``). Centring ``A`` on its batch mean is optional and off by
+    default: with one rollout per prompt it can turn a correct answer's advantage negative.
+
+    Args:
+        rewards: ``[N]`` one reward per prompt.
+        baseline: ``[N]`` the prompt's value estimate, taken before this batch's update.
+    """
+    check_1d("rewards", rewards)
+    check_finite("rewards", rewards)
+    check_same_shape(rewards=rewards, baseline=baseline)
+    check_finite("baseline", baseline)
+    adv = rewards - baseline
+    if center:
+        adv = adv - adv.mean()
+    if scale == "batch_std":
+        return adv / (adv.std(correction=0) + eps)
+    if scale == "none":
+        return adv
+    raise ValueError(f"scale must be 'batch_std' or 'none', got {scale!r}")
+
+
+def entropy_shaped(
+    adv: torch.Tensor, entropy: torch.Tensor, alpha: float = 0.4, kappa: float = 2.0
+) -> torch.Tensor:
+    """Entropy-shaped token advantages (Cheng et al., "Reasoning with Exploration: An Entropy Perspective",
+    2506.14758, eq. 6; used by MSSR).
+
+    ``A_t <- A_t + min(alpha * H_t.detach(), |A_t| / kappa)``. The bonus is never larger than ``|A_t| / kappa``,
+    so with ``kappa > 1`` it can shrink a negative advantage but never flip its sign, and a zero advantage stays
+    zero.
+
+    Args:
+        adv: ``[B]`` sequence advantages (broadcast over tokens) or ``[B, T]`` token advantages.
+        entropy: ``[B, T]`` token entropies (detached here; the bonus carries no gradient).
+        alpha: entropy coefficient (paper: 0.4).
+        kappa: clip ratio of the bonus to ``|A|`` (paper: 2).
+    """
+    if kappa <= 0:
+        raise ValueError(f"kappa must be > 0, got {kappa}")
+    if adv.ndim == 1 and entropy.ndim == 2:
+        adv = adv.unsqueeze(1).expand_as(entropy)
+    check_same_shape(adv=adv, entropy=entropy)
+    bonus = torch.minimum(alpha * entropy.detach(), adv.abs() / kappa)
+    return adv + bonus
+
+
+def clip_advantages(adv: torch.Tensor, max_abs: float) -> torch.Tensor:
+    """Clamp advantages to ``[-max_abs, max_abs]`` (Flow-GRPO clips at 5)."""
+    if max_abs <= 0:
+        raise ValueError(f"max_abs must be > 0, got {max_abs}")
+    return adv.clamp(-max_abs, max_abs)
+
+
+def nonzero_mask(adv: torch.Tensor, atol: float = 0.0) -> torch.Tensor:
+    """``[N]`` bool, True where the advantage is non-zero (samples worth a backward pass)."""
+    return adv.abs() > atol

@@ -1,0 +1,256 @@
+"""Policy-gradient losses, KL estimators, loss aggregation and off-policy corrections.
+
+Losses are returned unreduced (per token or per sample) so the caller picks the aggregation with
+:func:`aggregate`; log-probs are natural-log densities of the sampled actions (tokens, or SDE transitions whose
+log-prob is the mean over dimensions, see ``pipelines/flow/sde.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+
+from mmrl.core._checks import check_finite, check_same_shape
+
+__all__ = [
+    "aggregate",
+    "clip_fractions",
+    "clipped_surrogate",
+    "diffusion_nft_loss",
+    "gaussian_mean_kl",
+    "gspo_token_logp",
+    "kl_estimate",
+    "truncated_is_weights",
+]
+
+
+def clipped_surrogate(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+    dual_clip: float | None = None,
+) -> torch.Tensor:
+    """PPO clipped surrogate, unreduced, with asymmetric clip range and optional dual clip.
+
+    ``rho = exp(logp - old_logp)``;
+    ``L = -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A)`` (Schulman et al. 1707.06347 eq. 7;
+    clip-higher ``eps_high > eps_low`` from DAPO 2503.14476 eq. 10). With ``dual_clip = c > 1`` the loss of a
+    negative-advantage sample is additionally capped at ``-c * A`` (Ye et al. 1912.09729 eq. 5), so a huge ratio
+    on a bad sample cannot dominate the batch. Outside the trust region the loss is constant in ``logp`` and the
+    gradient is exactly zero.
+
+    Args:
+        logp: ``[...]`` log-probs under the current policy (carries the gradient).
+        old_logp: ``[...]`` log-probs under the policy that produced the samples (no gradient).
+        adv: advantages broadcastable to ``logp`` (e.g. ``[B, 1]`` for sequence advantages over ``[B, T]``).
+        eps_low: lower clip range.
+        eps_high: upper clip range (default ``eps_low``).
+        dual_clip: dual-clip constant ``c > 1``, or None.
+
+    Returns:
+        Per-element loss with the shape of ``logp``.
+    """
+    check_same_shape(logp=logp, old_logp=old_logp)
+    eps_high = eps_low if eps_high is None else eps_high
+    if eps_low < 0 or eps_high < 0:
+        raise ValueError(f"clip ranges must be >= 0, got eps_low={eps_low}, eps_high={eps_high}")
+    adv = adv.expand_as(logp) if adv.shape != logp.shape else adv
+    ratio = torch.exp(logp - old_logp.detach())
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
+    loss = -torch.minimum(unclipped, clipped)
+    if dual_clip is not None:
+        if dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+        loss = torch.where(adv < 0, torch.minimum(loss, -dual_clip * adv), loss)
+    return loss
+
+
+def clip_fractions(
+    logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float | None = None
+) -> dict[str, torch.Tensor]:
+    """Fractions of elements whose ratio was clipped: ``clip/low_frac`` (A<0, rho<1-eps) and ``clip/high_frac``.
+
+    Only elements where clipping changes the objective are counted (TRL and verl report the same pair).
+    """
+    eps_high = eps_low if eps_high is None else eps_high
+    adv = adv.expand_as(logp) if adv.shape != logp.shape else adv
+    ratio = torch.exp((logp - old_logp).detach())
+    low = ((ratio < 1 - eps_low) & (adv < 0)).float().mean()
+    high = ((ratio > 1 + eps_high) & (adv > 0)).float().mean()
+    return {"clip/low_frac": low, "clip/high_frac": high}
+
+
+def gspo_token_logp(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Rewrite token log-probs so :func:`clipped_surrogate` becomes GSPO's sequence-level objective.
+
+    GSPO (Zheng et al. 2507.18071 eq. 7, "GSPO-token") uses the length-normalised sequence ratio
+    ``s_i = exp(mean_t (logp_t - old_t))`` for every token of sequence i:
+    ``log s_it = sg[log s_i] + logp_t - sg[logp_t]``. Returns ``old_logp + log s_it`` so that
+    ``exp(result - old_logp) = s_it``: its value is the sequence ratio, its gradient the token's.
+
+    Args:
+        logp, old_logp, mask: ``[B, T]``; ``mask`` is 1 on completion tokens.
+    """
+    check_same_shape(logp=logp, old_logp=old_logp, mask=mask)
+    m = mask.to(logp.dtype)
+    lengths = m.sum(-1, keepdim=True).clamp(min=1)
+    seq_log_ratio = (((logp - old_logp) * m).sum(-1, keepdim=True) / lengths).detach()
+    return old_logp.detach() + seq_log_ratio + logp - logp.detach()
+
+
+def kl_estimate(
+    logp: torch.Tensor, ref_logp: torch.Tensor, kind: Literal["k1", "k2", "k3"] = "k3"
+) -> torch.Tensor:
+    """Per-element estimators of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL divergence").
+
+    With ``d = ref_logp - logp``: ``k1 = -d``; ``k2 = d^2 / 2``; ``k3 = exp(d) - d - 1`` (unbiased, always >= 0,
+    low variance; the GRPO default, 2402.03300 eq. 4).
+    """
+    check_same_shape(logp=logp, ref_logp=ref_logp)
+    d = ref_logp - logp
+    if kind == "k1":
+        return -d
+    if kind == "k2":
+        return 0.5 * d * d
+    if kind == "k3":
+        return torch.exp(d) - d - 1.0
+    raise ValueError(f"kind must be 'k1', 'k2' or 'k3', got {kind!r}")
+
+
+def gaussian_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """KL between two Gaussian SDE transitions of equal std, per sample (Flow-GRPO 2505.05470 eq. 10).
+
+    ``KL = ||mu_theta - mu_ref||^2 / (2 s^2)``, averaged over the non-batch dimensions to match the per-dimension
+    mean log-probs of the SDE step.
+
+    Args:
+        mean, ref_mean: ``[B, ...]`` transition means under the policy and the reference.
+        std: the transition std, broadcastable to ``mean`` (``[B, 1, ...]`` or a scalar).
+
+    Returns:
+        ``[B]``.
+    """
+    check_same_shape(mean=mean, ref_mean=ref_mean)
+    kl = (mean - ref_mean) ** 2 / (2.0 * std**2)
+    return kl.flatten(1).mean(1)
+
+
+def aggregate(
+    loss: torch.Tensor,
+    mask: torch.Tensor,
+    mode: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean",
+    max_len: int | None = None,
+) -> torch.Tensor:
+    """Reduce a ``[B, T]`` per-token loss to a scalar.
+
+    - ``token_mean``: ``sum(L * m) / sum(m)``, every token weighs the same (DAPO 2503.14476 eq. 12).
+    - ``seq_mean_token_mean``: ``mean_b [sum_t L m / sum_t m]``, every sequence weighs the same (GRPO); rows with
+      no token are left out of the mean.
+    - ``seq_mean_token_sum_norm``: ``sum(L * m) / (B * max_len)``, a constant normaliser with no length bias
+      (Dr.GRPO 2503.20783 sec. 3.1); ``max_len`` defaults to ``T``.
+
+    Raises:
+        ValueError: if the mask selects no token.
+    """
+    check_same_shape(loss=loss, mask=mask)
+    m = mask.to(loss.dtype)
+    total = m.sum()
+    if float(total) == 0:
+        raise ValueError("aggregate: the mask selects no token; nothing to average")
+    if mode == "token_mean":
+        return (loss * m).sum() / total
+    if mode == "seq_mean_token_mean":
+        per_seq_tokens = m.sum(-1)
+        has = per_seq_tokens > 0
+        per_seq = (loss * m).sum(-1)[has] / per_seq_tokens[has]
+        return per_seq.mean()
+    if mode == "seq_mean_token_sum_norm":
+        length = loss.shape[-1] if max_len is None else max_len
+        rows = loss.shape[0] if loss.ndim > 1 else 1
+        return (loss * m).sum() / (rows * length)
+    raise ValueError(
+        f"mode must be 'token_mean', 'seq_mean_token_mean' or 'seq_mean_token_sum_norm', got {mode!r}"
+    )
+
+
+def truncated_is_weights(
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    cap: float = 2.0,
+    mode: Literal["token", "sequence"] = "token",
+    mask: torch.Tensor | None = None,
+    policy: Literal["truncate", "mask"] = "truncate",
+) -> torch.Tensor:
+    """Truncated importance weights for samples drawn by a different engine (vLLM, a quantized copy).
+
+    The trainer's old policy ``pi_old`` and the rollout engine ``pi_rollout`` differ numerically; the loss of
+    each token is multiplied by ``w = min(pi_old / pi_rollout, C)`` held constant (no gradient) (Yao et al.,
+    "Your efficient RL framework secretly brings you off-policy RL training", 2025; TIS). ``mode="sequence"``
+    uses the sequence ratio ``exp(sum_t m_t (old_t - rollout_t))`` for all tokens of the sequence.
+    ``policy="mask"`` zeroes samples whose ratio exceeds ``cap`` instead of truncating them (masked IS).
+
+    Returns:
+        Detached weights with the shape of ``old_logp``; never above ``cap``; zero on masked-out tokens.
+    """
+    check_same_shape(old_logp=old_logp, rollout_logp=rollout_logp)
+    check_finite("old_logp", old_logp)
+    check_finite("rollout_logp", rollout_logp)
+    if cap <= 0:
+        raise ValueError(f"cap must be > 0, got {cap}")
+    m = torch.ones_like(old_logp) if mask is None else mask.to(old_logp.dtype)
+    check_same_shape(old_logp=old_logp, mask=m)
+    log_ratio = (old_logp - rollout_logp).detach()
+    if mode == "sequence":
+        log_ratio = (log_ratio * m).sum(-1, keepdim=True).expand_as(old_logp)
+    elif mode != "token":
+        raise ValueError(f"mode must be 'token' or 'sequence', got {mode!r}")
+    # clamp the exponent so exp never overflows; anything above log(cap) is capped or masked anyway
+    ratio = torch.exp(log_ratio.clamp(max=math.log(cap) + 1.0))
+    if policy == "truncate":
+        weights = ratio.clamp(max=cap)
+    elif policy == "mask":
+        weights = torch.where(ratio <= cap, ratio, torch.zeros_like(ratio))
+    else:
+        raise ValueError(f"policy must be 'truncate' or 'mask', got {policy!r}")
+    return weights * m
+
+
+def diffusion_nft_loss(
+    v_theta: torch.Tensor,
+    v_old: torch.Tensor,
+    v_target: torch.Tensor,
+    optimality: torch.Tensor,
+    beta: float = 1.0,
+) -> torch.Tensor:
+    """DiffusionNFT negative-aware flow-matching loss, per sample (Zheng et al. 2509.16117 eq. 8).
+
+    The implicit positive and negative policies are ``v+ = (1 - beta) v_old + beta v_theta`` and
+    ``v- = (1 + beta) v_old - beta v_theta``; with ``r in [0, 1]`` the sample's optimality probability
+    (normalised reward), ``L = r ||v+ - v*||^2 + (1 - r) ||v- - v*||^2`` where ``v* = eps - x0`` is the
+    flow-matching target at the noised point. Likelihood-free: it trains on clean samples with any solver.
+
+    Args:
+        v_theta: ``[B, ...]`` current velocity prediction (carries the gradient).
+        v_old: ``[B, ...]`` velocity of the sampling policy at the same point (no gradient).
+        v_target: ``[B, ...]`` flow-matching target ``eps - x0``.
+        optimality: ``[B]`` in [0, 1].
+        beta: guidance strength of the implicit policies.
+
+    Returns:
+        ``[B]`` losses (mean over non-batch dims).
+    """
+    check_same_shape(v_theta=v_theta, v_old=v_old, v_target=v_target)
+    if optimality.shape != v_theta.shape[:1]:
+        raise ValueError(f"optimality must have shape [{v_theta.shape[0]}], got {tuple(optimality.shape)}")
+    v_old = v_old.detach()
+    positive = (1.0 - beta) * v_old + beta * v_theta
+    negative = (1.0 + beta) * v_old - beta * v_theta
+    pos_err = ((positive - v_target) ** 2).flatten(1).mean(1)
+    neg_err = ((negative - v_target) ** 2).flatten(1).mean(1)
+    r = optimality.to(pos_err.dtype)
+    return r * pos_err + (1.0 - r) * neg_err
