@@ -1,0 +1,3 @@
+from mmrl.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,269 @@
+"""GRPO on the synthetic contextual bandit: the core demo recipe (``recipe: bandit``).
+
+Lifecycle (as every mmrl trainer): ``BanditTrainer(cfg)`` -> ``setup()`` -> ``train()`` -> ``cleanup()``;
+``main(cfg)`` does all four. One step:
+
+1. select prompts from the train pool (uniform, Thompson or priority, from the prompt statistics store);
+2. allocate the rollout budget over them (uniform, knapsack or square-root rule);
+3. sample answers, score them, fold the rewards into the store;
+4. advantages (GRPO / Dr.GRPO / RLOO / global-std) and the clipped surrogate (+ optional KL to the start policy).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any, Literal
+
+import torch
+from pydantic import model_validator
+
+from mmrl.bandit.world import BanditPolicy, BanditWorld
+from mmrl.checkpoint import load_checkpoint, save_checkpoint
+from mmrl.config import Config, Field, RunConfig
+from mmrl.core import advantages as adv_lib
+from mmrl.core import allocation as alloc_lib
+from mmrl.core import losses as loss_lib
+from mmrl.core.groups import effective_ratio
+from mmrl.core.stats import PromptStats
+from mmrl.progress import TrainProgress
+from mmrl.run import MetricAccumulator, Run
+from mmrl.seeding import get_rng_state, seed_everything, set_rng_state
+
+__all__ = ["BanditRecipeConfig", "BanditTrainer", "main"]
+
+logger = logging.getLogger(__name__)
+
+
+class WorldConfig(Config):
+    num_prompts: int = Field(2000, ge=2, description="Prompts in the world (train + held-out).")
+    num_answers: int = Field(8, ge=2, description="Answers per prompt; chance success is 1/num_answers.")
+    dim: int = Field(16, ge=1, description="Prompt feature dimension.")
+    heldout_fraction: float = Field(0.2, gt=0, lt=1, description="Share of prompts never trained on.")
+    seed: int = Field(0, description="Seed of the world itself (features, optimum, split).")
+
+
+class PolicyConfig(Config):
+    kind: Literal["linear", "tabular"] = Field(
+        "linear", description="linear: shared weights (generalises to held-out); tabular: per-prompt logits."
+    )
+    init_scale: float = Field(0.3, description="Start weights = init_scale * optimum + init_noise * N(0,1).")
+    init_noise: float = Field(0.3, ge=0, description="Noise of the start weights.")
+
+
+class AllocationConfig(Config):
+    selection: Literal["uniform", "thompson", "priority"] = Field(
+        "uniform", description="How prompts are picked each step (MoPPS Thompson, SPO priority)."
+    )
+    method: Literal["uniform", "knapsack", "sqrt"] = Field(
+        "uniform", description="How the rollout budget is split over the picked prompts."
+    )
+    prompts_per_step: int = Field(64, ge=1, description="Prompts picked per step.")
+    rollouts_per_step: int = Field(512, ge=1, description="Rollout budget per step (sum over prompts).")
+    n_min: int = Field(2, ge=1, description="Fewest rollouts a picked prompt gets.")
+    n_max: int | None = Field(64, ge=1, description="Most rollouts a prompt gets (null: no cap).")
+    rho: float = Field(1.0, gt=0, le=1, description="Forgetting factor of the prompt statistics store.")
+
+    @model_validator(mode="after")
+    def _budget_fits(self) -> AllocationConfig:
+        if self.rollouts_per_step < self.prompts_per_step * self.n_min:
+            raise ValueError(
+                f"rollouts_per_step ({self.rollouts_per_step}) must be >= prompts_per_step * n_min "
+                f"({self.prompts_per_step} * {self.n_min})"
+            )
+        if self.n_max is not None and self.rollouts_per_step > self.prompts_per_step * self.n_max:
+            raise ValueError(
+                f"rollouts_per_step ({self.rollouts_per_step}) must be <= prompts_per_step * n_max "
+                f"({self.prompts_per_step} * {self.n_max})"
+            )
+        return self
+
+
+class TrainerConfig(Config):
+    steps: int = Field(150, ge=1, description="Training steps.")
+    lr: float = Field(0.1, gt=0, description="Adam learning rate.")
+    advantage: Literal["grpo", "dr_grpo", "rloo", "global_std"] = Field(
+        "grpo", description="grpo: group mean/std; dr_grpo: no std; rloo: leave-one-out; global_std: batch std."
+    )
+    epsilon_low: float = Field(0.2, ge=0, description="Lower clip range of the ratio.")
+    epsilon_high: float = Field(0.28, ge=0, description="Upper clip range (clip-higher, DAPO uses 0.28).")
+    beta: float = Field(0.0, ge=0, description="KL coefficient to the start policy (0: no KL term).")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
+    ppo_epochs: int = Field(1, ge=1, description="Optimisation passes over each batch of rollouts.")
+    eval_every: int = Field(25, ge=1, description="Evaluate held-out success every this many steps.")
+
+
+class BanditRecipeConfig(Config):
+    recipe: Literal["bandit"] = Field("bandit", description="Which recipe this config runs.")
+    run: RunConfig = Field(default_factory=lambda: RunConfig(name="bandit"))
+    world: WorldConfig = Field(default_factory=WorldConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    allocation: AllocationConfig = Field(default_factory=AllocationConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+
+
+class BanditTrainer:
+    """GRPO over the bandit world with the core's selection, allocation, advantages and losses."""
+
+    def __init__(self, cfg: BanditRecipeConfig, run: Run | None = None) -> None:
+        self.cfg = cfg
+        self.run = run
+        self.step = 0
+        self.metrics = MetricAccumulator()
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.generator = seed_everything(cfg.run.seed)
+        self.world = BanditWorld(**cfg.world.model_dump())
+        if cfg.allocation.prompts_per_step > len(self.world.train_ids):
+            raise ValueError(
+                f"allocation.prompts_per_step ({cfg.allocation.prompts_per_step}) exceeds the "
+                f"{len(self.world.train_ids)} train prompts"
+            )
+        self.policy = BanditPolicy(self.world, seed=cfg.world.seed, **cfg.policy.model_dump())
+        self.reference = copy.deepcopy(self.policy).requires_grad_(False)
+        trainable = [p for p in self.policy.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.Adam(trainable, lr=cfg.trainer.lr)
+        self.stats = PromptStats(rho=cfg.allocation.rho)
+        if self.run is not None:
+            ckpt = self.run.resume_checkpoint()
+            if ckpt is not None:
+                self.load_state(load_checkpoint(ckpt))
+                self.run.truncate_metrics(self.step)
+                logger.info("resumed from %s at step %d", ckpt, self.step)
+
+    # ------------------------------------------------------------------ one step
+    def rollout(self) -> dict[str, torch.Tensor]:
+        """Select prompts, allocate the budget, sample and score; returns the flat batch."""
+        a = self.cfg.allocation
+        prompts = alloc_lib.sample_prompts(
+            self.stats, self.world.train_ids, a.prompts_per_step, method=a.selection, generator=self.generator
+        )
+        counts = alloc_lib.allocate(
+            self.stats, prompts, a.rollouts_per_step, method=a.method, n_min=a.n_min, n_max=a.n_max
+        )
+        prompt_idx = torch.repeat_interleave(torch.tensor(prompts), counts)  # [N]
+        answers = self.policy.sample(prompt_idx, self.generator)
+        rewards = self.world.reward(prompt_idx, answers)
+        with torch.no_grad():
+            old_logp = self.policy.log_prob(prompt_idx, answers)
+        return {"prompt_idx": prompt_idx, "answers": answers, "rewards": rewards, "old_logp": old_logp, "counts": counts}
+
+    def advantages(self, rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+        kind = self.cfg.trainer.advantage
+        if kind == "grpo":
+            return adv_lib.group_normalized(rewards, group_ids, std="group")
+        if kind == "dr_grpo":
+            return adv_lib.group_normalized(rewards, group_ids, std="none")
+        if kind == "global_std":
+            return adv_lib.group_normalized(rewards, group_ids, std="global")
+        return adv_lib.rloo(rewards, group_ids)
+
+    def train_step(self) -> dict[str, float]:
+        t = self.cfg.trainer
+        batch = self.rollout()
+        prompt_idx, rewards = batch["prompt_idx"], batch["rewards"]
+        self.stats.update(prompt_idx.tolist(), rewards, step=self.step)
+        adv = self.advantages(rewards, prompt_idx)
+        mask = torch.ones(rewards.numel(), 1)
+        for _ in range(t.ppo_epochs):
+            logp = self.policy.log_prob(prompt_idx, batch["answers"])
+            per_sample = loss_lib.clipped_surrogate(
+                logp, batch["old_logp"], adv, eps_low=t.epsilon_low, eps_high=t.epsilon_high
+            )
+            loss = loss_lib.aggregate(per_sample.unsqueeze(1), mask, mode="token_mean")
+            if t.beta > 0:
+                ref_logp = self.reference.log_prob(prompt_idx, batch["answers"])
+                kl = loss_lib.kl_estimate(logp, ref_logp, kind=t.kl_estimator)
+                loss = loss + t.beta * loss_lib.aggregate(kl.unsqueeze(1), mask)
+                self.metrics.add("policy/kl", kl.mean())
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+            self.metrics.add("loss", loss)
+            self.metrics.add_dict(
+                loss_lib.clip_fractions(logp, batch["old_logp"], adv, t.epsilon_low, t.epsilon_high)
+            )
+        counts = batch["counts"]
+        self.metrics.add("reward/mean", rewards.mean(), count=rewards.numel())
+        self.metrics.add("train/effective_ratio", effective_ratio(rewards, prompt_idx))
+        self.metrics.add("rollouts/per_prompt_max", counts.max().float())
+        self.metrics.add("rollouts/per_prompt_min", counts.min().float())
+        self.metrics.add("rollouts/total", counts.sum().float())
+        return self.metrics.reduce()
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Exact expected success (no sampling noise) on held-out and train prompts."""
+        held = torch.tensor(self.world.heldout_ids)
+        train = torch.tensor(self.world.train_ids)
+        return {
+            "eval/heldout_success": float(self.policy.success_prob(held, self.world.correct).mean()),
+            "eval/train_success": float(self.policy.success_prob(train, self.world.correct).mean()),
+        }
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> dict[str, float]:
+        cfg = self.cfg
+        total = cfg.trainer.steps
+        latest: dict[str, float] = {}
+        if self.step == 0 and self.run is not None:
+            first = self.evaluate()
+            self.run.log_metrics(0, first)
+        with TrainProgress(total, start=self.step, show=("reward/mean", "eval/heldout_success"),
+                           enabled=cfg.run.progress) as bar:
+            while self.step < total:
+                metrics = self.train_step()
+                self.step += 1
+                if self.step % cfg.trainer.eval_every == 0 or self.step == total:
+                    metrics.update(self.evaluate())
+                latest.update(metrics)
+                if self.run is not None:
+                    if self.step % cfg.run.log_every == 0 or self.step == total:
+                        self.run.log_metrics(self.step, metrics)
+                    if cfg.run.save_every and self.step % cfg.run.save_every == 0:
+                        self.save_checkpoint()
+                bar.update(self.step, latest)
+        if self.run is not None:
+            if not (cfg.run.save_every and self.step % cfg.run.save_every == 0):
+                self.save_checkpoint()
+            self.run.write_summary({"step": self.step, **latest})
+        return latest
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "policy": self.policy.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "stats": self.stats.state_dict(),
+            "rng": get_rng_state({"train": self.generator}),
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.policy.load_state_dict(state["policy"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.stats.load_state_dict(state["stats"])
+        set_rng_state(state["rng"], {"train": self.generator})
+
+    def save_checkpoint(self) -> None:
+        if self.run is None:
+            return
+        save_checkpoint(self.run.checkpoint_dir, self.step, self.state_dict(), keep_last=self.cfg.run.keep_last)
+
+    def cleanup(self) -> None:
+        if self.run is not None:
+            self.run.close()
+
+
+def main(cfg: BanditRecipeConfig) -> dict[str, float]:
+    """Run the recipe end to end; returns the final metrics."""
+    run = Run(cfg.run, cfg)
+    trainer = BanditTrainer(cfg, run)
+    try:
+        trainer.setup()
+        return trainer.train()
+    finally:
+        trainer.cleanup()

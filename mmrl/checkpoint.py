@@ -1,0 +1,110 @@
+"""One checkpoint format for every recipe, written atomically.
+
+Layout under a run directory::
+
+    checkpoints/
+      step_00000100/      one folder per checkpoint
+        state.pt          trainer state: model/optimizer/scheduler state dicts, PromptStats, RNG states, step
+        adapter/          (front ends) LoRA weights in PEFT format, loadable by diffusers/transformers
+      latest              text file: the folder name of the newest complete checkpoint
+
+A checkpoint is assembled in a hidden temporary folder and renamed into place, and ``latest`` is replaced by
+rename too, so a crash at any moment leaves the previous checkpoint intact and ``latest`` pointing at a
+complete one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["atomic_write_text", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "state.pt"
+LATEST_FILE = "latest"
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temporary file and ``os.replace`` (atomic on POSIX)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    state: dict[str, Any],
+    extra: Callable[[Path], None] | None = None,
+    keep_last: int | None = None,
+) -> Path:
+    """Save ``state`` (anything ``torch.save`` takes) as checkpoint ``step`` under ``root``; return its folder.
+
+    Args:
+        root: the ``checkpoints`` folder.
+        step: training step the state belongs to (the state should also record it).
+        state: the trainer state.
+        extra: called with the temporary folder to write more files (e.g. ``model.save_pretrained(dir)``).
+        keep_last: delete older checkpoints beyond this many (the new one counts).
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"step_{step:08d}"
+    final = root / name
+    tmp = root / f".tmp-{name}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    torch.save(state, tmp / STATE_FILE)
+    if extra is not None:
+        extra(tmp)
+    if final.exists():
+        # Re-saving the same step (e.g. after a resume): move the old one aside only once the new one is complete.
+        old = root / f".old-{name}"
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+    atomic_write_text(root / LATEST_FILE, name + "\n")
+    if keep_last is not None:
+        done = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_"))
+        for stale in done[:-keep_last]:
+            shutil.rmtree(stale)
+    logger.info("saved checkpoint %s", final)
+    return final
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint folder under ``root``, or None."""
+    root = Path(root)
+    pointer = root / LATEST_FILE
+    if pointer.is_file():
+        candidate = root / pointer.read_text().strip()
+        if (candidate / STATE_FILE).is_file():
+            return candidate
+    done = sorted(p for p in root.glob("step_*") if (p / STATE_FILE).is_file()) if root.is_dir() else []
+    return done[-1] if done else None
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load the state saved by :func:`save_checkpoint` from a checkpoint folder (or its ``state.pt``)."""
+    path = Path(path)
+    file = path / STATE_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"no checkpoint state at {file}")
+    # Our own files: python objects (prompt ids, RNG tuples) are part of the state, so weights_only is off.
+    return torch.load(file, map_location=map_location, weights_only=False)

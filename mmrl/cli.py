@@ -1,0 +1,88 @@
+"""The ``mmrl`` command: ``mmrl train CONFIG key.sub=value ...`` and friends."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mmrl.config import ConfigError, apply_overrides, load_yaml, to_yaml, validate
+from mmrl.recipes import get_recipe, list_recipes
+
+__all__ = ["main"]
+
+
+def _resolve(config_path: str, overrides: list[str]):
+    data = apply_overrides(load_yaml(config_path), overrides)
+    name = data.get("recipe")
+    if name is None:
+        raise ConfigError(f"{config_path}: missing top-level key 'recipe'. Available: {sorted(list_recipes())}")
+    try:
+        recipe = get_recipe(str(name))
+    except KeyError as err:
+        raise ConfigError(f"{config_path}: {err.args[0]}") from None
+    schema, entry = recipe.load()
+    return validate(schema, data), entry
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    cfg, entry = _resolve(args.config, args.overrides)
+    entry(cfg)
+    return 0
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    cfg, _ = _resolve(args.config, args.overrides)
+    sys.stdout.write(to_yaml(cfg))
+    return 0
+
+
+def _cmd_recipes(args: argparse.Namespace) -> int:
+    for name, desc in list_recipes().items():
+        print(f"{name:16s} {desc}")
+    return 0
+
+
+def _cmd_serve_reward(args: argparse.Namespace) -> int:
+    from rewards.server import main as serve
+
+    return int(serve(["--config", args.config, *args.extra]) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mmrl",
+        description="RL alignment of multimodal models: flow-matching GRPO, VLM RLVR, quantized rollout pools.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("train", help="train with a recipe config: mmrl train CONFIG [key.sub=value ...]")
+    p.add_argument("config", help="YAML config (its 'recipe' key picks the trainer)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-5 run.name=try2")
+    p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("config", help="validate a config and print it resolved (all defaults filled in)")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(func=_cmd_config)
+
+    p = sub.add_parser("recipes", help="list the available recipes")
+    p.set_defaults(func=_cmd_recipes)
+
+    p = sub.add_parser("serve-reward", help="serve a registered reward over HTTP: mmrl serve-reward CONFIG")
+    p.add_argument("config", help="YAML reward-server config (see docs/rewards.md)")
+    p.add_argument("extra", nargs=argparse.REMAINDER, help="further server options")
+    p.set_defaults(func=_cmd_serve_reward)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, FileExistsError, FileNotFoundError) as err:
+        print(f"mmrl: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,152 @@
+"""Typed YAML configs with dotted command-line overrides.
+
+A recipe's config is a tree of :class:`Config` (pydantic) models: every field has a type, a default and a help
+text; modes are ``Literal`` so a typo fails at load time. ``load_config`` reads YAML, applies overrides such as
+``trainer.lr=1e-5`` and validates; every error names the offending key and what is allowed there.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, TypeVar, get_args
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+__all__ = ["Config", "ConfigError", "Field", "RunConfig", "apply_overrides", "load_config", "load_yaml", "to_yaml"]
+
+C = TypeVar("C", bound="Config")
+
+
+class ConfigError(ValueError):
+    """A config file or override is malformed; the message names the key and the allowed values."""
+
+
+class Config(BaseModel):
+    """Base of every config section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class RunConfig(Config):
+    """Where a run writes, how it logs and checkpoints; shared by every recipe."""
+
+    name: str = Field("run", description="Run name; the run directory is output_dir/name.")
+    output_dir: str = Field("runs", description="Parent folder of run directories.")
+    seed: int = Field(0, description="Global seed (python, numpy, torch); a run is reproducible from it.")
+    log_every: int = Field(1, ge=1, description="Write metrics every this many steps.")
+    save_every: int = Field(0, ge=0, description="Checkpoint every this many steps (0: only at the end).")
+    keep_last: int = Field(2, ge=1, description="Checkpoints kept on disk; older ones are deleted.")
+    resume: bool = Field(
+        False, description="Continue the run in output_dir/name from its latest checkpoint (exact resume)."
+    )
+    overwrite: bool = Field(False, description="Delete an existing run directory of the same name first.")
+    tensorboard: bool = Field(True, description="Write TensorBoard event files under the run directory.")
+    wandb: bool = Field(False, description="Also log to Weights & Biases (needs `pip install wandb`).")
+    progress: bool = Field(True, description="Show a live progress bar with the latest metrics.")
+    log_level: str = Field("INFO", description="Python logging level: DEBUG, INFO, WARNING or ERROR.")
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping, with errors that name the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: invalid YAML: {err}") from err
+    if data is None:
+        raise ConfigError(f"{path}: the config file is empty")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _parse_value(text: str) -> Any:
+    """Parse an override value as YAML (``1e-5`` -> float, ``[1,2]`` -> list, ``null``), else keep the string."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of ``data`` with ``key.sub=value`` overrides applied (values parsed as YAML)."""
+    import copy
+
+    out = copy.deepcopy(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key.sub=value")
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise ConfigError(f"override {item!r} has an empty key segment")
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {'.'.join(parts[: i + 1])} is a value, not a section")
+            node = child
+        node[parts[-1]] = _parse_value(value)
+    return out
+
+
+def _model_at(schema: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The sub-model class found by walking ``loc`` through ``schema``'s fields."""
+    model: Any = schema
+    for part in loc:
+        fields = getattr(model, "model_fields", None)
+        if fields is None or part not in fields:
+            return None
+        annotation = fields[part].annotation
+        candidates = [annotation, *get_args(annotation)]
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if model is None:
+            return None
+    return model
+
+
+def _describe(schema: type[BaseModel], err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        key = ".".join(str(p) for p in loc)
+        if e["type"] == "extra_forbidden":
+            parent = _model_at(schema, loc[:-1])
+            allowed = sorted(parent.model_fields) if parent else []
+            hint = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+            suggestion = f" Did you mean {hint[0]!r}?" if hint else ""
+            lines.append(f"unknown key {key!r}.{suggestion} Allowed here: {allowed}")
+        else:
+            field_help = ""
+            parent = _model_at(schema, loc[:-1])
+            if parent is not None and loc and loc[-1] in parent.model_fields:
+                desc = parent.model_fields[loc[-1]].description
+                field_help = f" ({desc})" if desc else ""
+            got = e.get("input")
+            lines.append(f"{key}: {e['msg']}; got {got!r}{field_help}")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def validate(schema: type[C], data: dict[str, Any]) -> C:
+    """Validate ``data`` against ``schema``, turning pydantic's errors into one :class:`ConfigError`."""
+    try:
+        return schema.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_describe(schema, err)) from None
+
+
+def load_config(schema: type[C], path: str | Path | None = None, overrides: list[str] | None = None) -> C:
+    """Load ``path`` (YAML), apply ``overrides``, validate against ``schema``."""
+    data = load_yaml(path) if path is not None else {}
+    return validate(schema, apply_overrides(data, overrides or []))
+
+
+def to_yaml(cfg: BaseModel) -> str:
+    """The resolved config as YAML (every field, defaults included): the record of the run."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,216 @@
+"""The run directory every recipe writes into, and its metric/sample writers.
+
+::
+
+    runs/NAME/
+      config.yaml        the resolved config (every field), the record of the run
+      metrics.jsonl      one JSON object per logged step: {"step": ..., "time": ..., "reward/mean": ...}
+      tb/                TensorBoard event files
+      samples/           image grids and sample text, named by step
+      checkpoints/       see mmrl/checkpoint.py
+      log.txt            the run's log
+      summary.json       final metrics, written at the end
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel
+
+from mmrl.checkpoint import atomic_write_text, latest_checkpoint
+from mmrl.config import RunConfig, to_yaml
+
+__all__ = ["MetricAccumulator", "Run", "setup_logging"]
+
+logger = logging.getLogger(__name__)
+
+
+def setup_logging(level: str = "INFO", log_file: Path | None = None) -> None:
+    """Configure the ``mmrl`` / ``pipelines`` / ``rewards`` loggers once: console via rich, plus a file."""
+    from rich.logging import RichHandler
+
+    numeric = logging.getLevelName(level.upper())
+    if not isinstance(numeric, int):
+        raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {level!r}")
+    handlers: list[logging.Handler] = [RichHandler(show_path=False, rich_tracebacks=False)]
+    if log_file is not None:
+        fh = logging.FileHandler(log_file)
+        fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handlers.append(fh)
+    for name in ("mmrl", "pipelines", "rewards", "benchmarks"):
+        lg = logging.getLogger(name)
+        lg.handlers = list(handlers)
+        lg.setLevel(numeric)
+        lg.propagate = False
+
+
+def _to_float(value: Any) -> float:
+    if isinstance(value, torch.Tensor):
+        return float(value.detach().float().mean())
+    return float(value)
+
+
+class MetricAccumulator:
+    """Sums and counts per metric name within a step, NaN-aware, reduced across ranks at log time.
+
+    ``add("reward/mean", 0.5, count=8)`` weights a batch mean by its size; :meth:`reduce` returns the weighted
+    means and clears the buffer (as TRL's trainer does).
+    """
+
+    def __init__(self) -> None:
+        self._sums: dict[str, float] = {}
+        self._counts: dict[str, float] = {}
+
+    def add(self, name: str, value: float | torch.Tensor, count: float = 1.0) -> None:
+        v = _to_float(value)
+        if math.isnan(v):
+            return
+        self._sums[name] = self._sums.get(name, 0.0) + v * count
+        self._counts[name] = self._counts.get(name, 0.0) + count
+
+    def add_dict(self, metrics: Mapping[str, float | torch.Tensor], count: float = 1.0) -> None:
+        for k, v in metrics.items():
+            self.add(k, v, count)
+
+    def reduce(self) -> dict[str, float]:
+        names = sorted(self._sums)
+        sums = torch.tensor([self._sums[n] for n in names], dtype=torch.float64)
+        counts = torch.tensor([self._counts[n] for n in names], dtype=torch.float64)
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and names:
+            dist.all_reduce(sums)
+            dist.all_reduce(counts)
+        out = {n: float(s / c) for n, s, c in zip(names, sums, counts, strict=True) if c > 0}
+        self._sums.clear()
+        self._counts.clear()
+        return out
+
+
+class Run:
+    """A run directory: resolved config, metrics JSONL, TensorBoard, samples, checkpoints, log file.
+
+    Args:
+        run_cfg: the ``run`` section of the recipe config.
+        full_cfg: the whole resolved config, written to ``config.yaml``.
+
+    Raises:
+        FileExistsError: if the directory holds a previous run and neither ``resume`` nor ``overwrite`` is set
+            (nothing already written is touched).
+    """
+
+    def __init__(self, run_cfg: RunConfig, full_cfg: BaseModel) -> None:
+        self.cfg = run_cfg
+        self.dir = Path(run_cfg.output_dir) / run_cfg.name
+        existing = self.dir.exists() and any(self.dir.iterdir())
+        if existing and run_cfg.overwrite and not run_cfg.resume:
+            shutil.rmtree(self.dir)
+        elif existing and not run_cfg.resume:
+            raise FileExistsError(
+                f"run directory {self.dir} already holds a run; set run.resume=true to continue it, "
+                "run.overwrite=true to replace it, or choose another run.name"
+            )
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.samples_dir = self.dir / "samples"
+        self.samples_dir.mkdir(exist_ok=True)
+        self.checkpoint_dir = self.dir / "checkpoints"
+        setup_logging(run_cfg.log_level, self.dir / "log.txt")
+        config_text = to_yaml(full_cfg)
+        if existing and (self.dir / "config.yaml").is_file() and (self.dir / "config.yaml").read_text() != config_text:
+            # Keep the original record; the resumed config is written beside it.
+            atomic_write_text(self.dir / f"config.resumed-{int(time.time())}.yaml", config_text)
+        else:
+            atomic_write_text(self.dir / "config.yaml", config_text)
+        self.metrics_path = self.dir / "metrics.jsonl"
+        self._tb = None
+        if run_cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.dir / "tb"))
+        self._wandb = None
+        if run_cfg.wandb:
+            try:
+                import wandb
+            except ImportError as err:
+                raise ImportError("run.wandb=true needs Weights & Biases: pip install wandb") from err
+            self._wandb = wandb.init(project="mmrl", name=run_cfg.name, config=full_cfg.model_dump(mode="json"))
+        self._start = time.time()
+
+    # ------------------------------------------------------------------ resume
+    def resume_checkpoint(self) -> Path | None:
+        """The checkpoint to resume from when ``run.resume`` is set (None for a fresh run)."""
+        if not self.cfg.resume:
+            return None
+        ckpt = latest_checkpoint(self.checkpoint_dir)
+        if ckpt is None:
+            logger.warning("run.resume=true but %s has no checkpoint; starting from step 0", self.checkpoint_dir)
+        return ckpt
+
+    def truncate_metrics(self, step: int) -> None:
+        """On resume from ``step``, move metric lines of later steps to ``metrics.orphaned.jsonl`` (kept, not lost)."""
+        if not self.metrics_path.is_file():
+            return
+        keep, orphaned = [], []
+        for line in self.metrics_path.read_text().splitlines():
+            if not line.strip():
+                continue
+            (keep if json.loads(line).get("step", -1) <= step else orphaned).append(line)
+        if orphaned:
+            with open(self.dir / "metrics.orphaned.jsonl", "a") as f:
+                f.write("\n".join(orphaned) + "\n")
+        atomic_write_text(self.metrics_path, "".join(line + "\n" for line in keep))
+
+    # ------------------------------------------------------------------ writers
+    def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Append one JSON line and the TensorBoard scalars for ``step``."""
+        record = {"step": step, "time": round(time.time() - self._start, 3)}
+        record.update({k: _to_float(v) for k, v in metrics.items()})
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for k, v in record.items():
+                if k not in ("step", "time"):
+                    self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(record, step=step)
+
+    def save_image_grid(
+        self, step: int, images: torch.Tensor | Sequence[Any], captions: Sequence[str] | None = None, tag: str = "samples"
+    ) -> Path:
+        """Save a grid of images (``[B, 3, H, W]`` in [0, 1] or PIL images) as ``samples/{tag}_{step}.png``."""
+        from mmrl.images import make_grid
+
+        grid = make_grid(images)
+        path = self.samples_dir / f"{tag}_{step:08d}.png"
+        grid.save(path)
+        if captions is not None:
+            atomic_write_text(path.with_suffix(".txt"), "\n".join(f"{i}: {c}" for i, c in enumerate(captions)) + "\n")
+        if self._tb is not None:
+            import numpy as np
+
+            self._tb.add_image(tag, np.asarray(grid), step, dataformats="HWC")
+        return path
+
+    def write_summary(self, summary: Mapping[str, Any]) -> None:
+        atomic_write_text(self.dir / "summary.json", json.dumps(dict(summary), indent=2) + "\n")
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The metric records of a run directory, in order."""
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,202 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mmrl.core import advantages as A
+
+
+def _batch(draw_sizes, values):
+    sizes = draw_sizes
+    ids = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    return torch.tensor(values[: int(sum(sizes))], dtype=torch.float64), ids
+
+
+@st.composite
+def grouped_rewards(draw, min_size=1, odd=False, binary=False):
+    n_groups = draw(st.integers(1, 6))
+    size = st.integers(min_size, 7).filter(lambda s: s % 2 == 1) if odd else st.integers(min_size, 7)
+    sizes = [draw(size) for _ in range(n_groups)]
+    elem = st.sampled_from([0.0, 1.0]) if binary else st.floats(-10, 10, allow_nan=False)
+    values = [draw(elem) for _ in range(sum(sizes))]
+    ids = torch.repeat_interleave(torch.arange(n_groups) * 7 + 3, torch.tensor(sizes))  # non-contiguous ids
+    perm = torch.randperm(len(values), generator=torch.Generator().manual_seed(draw(st.integers(0, 99))))
+    return torch.tensor(values, dtype=torch.float64)[perm], ids[perm]
+
+
+def test_group_normalized_hand_values():
+    r = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
+    g = torch.tensor([5, 5, 5, 9, 9, 9])
+    s0 = math.sqrt(2 / 9)  # population std of [1, 0, 1]
+    expected = torch.tensor([1 / 3, -2 / 3, 1 / 3, -1 / 3, -1 / 3, 2 / 3]) / (s0 + 1e-6)
+    torch.testing.assert_close(A.group_normalized(r, g), expected)
+    torch.testing.assert_close(A.group_normalized(r, g, std="none"), torch.tensor([1 / 3, -2 / 3, 1 / 3, -1 / 3, -1 / 3, 2 / 3]))
+    torch.testing.assert_close(
+        A.group_normalized(r, g, std="global"),
+        torch.tensor([1 / 3, -2 / 3, 1 / 3, -1 / 3, -1 / 3, 2 / 3]) / (0.5 + 1e-6),
+    )
+
+
+def test_group_normalized_median_center_uses_lower_median():
+    r = torch.tensor([4.0, 1.0, 3.0, 2.0])
+    out = A.group_normalized(r, torch.zeros(4, dtype=torch.long), std="none", center="median")
+    torch.testing.assert_close(out, r - 2.0)  # torch.median([1,2,3,4]) == 2
+
+
+def test_constant_group_gives_zero_not_nan():
+    out = A.group_normalized(torch.ones(4), torch.zeros(4, dtype=torch.long))
+    assert torch.equal(out, torch.zeros(4))
+
+
+@settings(max_examples=60, deadline=None)
+@given(grouped_rewards())
+def test_group_advantages_sum_to_zero_per_group(batch):
+    r, g = batch
+    for std in ("group", "global", "none"):
+        adv = A.group_normalized(r, g, std=std)
+        for gid in g.unique():
+            assert abs(float(adv[g == gid].sum())) < 1e-6 * max(1.0, float(adv.abs().max()))
+
+
+@settings(max_examples=60, deadline=None)
+@given(grouped_rewards(min_size=2))
+def test_rloo_matches_loop_and_sums_to_zero(batch):
+    r, g = batch
+    adv = A.rloo(r, g)
+    for i in range(r.numel()):
+        others = r[(g == g[i]) & (torch.arange(r.numel()) != i)]
+        assert abs(float(adv[i] - (r[i] - others.mean()))) < 1e-9
+    for gid in g.unique():
+        assert abs(float(adv[g == gid].sum())) < 1e-8
+
+
+def test_rloo_rejects_singleton_group():
+    with pytest.raises(ValueError, match="at least 2"):
+        A.rloo(torch.tensor([1.0, 0.0, 1.0]), torch.tensor([0, 0, 1]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(grouped_rewards(odd=True, binary=True))
+def test_median_centered_one_pivot_per_group(batch):
+    r, g = batch
+    adv, pivot = A.median_centered(r, g)
+    for gid in g.unique():
+        in_group = g == gid
+        assert int(pivot[in_group].sum()) == 1
+        med = r[in_group].median()
+        assert float(r[pivot & in_group]) == float(med)
+        std = r[in_group].std(correction=0)
+        expected = (r[in_group] - med) / (std + 1e-6)
+        expected[pivot[in_group]] = 0.0
+        torch.testing.assert_close(adv[in_group], expected)
+    assert torch.isfinite(adv).all()  # binary rewards: MAD would be 0, the std is not
+
+
+def test_median_centered_rejects_even_groups():
+    with pytest.raises(ValueError, match="odd group sizes"):
+        A.median_centered(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]))
+
+
+def test_decoupled_multi_reward_formula():
+    r = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0]], dtype=torch.float64)
+    g = torch.tensor([0, 0, 1, 1])
+    w = torch.tensor([2.0, 1.0], dtype=torch.float64)
+    # per-reward group normalisation: each group has one 1 and one 0 per column except where equal
+    a0 = torch.tensor([1.0, -1.0, 1.0, -1.0]) / (0.5 + 1e-6) * 0.5
+    a1 = torch.tensor([-1.0, 1.0, 1.0, -1.0]) / (0.5 + 1e-6) * 0.5
+    s = 2 * a0 + a1
+    expected = (s - s.mean()) / (s.std(correction=0) + 1e-6)
+    torch.testing.assert_close(A.decoupled_multi_reward(r, g, w), expected.to(torch.float64))
+
+
+def test_decoupled_keeps_combinations_grpo_collapses():
+    # GRPO on the summed reward gives (1,0) and (0,1) the same advantage; GDPO separates them by weight.
+    r = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]])
+    g = torch.zeros(3, dtype=torch.long)
+    grpo = A.group_normalized(r.sum(1), g)
+    assert grpo[0] == grpo[1]
+    gdpo = A.decoupled_multi_reward(r, g, torch.tensor([2.0, 1.0]))
+    assert gdpo[0] > gdpo[1] > gdpo[2]
+
+
+def test_tree_depthwise_hand_example():
+    # root 0 -> {1, 2}; 1 -> {3, 4}; 2 -> {5, 6}; leaf rewards 1, 0, 1, 1
+    nan = float("nan")
+    leaf = torch.tensor([nan, nan, nan, 1.0, 0.0, 1.0, 1.0])
+    parent = torch.tensor([-1, 0, 0, 1, 1, 2, 2])
+    adv, node = A.tree_depthwise(leaf, parent)
+    torch.testing.assert_close(node, torch.tensor([0.75, 0.5, 1.0, 1.0, 0.0, 1.0, 1.0]))
+    # depth 1: rewards 0.5, 1.0 -> +-1; depth 2: 1, 0, 1, 1 -> mean .75, std sqrt(3)/4
+    s2 = math.sqrt(3) / 4
+    expected = torch.tensor(
+        [0.0, -0.25 / (0.25 + 1e-6), 0.25 / (0.25 + 1e-6), 0.25 / (s2 + 1e-6), -0.75 / (s2 + 1e-6), 0.25 / (s2 + 1e-6), 0.25 / (s2 + 1e-6)]
+    )
+    torch.testing.assert_close(adv, expected)
+
+
+def test_tree_depthwise_two_trees_normalised_separately_and_path_prob():
+    nan = float("nan")
+    leaf = torch.tensor([nan, 1.0, 0.0, nan, 5.0, 3.0])
+    parent = torch.tensor([-1, 0, 0, -1, 3, 3])
+    adv, node = A.tree_depthwise(leaf, parent)
+    torch.testing.assert_close(node[[0, 3]], torch.tensor([0.5, 4.0]))
+    torch.testing.assert_close(adv[[1, 2, 4, 5]], torch.tensor([1.0, -1.0, 1.0, -1.0]), atol=1e-5, rtol=0)
+    lp = torch.tensor([0.0, math.log(3.0), 0.0, 0.0, 0.0, 0.0])
+    _, node_p = A.tree_depthwise(leaf, parent, fusion="path_prob", edge_logprob=lp)
+    torch.testing.assert_close(node_p[0], torch.tensor(0.75))  # weights 3:1 on leaves 1:0
+
+
+def test_tree_rejects_children_before_parents():
+    with pytest.raises(ValueError, match="parent"):
+        A.tree_depthwise(torch.tensor([1.0, 0.0]), torch.tensor([1, -1]))
+
+
+def test_single_rollout_formula_and_no_centering_by_default():
+    r = torch.tensor([1.0, 1.0, 0.0, 1.0])
+    b = torch.tensor([0.2, 0.9, 0.5, 0.95])
+    d = r - b
+    torch.testing.assert_close(A.single_rollout(r, b), d / (d.std(correction=0) + 1e-6))
+    assert (A.single_rollout(r, b)[r == 1] > 0).all()  # correct answers stay positive
+    centred = A.single_rollout(r, b, center=True)
+    assert centred[3] < 0  # what centring would do to a correct answer; hence off by default
+    torch.testing.assert_close(A.single_rollout(r, b, scale="none"), d)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.floats(-5, 5, allow_nan=False), min_size=1, max_size=20),
+    st.floats(0.0, 3.0),
+    st.floats(1.0001, 10.0),
+)
+def test_entropy_shaping_never_flips_sign(advs, alpha, kappa):
+    adv = torch.tensor(advs, dtype=torch.float64)
+    ent = torch.rand(len(advs), 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 10
+    shaped = A.entropy_shaped(adv, ent, alpha=alpha, kappa=kappa)
+    base = adv.unsqueeze(1).expand_as(ent)
+    assert torch.equal(torch.sign(shaped), torch.sign(base))
+    assert (shaped >= base).all()
+
+
+def test_entropy_shaping_hand_value_and_detached():
+    adv = torch.tensor([[1.0, -1.0, 0.2]])
+    ent = torch.tensor([[0.5, 5.0, 5.0]], requires_grad=True)
+    out = A.entropy_shaped(adv, ent)
+    torch.testing.assert_close(out, torch.tensor([[1.2, -0.5, 0.3]]))
+    assert not out.requires_grad
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: A.group_normalized(torch.tensor([1.0, float("nan")]), torch.tensor([0, 0])),
+        lambda: A.group_normalized(torch.tensor([1.0, 0.0]), torch.tensor([0, 0, 1])),
+        lambda: A.group_normalized(torch.tensor([]), torch.tensor([], dtype=torch.long)),
+        lambda: A.group_normalized(torch.tensor([1.0]), torch.tensor([0.5])),
+        lambda: A.group_normalized(torch.tensor([1.0]), torch.tensor([0]), std="batch"),
+    ],
+)
+def test_bad_input_raises_clear_error(call):
+    with pytest.raises(ValueError):
+        call()

@@ -1,0 +1,121 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mmrl.core import losses as L
+
+
+def test_clipped_surrogate_hand_values():
+    old = torch.zeros(4)
+    logp = torch.log(torch.tensor([1.5, 0.5, 1.1, 0.7]))
+    adv = torch.tensor([1.0, -1.0, 2.0, -1.0])
+    loss = L.clipped_surrogate(logp, old, adv, eps_low=0.2, eps_high=0.3)
+    # ratio 1.5 A=1 -> clipped 1.3; ratio .5 A=-1 -> max(-.5,-.8) -> loss .8; 1.1*2; .7 A=-1 -> clip .8 -> .8
+    torch.testing.assert_close(loss, torch.tensor([-1.3, 0.8, -2.2, 0.8]))
+
+
+def test_ratio_of_sample_to_itself_is_one():
+    logp = torch.randn(3, 5)
+    loss = L.clipped_surrogate(logp, logp.clone(), torch.tensor([[1.0], [-2.0], [0.5]]))
+    torch.testing.assert_close(loss, -torch.tensor([[1.0], [-2.0], [0.5]]).expand(3, 5))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.floats(-3, 3), st.floats(-5, 5).filter(lambda a: abs(a) > 1e-3), st.floats(0.05, 0.5), st.floats(0.05, 0.5))
+def test_gradient_zero_outside_trust_region(log_ratio, adv, eps_low, eps_high):
+    logp = torch.tensor([log_ratio], dtype=torch.float64, requires_grad=True)
+    loss = L.clipped_surrogate(logp, torch.zeros(1, dtype=torch.float64), torch.tensor([adv], dtype=torch.float64),
+                               eps_low=eps_low, eps_high=eps_high)
+    loss.sum().backward()
+    ratio = math.exp(log_ratio)
+    outside = (adv > 0 and ratio > 1 + eps_high) or (adv < 0 and ratio < 1 - eps_low)
+    if outside:
+        assert logp.grad.item() == 0.0
+    else:
+        assert logp.grad.item() == pytest.approx(-ratio * adv, rel=1e-9)
+
+
+def test_dual_clip_caps_negative_advantage_loss():
+    logp = torch.log(torch.tensor([10.0, 10.0]))
+    adv = torch.tensor([-1.0, 1.0])
+    plain = L.clipped_surrogate(logp, torch.zeros(2), adv)
+    dual = L.clipped_surrogate(logp, torch.zeros(2), adv, dual_clip=3.0)
+    torch.testing.assert_close(plain, torch.tensor([10.0, -1.2]))
+    torch.testing.assert_close(dual, torch.tensor([3.0, -1.2]))
+    with pytest.raises(ValueError, match="dual_clip"):
+        L.clipped_surrogate(logp, torch.zeros(2), adv, dual_clip=0.5)
+
+
+def test_kl_estimators_hand_values():
+    logp = torch.tensor([0.0, -1.0])
+    ref = torch.tensor([-0.5, -1.0])
+    torch.testing.assert_close(L.kl_estimate(logp, ref, "k1"), torch.tensor([0.5, 0.0]))
+    torch.testing.assert_close(L.kl_estimate(logp, ref, "k2"), torch.tensor([0.125, 0.0]))
+    torch.testing.assert_close(L.kl_estimate(logp, ref, "k3"), torch.tensor([math.exp(-0.5) + 0.5 - 1, 0.0]))
+
+
+def test_k3_is_unbiased_for_kl():
+    p = torch.distributions.Categorical(probs=torch.tensor([0.7, 0.2, 0.1]))
+    q = torch.distributions.Categorical(probs=torch.tensor([0.4, 0.4, 0.2]))
+    x = p.sample((400_000,), ) if False else torch.multinomial(p.probs, 400_000, replacement=True,
+                                                            generator=torch.Generator().manual_seed(0))
+    est = L.kl_estimate(p.log_prob(x), q.log_prob(x), "k3").mean()
+    exact = torch.distributions.kl_divergence(p, q)
+    assert float(est) == pytest.approx(float(exact), rel=0.02)
+
+
+def test_aggregate_modes():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    assert float(L.aggregate(loss, mask, "token_mean")) == pytest.approx(10 / 4)
+    assert float(L.aggregate(loss, mask, "seq_mean_token_mean")) == pytest.approx((2 + 4) / 2)
+    assert float(L.aggregate(loss, mask, "seq_mean_token_sum_norm")) == pytest.approx(10 / (2 * 3))
+    assert float(L.aggregate(loss, mask, "seq_mean_token_sum_norm", max_len=10)) == pytest.approx(10 / 20)
+    with pytest.raises(ValueError, match="no token"):
+        L.aggregate(loss, torch.zeros_like(mask))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(-8, 8), min_size=1, max_size=12), st.floats(1.0, 5.0), st.sampled_from(["token", "sequence"]))
+def test_tis_weights_never_exceed_cap(diffs, cap, mode):
+    old = torch.tensor([diffs], dtype=torch.float64)
+    w = L.truncated_is_weights(old, torch.zeros_like(old), cap=cap, mode=mode)
+    assert (w <= cap + 1e-12).all() and (w >= 0).all()
+    assert not w.requires_grad
+
+
+def test_tis_hand_values_and_mask_policy():
+    old = torch.log(torch.tensor([[0.5, 0.9, 0.3]]))
+    roll = torch.log(torch.tensor([[0.25, 0.9, 0.6]]))
+    torch.testing.assert_close(L.truncated_is_weights(old, roll, cap=1.5), torch.tensor([[1.5, 1.0, 0.5]]))
+    torch.testing.assert_close(L.truncated_is_weights(old, roll, cap=1.5, policy="mask"), torch.tensor([[0.0, 1.0, 0.5]]))
+    seq = L.truncated_is_weights(old, roll, cap=5.0, mode="sequence", mask=torch.tensor([[1, 1, 0]]))
+    torch.testing.assert_close(seq, torch.tensor([[2.0, 2.0, 0.0]]))
+
+
+def test_gspo_token_logp_gives_sequence_ratio_and_token_gradient():
+    logp = torch.tensor([[-1.0, -2.0, -3.0]], requires_grad=True)
+    old = torch.tensor([[-1.5, -2.0, -2.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    new = L.gspo_token_logp(logp, old, mask)
+    ratio = torch.exp(new - old)
+    torch.testing.assert_close(ratio, torch.full((1, 3), math.exp(0.25)))
+    ratio.sum().backward()
+    torch.testing.assert_close(logp.grad, torch.full((1, 3), math.exp(0.25)))
+
+
+def test_gaussian_mean_kl():
+    mean = torch.tensor([[1.0, 2.0]])
+    ref = torch.tensor([[0.0, 2.0]])
+    torch.testing.assert_close(L.gaussian_mean_kl(mean, ref, torch.tensor(0.5)), torch.tensor([1.0]))
+
+
+def test_diffusion_nft_loss_reduces_to_flow_matching_at_beta_one_positive():
+    v = torch.randn(2, 4)
+    target = torch.randn(2, 4)
+    out = L.diffusion_nft_loss(v, v.clone(), target, torch.tensor([1.0, 0.0]), beta=1.0)
+    fm = ((v - target) ** 2).mean(1)
+    torch.testing.assert_close(out, fm)  # v+ = v- = v when v_theta == v_old

@@ -1,0 +1,99 @@
+import pytest
+import torch
+
+from mmrl.core.stats import PromptStats, spo_rho
+
+
+def test_beta_update_with_forgetting_hand_values():
+    s = PromptStats(rho=0.5, prior_strength=2.0, prior_mean=0.5)
+    s.update(["a", "a"], torch.tensor([1.0, 0.0]), step=0)
+    s.update(["a"], torch.tensor([1.0]), step=3)
+    # evidence: s = .5*1 + 1 = 1.5, f = .5*1 + 0 = .5; global mean = (2 + 1) / (3 + 2) = .6
+    a, b = s.alpha_beta(["a"])
+    assert float(a) == pytest.approx(1.5 + 2 * 0.6)
+    assert float(b) == pytest.approx(0.5 + 2 * 0.4)
+    assert s.counts(["a"]).tolist() == [3]
+    assert s.last_step(["a", "zz"]).tolist() == [3, -1]
+
+
+def test_unseen_prompt_gets_shrinkage_prior():
+    s = PromptStats(prior_strength=4.0)
+    assert float(s.success_prob(["new"])) == pytest.approx(0.5)
+    s.update(["x"] * 10, torch.ones(10), step=0)
+    # global mean pulled from .5 towards 1: (10 + 4*.5) / 14
+    assert float(s.success_prob(["new"])) == pytest.approx(12 / 14)
+
+
+def test_running_mean_var_matches_numpy_without_forgetting():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, generator=g, dtype=torch.float64) * 3 + 1
+    s = PromptStats(prior_strength=1e-9)
+    for chunk in x.split(7):
+        s.update(["p"] * chunk.numel(), chunk, step=0)
+    mean, var = s.mean_var(["p"])
+    assert float(mean) == pytest.approx(float(x.mean()), rel=1e-6)
+    assert float(var) == pytest.approx(float(x.var(correction=0)), rel=1e-9)
+
+
+def test_running_mean_var_with_forgetting_equals_weighted_stats():
+    rho = 0.7
+    batches = [torch.tensor(v, dtype=torch.float64) for v in ([1.0, 3.0], [2.0], [5.0, 0.0, 4.0])]
+    s = PromptStats(rho=rho, prior_strength=1e-12)
+    for t, b in enumerate(batches):
+        s.update(["p"] * b.numel(), b, step=t)
+    weights = torch.cat([torch.full((b.numel(),), rho ** (len(batches) - 1 - t), dtype=torch.float64) for t, b in enumerate(batches)])
+    values = torch.cat(batches)
+    wmean = (weights * values).sum() / weights.sum()
+    wvar = (weights * (values - wmean) ** 2).sum() / weights.sum()
+    mean, var = s.mean_var(["p"])
+    assert float(mean) == pytest.approx(float(wmean), rel=1e-9)
+    assert float(var) == pytest.approx(float(wvar), rel=1e-9)
+
+
+def test_per_prompt_rho_and_spo_rho():
+    s = PromptStats(rho=1.0)
+    s.update(["a", "b"], torch.tensor([1.0, 1.0]), step=0)
+    s.update(["a", "b"], torch.tensor([0.0, 0.0]), step=1, rho=torch.tensor([0.5, 1.0]))
+    a, _ = s.alpha_beta(["a", "b"])
+    prior = s.prior_strength * s.global_mean()
+    assert (a - prior).tolist() == pytest.approx([0.5, 1.0])
+    with pytest.raises(ValueError, match="same prompt"):
+        s.update(["a", "a"], torch.tensor([0.0, 1.0]), step=2, rho=torch.tensor([0.5, 0.9]))
+    torch.testing.assert_close(spo_rho(torch.tensor([0.0, 0.06, 1.0])), torch.tensor([0.96, 0.875, 0.875]))
+    assert float(spo_rho(torch.tensor(0.01))) == pytest.approx(2 ** (-1 / 6))
+
+
+def test_state_dict_round_trip():
+    s = PromptStats(rho=0.9)
+    s.update(["a", "b", "a"], torch.tensor([1.0, 0.0, 0.5]), step=4)
+    t = PromptStats()
+    t.load_state_dict(s.state_dict())
+    assert t.prompt_ids == ["a", "b"]
+    for fn in ("success_prob", "counts", "last_step"):
+        assert torch.equal(getattr(s, fn)(["a", "b", "c"]), getattr(t, fn)(["a", "b", "c"]))
+    assert t.rho == 0.9
+
+
+def test_merge_of_disjoint_shards_equals_one_store():
+    ids = ["a", "b", "a", "c", "b", "a"]
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])
+    whole = PromptStats()
+    whole.update(ids, r, step=1)
+    left, right = PromptStats(), PromptStats()
+    left.update(ids[:3], r[:3], step=1)
+    right.update(ids[3:], r[3:], step=1)
+    left.merge(right)
+    q = ["a", "b", "c", "d"]
+    torch.testing.assert_close(left.alpha_beta(q), whole.alpha_beta(q))
+    torch.testing.assert_close(left.mean_var(q), whole.mean_var(q))
+    assert torch.equal(left.counts(q), whole.counts(q))
+
+
+def test_bad_input():
+    s = PromptStats()
+    with pytest.raises(ValueError, match="NaN"):
+        s.update(["a"], torch.tensor([float("nan")]), step=0)
+    with pytest.raises(ValueError, match="prompt ids"):
+        s.update(["a", "b"], torch.tensor([1.0]), step=0)
+    with pytest.raises(ValueError, match="rho"):
+        PromptStats(rho=0.0)
