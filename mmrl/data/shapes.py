@@ -36,6 +36,7 @@ from rewards.shapes import (
     COLOURS,
     COUNT_WORDS,
     PALETTE,
+    POSITION_THRESHOLD,
     RELATIONS,
     SHAPES,
     DetectedObject,
@@ -43,7 +44,6 @@ from rewards.shapes import (
     PromptKind,
     PromptSpec,
     parse_prompt,
-    relation_offset,
 )
 
 __all__ = [
@@ -292,19 +292,13 @@ def _margin(size: int) -> float:
     return max(1.0, 0.04 * size)
 
 
-def _separated(a: SceneObject, b: SceneObject, gap: float) -> bool:
-    """Boxes apart by at least ``gap`` along x or along y."""
-    reach = (a.size + b.size) / 2 + gap
-    return abs(a.x - b.x) >= reach or abs(a.y - b.y) >= reach
-
-
-def _relation_clear(relation: str, a: SceneObject, b: SceneObject) -> bool:
-    """``a {relation} b`` holds with a margin, and the perpendicular relations clearly do not."""
-    dx, dy = relation_offset(a.box, b.box)
-    along, across = {"left of": (-dx, dy), "right of": (dx, dy), "above": (-dy, dx), "below": (dy, dx)}[
-        relation
-    ]
-    return along >= RELATION_MIN and abs(across) <= OFF_AXIS_MAX
+def _normalised_offsets(xy: np.ndarray, sides: np.ndarray) -> np.ndarray:
+    """GenEval's normalised offset (:func:`rewards.shapes.relation_offset`) of object 0 from object 1 for a
+    batch of candidate layouts: ``xy [T, n, 2]`` centres, ``sides [T, n]`` -> ``[T, 2]`` (dx, dy)."""
+    offset = xy[:, 0] - xy[:, 1]  # [T, 2]
+    dims = (sides[:, 0] + sides[:, 1])[:, None]  # both boxes are squares: the same extent along x and y
+    revised = np.maximum(np.abs(offset) - POSITION_THRESHOLD * dims, 0.0) * np.sign(offset)
+    return revised / np.maximum(np.linalg.norm(offset, axis=1, keepdims=True), 1e-9)
 
 
 def _place(
@@ -312,28 +306,47 @@ def _place(
     items: list[tuple[str, str]],
     size: int,
     relation: str | None = None,
-    max_tries: int = 2000,
+    candidates: int = 64,
+    rounds: int = 64,
 ) -> tuple[SceneObject, ...]:
-    """Random non-overlapping placement of ``(shape, colour)`` items inside the canvas (rejection sampling).
+    """Random non-overlapping placement of ``(shape, colour)`` items inside the canvas.
 
-    Sizes shrink by 10% after every ``max_tries // 4`` failed tries, so a crowded scene always fits.
+    Rejection sampling, vectorised: each round draws ``candidates`` layouts (sizes uniform in
+    :data:`SIZE_RANGE`, centres uniform where the object fits) and keeps the first valid one. Boxes must be
+    :func:`_gap` apart along x or y; for a relation the layout must pass :data:`RELATION_MIN` /
+    :data:`OFF_AXIS_MAX`. Sizes shrink by 10% every 16 failed rounds, so a crowded scene always fits.
     """
     lo, hi = SIZE_RANGE
     margin, gap = _margin(size), _gap(size)
+    n = len(items)
     scale = 1.0
-    for attempt in range(max_tries):
-        if attempt and attempt % (max_tries // 4) == 0:
+    for round_ in range(rounds):
+        if round_ and round_ % 16 == 0:
             scale *= 0.9
-        sides = rng.uniform(lo, hi, len(items)) * size * scale
-        objs = []
-        for (shape, colour), side in zip(items, sides, strict=True):
-            x, y = rng.uniform(margin + side / 2, size - margin - side / 2, 2)
-            objs.append(SceneObject(shape, colour, float(x), float(y), float(side)))
-        if not all(_separated(a, b, gap) for i, a in enumerate(objs) for b in objs[i + 1 :]):
-            continue
-        if relation is not None and not _relation_clear(relation, objs[0], objs[1]):
-            continue
-        return tuple(objs)
+        sides = rng.uniform(lo, hi, (candidates, n)) * size * scale  # [T, n]
+        room = size - 2 * margin - sides  # [T, n] range of centres that keeps the object inside
+        xy = margin + sides[..., None] / 2 + rng.uniform(0.0, 1.0, (candidates, n, 2)) * room[..., None]
+        ok = np.ones(candidates, dtype=bool)
+        for i in range(n):
+            for j in range(i + 1, n):
+                reach = (sides[:, i] + sides[:, j]) / 2 + gap  # [T]
+                apart = np.abs(xy[:, i] - xy[:, j]) >= reach[:, None]  # [T, 2] separated along x / y
+                ok &= apart.any(1)
+        if relation is not None:
+            dx, dy = _normalised_offsets(xy, sides).T
+            along, across = {
+                "left of": (-dx, dy),
+                "right of": (dx, dy),
+                "above": (-dy, dx),
+                "below": (dy, dx),
+            }[relation]
+            ok &= (along >= RELATION_MIN) & (np.abs(across) <= OFF_AXIS_MAX)
+        if ok.any():
+            t = int(ok.argmax())
+            return tuple(
+                SceneObject(shape, colour, float(xy[t, i, 0]), float(xy[t, i, 1]), float(sides[t, i]))
+                for i, (shape, colour) in enumerate(items)
+            )
     raise RuntimeError(f"could not place {items} on a {size}x{size} canvas")  # unreachable for <= 4 objects
 
 

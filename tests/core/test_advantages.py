@@ -200,3 +200,10 @@ def test_entropy_shaping_hand_value_and_detached():
 def test_bad_input_raises_clear_error(call):
     with pytest.raises(ValueError):
         call()
+
+
+def test_sparse_and_negative_group_ids_match_dense_ids():
+    r = torch.tensor([1.0, 0.0, 3.0, 2.0, 5.0])
+    dense = A.group_normalized(r, torch.tensor([0, 0, 1, 1, 2]))
+    for ids in ([-5, -5, 10**12, 10**12, 7], [2, 2, 9, 9, 40]):
+        torch.testing.assert_close(A.group_normalized(r, torch.tensor(ids)), dense)

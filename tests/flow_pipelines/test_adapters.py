@@ -1,0 +1,179 @@
+"""Every adapter family: tiny random model -> save_pretrained -> adapter.from_pretrained -> rollout -> LoRA step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+from peft import LoraConfig
+
+from pipelines.flow.adapters import get_adapter, list_adapters
+from pipelines.flow.rollout import SamplingConfig, rescore, rollout
+from pipelines.flow.tiny import TINY_LOAD_KWARGS as LOAD_KWARGS
+from pipelines.flow.tiny import TINY_SIZES as SIZES
+
+FAMILIES = list(LOAD_KWARGS)
+PROMPTS = ["a photo of a red circle", "a green triangle left of a yellow circle"]
+
+
+def _config(family: str, **overrides) -> SamplingConfig:
+    kwargs = {
+        "num_steps": 4,
+        "guidance_scale": 1.0,
+        "noise_level": 0.7,
+        "sde_window": (0, 3),
+        **SIZES[family],
+    }
+    kwargs.update(overrides)
+    return SamplingConfig(**kwargs)
+
+
+def test_registry_lists_every_family():
+    assert set(FAMILIES) | {"shapes"} == set(list_adapters())
+    with pytest.raises(KeyError, match="Available"):
+        get_adapter("sdxl")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ode_rollout_equals_the_diffusers_pipeline(family, load_tiny):
+    """With an empty SDE window the adapter reproduces the pipeline's own Euler sampling loop.
+
+    SANA and Wan ship multistep solvers; their pipelines are given the Euler scheduler with the same flow shift,
+    which is the schedule the adapter steps, so the comparison checks encoding, timestep scaling and layout.
+    """
+    adapter = load_tiny(family)
+    pipe = adapter.pipe
+    if not isinstance(pipe.scheduler, FlowMatchEulerDiscreteScheduler):
+        pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=pipe.scheduler.config.flow_shift)
+    sizes = SIZES[family]
+    config = _config(family, sde_window=(0, 0))
+    noise = torch.randn((1, *adapter.latent_shape(**sizes)), generator=torch.Generator().manual_seed(0))
+    ours = rollout(adapter, PROMPTS[:1], 1, config, noise=noise)
+    assert ours.sde_steps.sum() == 0 and torch.isnan(ours.log_probs).all()
+
+    call = {"num_inference_steps": config.num_steps, "output_type": "latent", **sizes}
+    if family == "flux":
+        # FluxPipeline takes packed latents and embeds guidance; the adapter packs inside `velocity`
+        latents = pipe._pack_latents(noise, 1, *noise.shape[1:])
+        call.update(guidance_scale=config.guidance_scale, max_sequence_length=8)
+    else:
+        latents = noise
+        call.update(guidance_scale=1.0, max_sequence_length=8)
+    if family == "sana":
+        call["complex_human_instruction"] = None
+    out = pipe(PROMPTS[0], latents=latents, **call)
+    theirs = out.images if hasattr(out, "images") else out.frames
+    if family == "flux":
+        vsf = pipe.vae_scale_factor
+        theirs = pipe._unpack_latents(theirs, sizes["height"], sizes["width"], vsf)
+    torch.testing.assert_close(ours.latents[:, -1], theirs.float(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rollout_rescore_and_lora_step(family, load_tiny):
+    adapter = load_tiny(family)
+    config = _config(family)
+    result = rollout(adapter, PROMPTS, [2, 1], config, generator=torch.Generator().manual_seed(0))
+
+    # shapes: B = 3 samples, S = 4 steps, SDE on steps 0..2
+    latent_shape = adapter.latent_shape(**SIZES[family])
+    assert result.latents.shape == (3, 5, *latent_shape)
+    assert result.log_probs.shape == (3, 4)
+    assert result.sde_steps.tolist() == [True, True, True, False]
+    assert torch.isfinite(result.log_probs[:, :3]).all() and torch.isnan(result.log_probs[:, 3]).all()
+    frames = (SIZES[family]["num_frames"],) if adapter.is_video else ()
+    assert result.images.shape == (3, *frames, 3, SIZES[family]["height"], SIZES[family]["width"])
+    assert result.images.min() >= 0 and result.images.max() <= 1
+    assert result.nfe == 3 * 4 * adapter.nfe_per_sample(config.guidance_scale)
+    assert result.prompts == [PROMPTS[0], PROMPTS[0], PROMPTS[1]]
+
+    # re-scoring the stored transitions under the same weights gives back the behaviour log-probs
+    batch = result.transitions()
+    assert len(batch) == 9
+    log_probs, _, _ = rescore(adapter, batch)
+    torch.testing.assert_close(log_probs, batch.log_probs, rtol=0, atol=1e-4)
+
+    # one LoRA step on the GRPO surrogate: LoRA weights move, base weights do not
+    transformer = adapter.transformer
+    transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v"]))
+    lora = {n: p.detach().clone() for n, p in transformer.named_parameters() if "lora_" in n}
+    base = {n: p.detach().clone() for n, p in transformer.named_parameters() if "lora_" not in n}
+    assert lora and all(p.requires_grad == ("lora_" in n) for n, p in transformer.named_parameters())
+    optimizer = torch.optim.AdamW([p for p in transformer.parameters() if p.requires_grad], lr=1e-2)
+    advantages = torch.tensor([1.0, -1.0, 0.5])[batch.sample_index]
+    log_probs, _, _ = rescore(adapter, batch)
+    ratio = torch.exp(log_probs - batch.log_probs)
+    loss = -(ratio * advantages).mean()
+    loss.backward()
+    optimizer.step()
+    after = dict(transformer.named_parameters())
+    # peft initialises B = 0, so the first step moves every B (A's gradient is B^T(...) = 0 at step one)
+    assert all(not torch.equal(after[n], p) for n, p in lora.items() if "lora_B" in n)
+    assert all(torch.equal(after[n], p) for n, p in base.items())
+
+
+def test_cfg_runs_one_batched_forward_and_doubles_nfe(load_tiny):
+    adapter = load_tiny("sd3")
+    cond = adapter.encode(PROMPTS, cfg=True)
+    assert cond.has_uncond
+    x = torch.randn((2, *adapter.latent_shape(32, 32)), generator=torch.Generator().manual_seed(0))
+    calls = []
+    hook = adapter.transformer.register_forward_hook(
+        lambda m, args, kwargs, out: calls.append(kwargs["hidden_states"].shape[0]), with_kwargs=True
+    )
+    with torch.no_grad():
+        v = adapter.velocity(x, 0.5, cond, guidance_scale=4.0)
+        hook.remove()
+        v_c = adapter.velocity(x, 0.5, type(cond)(cond.cond), 1.0)
+        v_u = adapter.velocity(x, 0.5, type(cond)(cond.uncond), 1.0)
+    assert calls == [4]  # cond and uncond in one forward of 2B
+    torch.testing.assert_close(v, v_u + 4.0 * (v_c - v_u), rtol=1e-5, atol=1e-5)
+    assert adapter.nfe_per_sample(4.0) == 2 and adapter.nfe_per_sample(1.0) == 1
+    with pytest.raises(ValueError, match="cfg=True"):
+        adapter.velocity(x, 0.5, adapter.encode(PROMPTS), guidance_scale=4.0)
+
+
+def test_flux_embeds_guidance_instead_of_cfg(load_tiny):
+    adapter = load_tiny("flux")
+    cond = adapter.encode(PROMPTS[:1])
+    x = torch.randn((1, *adapter.latent_shape(32, 32)), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        v1, v4 = adapter.velocity(x, 0.5, cond, 1.0), adapter.velocity(x, 0.5, cond, 4.0)
+    assert adapter.nfe_per_sample(4.0) == 1
+    assert not torch.allclose(v1, v4)  # the scale is an input of the distilled model
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_sigmas_equal_the_pipeline_schedule(family, load_tiny):
+    """The schedule the adapter steps is the one the diffusers pipeline sets on its scheduler."""
+    adapter = load_tiny(family)
+    seen = {}
+
+    def grab(pipe, i, t, kwargs):
+        seen["sigmas"] = pipe.scheduler.sigmas.clone()
+        return kwargs
+
+    adapter.pipe(
+        PROMPTS[0],
+        num_inference_steps=6,
+        height=32,
+        width=32,
+        output_type="latent",
+        max_sequence_length=8,
+        callback_on_step_end=grab,
+    )
+    torch.testing.assert_close(adapter.sigmas(6, 32, 32), seen["sigmas"].float())
+
+
+def test_decode_maps_latents_to_unit_range(load_tiny):
+    adapter = load_tiny("sd3")
+    images = adapter.decode(torch.randn((2, *adapter.latent_shape(32, 32))) * 5)
+    assert images.shape == (2, 3, 32, 32) and images.dtype == torch.float32
+    assert images.min() >= 0 and images.max() <= 1
+
+
+def test_latent_shape_rejects_bad_sizes(load_tiny):
+    with pytest.raises(ValueError, match="multiples"):
+        load_tiny("sd3").latent_shape(30, 32)
+    with pytest.raises(ValueError, match="num_frames"):
+        load_tiny("wan").latent_shape(16, 16, num_frames=4)

@@ -1,0 +1,69 @@
+from typing import Literal
+
+import pytest
+
+from mmrl.config import Config, ConfigError, Field, RunConfig, apply_overrides, load_config, to_yaml
+
+
+class Trainer(Config):
+    lr: float = Field(1e-4, gt=0, description="learning rate")
+    mode: Literal["single", "group"] = "single"
+    steps: int = 10
+
+
+class Recipe(Config):
+    recipe: str = "x"
+    run: RunConfig = Field(default_factory=RunConfig)
+    trainer: Trainer = Field(default_factory=Trainer)
+
+
+def write(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_overrides_parse_values_and_nest(tmp_path):
+    cfg = load_config(Recipe, write(tmp_path, "trainer:\n  lr: 0.1\n"), ["trainer.lr=1e-5", "trainer.mode=group", "run.name=abc"])
+    assert cfg.trainer.lr == 1e-5 and cfg.trainer.mode == "group" and cfg.run.name == "abc"
+    assert apply_overrides({"a": {"b": 1}}, ["a.c=[1, 2]", "d.e=null"]) == {"a": {"b": 1, "c": [1, 2]}, "d": {"e": None}}
+
+
+def test_unknown_key_names_key_suggestion_and_allowed(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(Recipe, write(tmp_path, "trainer:\n  lrr: 0.1\n"))
+    msg = str(err.value)
+    assert "trainer.lrr" in msg and "Did you mean 'lr'" in msg and "['lr', 'mode', 'steps']" in msg
+
+
+def test_bad_literal_and_type_name_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"trainer\.mode.*'single' or 'group'"):
+        load_config(Recipe, None, ["trainer.mode=grup"])
+    with pytest.raises(ConfigError, match=r"trainer\.lr.*greater than 0.*learning rate"):
+        load_config(Recipe, None, ["trainer.lr=-1"])
+    with pytest.raises(ConfigError, match=r"trainer\.steps"):
+        load_config(Recipe, None, ["trainer.steps=many"])
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [("trainer: [unclosed\n", "invalid YAML"), ("", "empty"), ("- a\n- b\n", "mapping")],
+)
+def test_malformed_files(tmp_path, text, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(Recipe, write(tmp_path, text))
+
+
+def test_missing_file_and_bad_override(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(Recipe, "/nonexistent/c.yaml")
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        load_config(Recipe, None, ["trainer.lr"])
+    with pytest.raises(ConfigError, match="is a value"):
+        load_config(Recipe, write(tmp_path, "trainer:\n  lr: 0.1\n"), ["trainer.lr.x=1"])
+
+
+def test_resolved_yaml_round_trips(tmp_path):
+    cfg = load_config(Recipe, None, ["trainer.steps=3"])
+    again = load_config(Recipe, write(tmp_path, to_yaml(cfg)))
+    assert again == cfg

@@ -1,0 +1,175 @@
+"""Image rewards against their reference formulas, computed with each library's own preprocessing."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+import rewards
+from rewards.images import clip_preprocess, pil_to_tensor
+
+
+def to_pil(images: torch.Tensor) -> list[Image.Image]:
+    arrays = (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    return [Image.fromarray(a) for a in arrays]
+
+
+@pytest.fixture
+def open_clip_model(open_clip_name, open_clip_weights):
+    import open_clip
+
+    model, _, preprocess = open_clip.create_model_and_transforms(
+        open_clip_name, pretrained=str(open_clip_weights)
+    )
+    return model.eval(), preprocess, open_clip.get_tokenizer(open_clip_name)
+
+
+def test_clip_score_is_cosine_with_open_clip_preprocessing(
+    open_clip_model, open_clip_weights, open_clip_name, images, prompts
+):
+    model, preprocess, tokenizer = open_clip_model
+    pil = to_pil(images)
+    with torch.no_grad():
+        f_img = F.normalize(model.encode_image(torch.stack([preprocess(p) for p in pil])), dim=-1)
+        f_txt = F.normalize(model.encode_text(tokenizer(prompts)), dim=-1)
+    expected = (f_img * f_txt).sum(-1)
+    reward = rewards.build("clip_score", model_name=open_clip_name, pretrained=str(open_clip_weights))
+    torch.testing.assert_close(reward(images=pil, prompts=prompts), expected, rtol=1e-4, atol=1e-5)
+    # the tensor path sees the same pixels once rounded to uint8
+    rounded = torch.stack([pil_to_tensor(p) for p in pil])
+    torch.testing.assert_close(reward(images=rounded, prompts=prompts), expected, rtol=1e-4, atol=1e-5)
+    assert expected.abs().max() <= 1.0 and expected.std() > 0
+
+
+def test_resize_matches_open_clip_transform(open_clip_model):
+    """Larger, non-square images: our tensor transform vs open-clip's PIL transform (resize + centre crop)."""
+    _, preprocess, _ = open_clip_model
+    y, x = torch.meshgrid(torch.linspace(0, 1, 72), torch.linspace(0, 1, 90), indexing="ij")
+    smooth = torch.stack([x, y, (x + y) / 2])  # [3, 72, 90], smooth so that resampling filters agree
+    pil = to_pil(smooth[None])[0]
+    cfg = open_clip_model[0].visual.preprocess_cfg
+    ours = clip_preprocess(pil_to_tensor(pil)[None], cfg["size"], cfg["mean"], cfg["std"])[0]
+    reference = preprocess(pil)
+    assert ours.shape == reference.shape == (3, 32, 32)
+    # resampling floats vs uint8 (PIL) differs by about one grey level: 1/255/std ~ 0.015
+    assert (ours - reference).abs().max() < 0.05
+
+
+def test_hpsv2_loads_checkpoint_and_scores_cosine(open_clip_name, hps_checkpoint, images, prompts):
+    import open_clip
+
+    reward = rewards.build("hpsv2", model_name=open_clip_name, checkpoint=str(hps_checkpoint))
+    state = torch.load(hps_checkpoint, weights_only=True)["state_dict"]
+    for key, value in reward.model.state_dict().items():
+        torch.testing.assert_close(value, state[key], rtol=0, atol=0)
+    model = open_clip.create_model(open_clip_name, output_dict=True).eval()
+    model.load_state_dict(state)
+    with torch.no_grad():
+        out = model(clip_preprocess(images, (32, 32), reward.mean, reward.std), reward.tokenizer(prompts))
+    # HPSv2 score.py: diag(image_features @ text_features.T) of the (normalised) output_dict features
+    expected = torch.diagonal(out["image_features"] @ out["text_features"].T)
+    torch.testing.assert_close(reward(images=images, prompts=prompts), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_hpsv2_rejects_a_checkpoint_of_another_architecture(open_clip_name, tmp_path):
+    path = tmp_path / "bad.pt"
+    torch.save({"state_dict": {"logit_scale": torch.tensor(1.0)}}, path)
+    with pytest.raises(ValueError, match="does not fit the model: missing"):
+        rewards.build("hpsv2", model_name=open_clip_name, checkpoint=str(path))
+    with pytest.raises(ValueError, match="version"):
+        rewards.build("hpsv2", version="v3", model_name=open_clip_name, checkpoint=str(path))
+
+
+def test_pickscore_matches_processor_path(hf_clip_dir, images, prompts):
+    from transformers import AutoProcessor, CLIPModel
+
+    model = CLIPModel.from_pretrained(hf_clip_dir).eval()
+    processor = AutoProcessor.from_pretrained(hf_clip_dir)
+    pil = to_pil(images)
+    # the PickScore reference inference: processor -> embeddings -> normalise -> logit_scale.exp() * dot
+    inputs = processor(
+        images=pil, text=prompts, padding=True, truncation=True, max_length=77, return_tensors="pt"
+    )
+    with torch.no_grad():
+        img = model.get_image_features(pixel_values=inputs["pixel_values"]).pooler_output
+        txt = model.get_text_features(
+            input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]
+        ).pooler_output
+    expected = model.logit_scale.exp() * (F.normalize(img, dim=-1) * F.normalize(txt, dim=-1)).sum(-1)
+    reward = rewards.build("pickscore", model_id=str(hf_clip_dir), processor_id=str(hf_clip_dir))
+    out = reward.score(images=pil, prompts=prompts)
+    torch.testing.assert_close(out.scores, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.scores, model.logit_scale.exp() * out.components["cosine"])
+
+
+def test_aesthetic_is_mlp_of_normalised_embedding(aesthetic_parts, images):
+    from transformers import CLIPImageProcessor, CLIPVisionModelWithProjection
+
+    from rewards.aesthetic import AestheticMLP
+
+    path, head_path = aesthetic_parts
+    model = CLIPVisionModelWithProjection.from_pretrained(path).eval()
+    pixel_values = CLIPImageProcessor.from_pretrained(path)(images=to_pil(images), return_tensors="pt")[
+        "pixel_values"
+    ]
+    head = AestheticMLP(16).eval()
+    head.load_state_dict(torch.load(head_path, weights_only=True))
+    assert sorted(head.state_dict()) == [
+        f"layers.{i}.{p}" for i in (0, 2, 4, 6, 7) for p in ("bias", "weight")
+    ]
+    with torch.no_grad():
+        expected = head(F.normalize(model(pixel_values=pixel_values).image_embeds, dim=-1))
+    reward = rewards.build("aesthetic", clip_model_id=str(path), head_path=str(head_path))
+    torch.testing.assert_close(reward(images=to_pil(images)), expected, rtol=1e-4, atol=1e-5)
+    # dropout is off: scoring is deterministic
+    torch.testing.assert_close(reward(images=images), reward(images=images), rtol=0, atol=0)
+
+
+def test_differentiable_scores_pass_gradients_to_pixels_only(
+    open_clip_name, open_clip_weights, images, prompts
+):
+    reward = rewards.build(
+        "clip_score", model_name=open_clip_name, pretrained=str(open_clip_weights), differentiable=True
+    )
+    pixels = images[:, :, :24, :28].clone().requires_grad_(True)  # odd size: gradient through the resize too
+    reward(images=pixels, prompts=prompts).sum().backward()
+    assert pixels.grad is not None and pixels.grad.abs().sum() > 0
+    assert all(p.grad is None and not p.requires_grad for p in reward.model.parameters())
+    # and the default is no graph at all
+    plain = rewards.build("clip_score", model_name=open_clip_name, pretrained=str(open_clip_weights))
+    assert not plain(images=pixels, prompts=prompts).requires_grad
+
+
+def test_image_inputs_are_validated(open_clip_name, open_clip_weights, images, prompts):
+    reward = rewards.build(
+        "clip_score", model_name=open_clip_name, pretrained=str(open_clip_weights), batch_size=3
+    )
+    with pytest.raises(ValueError, match="one prompt per image"):
+        reward(images=images, prompts=prompts[:3])
+    with pytest.raises(ValueError, match=r"\[B, 3, H, W\]"):
+        reward(images=images[:, :1], prompts=prompts)
+    with pytest.raises(ValueError, match="needs prompts"):
+        reward(images=images)
+    # PIL images of different sizes and modes in one batch; chunked by batch_size=3
+    mixed = [Image.new("L", (40, 30), 90), Image.new("RGBA", (32, 32)), *to_pil(images[:2])]
+    assert reward(images=mixed, prompts=prompts).shape == (4,)
+
+
+def test_imagereward_missing_package_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ImageReward", None)  # makes `import ImageReward` raise ImportError
+    with pytest.raises(ImportError, match=r"pip install mmrl\[imagereward\]"):
+        rewards.build("imagereward")
+
+
+def test_uint8_tensor_equals_float_tensor(open_clip_name, open_clip_weights, images, prompts):
+    reward = rewards.build("clip_score", model_name=open_clip_name, pretrained=str(open_clip_weights))
+    as_uint8 = (images * 255).round().to(torch.uint8)
+    torch.testing.assert_close(
+        reward(images=as_uint8, prompts=prompts), reward(images=as_uint8.float() / 255, prompts=prompts)
+    )
+    assert np.isfinite(reward(images=as_uint8, prompts=prompts).numpy()).all()

@@ -1,0 +1,184 @@
+"""Text verifiers on a table of tricky answers; malformed completions score 0 with a reason, never raise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rewards
+
+# (completion, ground truth, expected score)
+MATH_CASES = [
+    ("<answer>\\frac{1}{2}</answer>", "0.5", 1.0),
+    ("<answer>1/2</answer>", "\\frac{1}{2}", 1.0),
+    ("so the result is $\\boxed{\\dfrac{3}{4}}$", "0.75", 1.0),
+    ("<answer>12 cm</answer>", "12", 1.0),
+    ("<answer>x = 2</answer>", "2", 1.0),
+    ("<answer>\\{1, 2\\}</answer>", "\\{2,1\\}", 1.0),
+    ("<answer>2, 3</answer>", "$3, 2$", 1.0),
+    ("<answer>  1,000 </answer>", "1000", 1.0),
+    ("<answer>\\frac{\\sqrt{2}}{2}</answer>", "$\\sqrt{2}/2$", 1.0),
+    ("<answer>0.3333</answer>", "\\frac{1}{3}", 0.0),  # not equal at 6 decimals
+    ("<answer>3</answer>", "4", 0.0),
+    ("<answer>5</answer> wait, no: <answer>6</answer>", "6", 1.0),  # the last answer span counts
+    ("", "1", 0.0),
+]
+
+NUMERIC_CASES = [
+    ("<answer>12 cm</answer>", 12, 1.0),
+    ("<answer>3/4</answer>", "0.75", 1.0),
+    ("<answer>\\frac{3}{4}</answer>", 0.75, 1.0),
+    ("<answer>1,234.5</answer>", "1234.5", 1.0),
+    ("<answer>1.5 \\times 10^{3}</answer>", 1500, 1.0),
+    ("<answer>−7</answer>", -7, 1.0),  # unicode minus
+    ("<answer>-7</answer>", 7, 0.0),
+    ("<answer>50%</answer>", 50, 1.0),
+    ("<answer>3.14159</answer>", 3.1416, 1.0),  # within rel_tol 1e-4
+    ("<answer>3.14</answer>", 3.1416, 0.0),
+    ("I computed it: \\boxed{42}. Done in 3 steps", 42, 1.0),  # \boxed wins over later numbers
+    ("<answer>x = 5</answer>", ["4", "5"], 1.0),  # several acceptable answers
+    ("<answer>seven</answer>", 7, 0.0),
+    ("<answer>1/0</answer>", 1, 0.0),
+]
+
+EXACT_CASES = [
+    ("<answer>Red</answer>", "red", 1.0),
+    ("<answer>  two   red\ncircles. </answer>", "Two red circles", 1.0),
+    ('<answer>"blue"</answer>', "blue", 1.0),
+    ("<answer>-3</answer>", "3", 0.0),  # signs are not punctuation
+    ("blue", "blue", 1.0),  # no span: the whole completion
+    ("<answer>square</answer>", ["circle", "square"], 1.0),
+    ("<answer>squares</answer>", "square", 0.0),
+    ("<answer></answer>", "", 0.0),
+]
+
+CHOICE_CASES = [
+    ("<answer>B</answer>", "B", 1.0),
+    ("<answer>(b)</answer>", "B", 1.0),
+    ("<answer>B. the red one</answer>", "B", 1.0),
+    ("After thinking, the answer is (C).", "C", 1.0),
+    ("Answer: d", "D", 1.0),
+    ("<answer>A, C</answer>", "A,C", 1.0),
+    ("<answer>(A) and (C)</answer>", ["A", "C"], 1.0),
+    ("<answer>A, C</answer>", "A", 0.0),  # listing options for a single-answer question
+    ("<answer>C</answer>", "A,C", 0.0),
+    ("A cat is an animal.", "A", 0.0),  # a word, not a choice
+    ("<answer>K</answer>", "B", 0.0),  # not among the choices
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "cases"),
+    [
+        ("math_verify", MATH_CASES),
+        ("numeric", NUMERIC_CASES),
+        ("exact_match", EXACT_CASES),
+        ("multiple_choice", CHOICE_CASES),
+    ],
+)
+def test_verifier_table(name, cases) -> None:
+    completions, truths, expected = zip(*cases, strict=True)
+    out = rewards.build(name).score(completions=list(completions), ground_truths=list(truths))
+    wrong = [
+        (c, t, e, s, r)
+        for c, t, e, s, r in zip(completions, truths, expected, out.scores.tolist(), out.reasons, strict=True)
+        if s != e
+    ]
+    assert not wrong, wrong
+    # every 0 says why; every 1 has nothing to say
+    assert all((r is None) == (s == 1.0) for s, r in zip(out.scores.tolist(), out.reasons, strict=True))
+
+
+FORMAT_CASES = [
+    ("<think>count them</think><answer>3</answer>", 1.0),
+    ("  <think>a\nb</think>\n\n<answer>3</answer>\n", 1.0),
+    ("<answer>3</answer>", 0.0),
+    ("<think>x</think>", 0.0),
+    ("<answer>3</answer><think>x</think>", 0.0),
+    ("Sure! <think>x</think><answer>3</answer>", 0.0),
+    ("<think>x</think><answer>3</answer> hope this helps", 0.0),
+    ("<think>x</think><answer>  </answer>", 0.0),
+    ("<think>x</think><answer>3</answer><answer>4</answer>", 0.0),
+    ("<think><think>x</think></think><answer>3</answer>", 0.0),
+]
+
+
+def test_format_table() -> None:
+    completions, expected = zip(*FORMAT_CASES, strict=True)
+    out = rewards.build("format").score(completions=list(completions))
+    assert out.scores.tolist() == list(expected)
+    assert [r is None for r in out.reasons] == [e == 1.0 for e in expected]
+
+
+def test_format_configurable_tags() -> None:
+    loose = rewards.build("format", think_tag="reasoning", answer_tag="final", allow_outside_text=True)
+    scores = loose(
+        completions=[
+            "ok: <reasoning>r</reasoning> <final>3</final> done",
+            "<think>r</think><answer>3</answer>",
+        ]
+    )
+    assert scores.tolist() == [1.0, 0.0]
+    answer_only = rewards.build("format", think_tag="")
+    assert answer_only(completions=["<answer>3</answer>", "<think>x</think><answer>3</answer>"]).tolist() == [
+        1.0,
+        0.0,
+    ]
+
+
+def test_malformed_completions_never_raise() -> None:
+    malformed = [
+        None,
+        17,
+        b"bytes",
+        {"role": "assistant"},
+        [],
+        "<answer>",
+        "\\frac{",
+        "<answer>\\boxed{</answer>",
+    ]
+    for name in ("math_verify", "numeric", "exact_match", "multiple_choice", "format"):
+        out = rewards.build(name).score(completions=malformed, ground_truths=["1"] * len(malformed))
+        assert out.scores.tolist() == [0.0] * len(malformed), name
+        assert all(isinstance(r, str) and r for r in out.reasons), (name, out.reasons)
+
+
+def test_chat_message_completions() -> None:
+    chats = [
+        [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<answer>4</answer>"}],
+        [
+            {
+                "role": "assistant",
+                "content": [{"type": "text", "text": "<answer>"}, {"type": "text", "text": "5</answer>"}],
+            }
+        ],
+    ]
+    assert rewards.build("numeric")(completions=chats, ground_truths=[4, 4]).tolist() == [1.0, 0.0]
+
+
+def test_require_answer_tag_and_length_errors() -> None:
+    strict = rewards.build("exact_match", require_answer_tag=True)
+    out = strict.score(completions=["blue", "<answer>blue</answer>"], ground_truths=["blue", "blue"])
+    assert out.scores.tolist() == [0.0, 1.0]
+    assert "no <answer>" in out.reasons[0]
+    # a batch the caller built wrongly is an error, not a zero
+    with pytest.raises(ValueError, match="one per completion"):
+        strict(completions=["a", "b"], ground_truths=["a"])
+    with pytest.raises(ValueError, match="needs ground_truths"):
+        strict(completions=["a"])
+    with pytest.raises(ValueError, match="single string"):
+        strict(completions="a", ground_truths=["a"])
+
+
+def test_math_verify_in_a_worker_thread() -> None:
+    """The reward server scores in a worker thread, where math-verify's SIGALRM timeout cannot be armed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    reward = rewards.build("math_verify")
+    with ThreadPoolExecutor(1) as pool:
+        scores = pool.submit(
+            reward,
+            completions=["<answer>\\frac{2}{4}</answer>", "<answer>1</answer>"],
+            ground_truths=["0.5", "2"],
+        ).result()
+    torch.testing.assert_close(scores, torch.tensor([1.0, 0.0]))
