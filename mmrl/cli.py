@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from mmrl.config import ConfigError, apply_overrides, load_yaml, to_yaml, validate
 from mmrl.recipes import get_recipe, list_recipes
@@ -11,7 +13,7 @@ from mmrl.recipes import get_recipe, list_recipes
 __all__ = ["main"]
 
 
-def _resolve(config_path: str, overrides: list[str]):
+def _recipe_of(config_path: str, overrides: list[str]):
     data = apply_overrides(load_yaml(config_path), overrides)
     name = data.get("recipe")
     if name is None:
@@ -20,6 +22,11 @@ def _resolve(config_path: str, overrides: list[str]):
         recipe = get_recipe(str(name))
     except KeyError as err:
         raise ConfigError(f"{config_path}: {err.args[0]}") from None
+    return recipe, data
+
+
+def _resolve(config_path: str, overrides: list[str]):
+    recipe, data = _recipe_of(config_path, overrides)
     schema, entry = recipe.load()
     return validate(schema, data), entry
 
@@ -27,6 +34,32 @@ def _resolve(config_path: str, overrides: list[str]):
 def _cmd_train(args: argparse.Namespace) -> int:
     cfg, entry = _resolve(args.config, args.overrides)
     entry(cfg)
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from mmrl.checkpoint import latest_checkpoint
+
+    target = Path(args.target)
+    checkpoint = Path(args.checkpoint) if args.checkpoint else None
+    if target.is_dir():
+        config_path = target / "config.yaml"
+        if not config_path.is_file():
+            raise ConfigError(f"{target} is not a run directory (no config.yaml)")
+        if checkpoint is None:
+            checkpoint = latest_checkpoint(target / "checkpoints")
+            if checkpoint is None:
+                raise ConfigError(f"run directory {target} has no checkpoint to evaluate")
+        out = Path(args.out) if args.out else target / "eval" / (checkpoint.name if checkpoint else "base")
+    else:
+        config_path = target
+        out = Path(args.out) if args.out else Path("runs") / "eval" / target.stem
+    recipe, data = _recipe_of(str(config_path), args.overrides)
+    schema, _ = recipe.load()
+    cfg = validate(schema, data)
+    summary = recipe.load_evaluate()(cfg, args.prompts, out, checkpoint, args.images_per_prompt)
+    print(json.dumps(summary, indent=2))
+    print(f"scores and grid written to {out}")
     return 0
 
 
@@ -60,6 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-5 run.name=try2")
     p.set_defaults(func=_cmd_train)
 
+    p = sub.add_parser("eval", help="score a base model (CONFIG) or a run's checkpoint (RUN_DIR) on a prompt file")
+    p.add_argument("target", help="a recipe config (base model) or a run directory (its latest checkpoint)")
+    p.add_argument("overrides", nargs="*", help="dotted config overrides")
+    p.add_argument("--prompts", help="prompt file, one per line (default: the config's eval_prompts)")
+    p.add_argument("--checkpoint", help="a checkpoint folder to load instead of the run's latest")
+    p.add_argument("--images-per-prompt", type=int, default=1)
+    p.add_argument("--out", help="output folder (default: RUN_DIR/eval/CHECKPOINT or runs/eval/CONFIG)")
+    p.set_defaults(func=_cmd_eval)
+
     p = sub.add_parser("config", help="validate a config and print it resolved (all defaults filled in)")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
@@ -79,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, FileExistsError, FileNotFoundError) as err:
+    except (ConfigError, FileExistsError, FileNotFoundError, ValueError) as err:
         print(f"mmrl: error: {err}", file=sys.stderr)
         return 2
 

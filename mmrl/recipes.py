@@ -25,9 +25,17 @@ class Recipe:
         mod = importlib.import_module(self.module)
         return getattr(mod, self.config_class), mod.main
 
+    def load_evaluate(self) -> Callable[..., Any]:
+        """The recipe's ``evaluate(cfg, prompts_file, out_dir, checkpoint, images_per_prompt)``."""
+        mod = importlib.import_module(self.module)
+        if not hasattr(mod, "evaluate"):
+            raise ValueError(f"recipe {self.module} has no evaluate(); `mmrl eval` does not apply to it")
+        return mod.evaluate
+
 
 _RECIPES: dict[str, Recipe] = {
     "bandit": Recipe("mmrl.bandit.trainer", "BanditRecipeConfig", "core demo: GRPO on a synthetic contextual bandit"),
+    "flow_grpo": Recipe("mmrl.flow.trainer", "FlowGRPOConfig", "flow-matching GRPO / DiffusionNFT for text-to-image/video"),
 }
 
 

@@ -80,7 +80,7 @@ KINDS: tuple[PromptKind, ...] = ("single", "count", "pair", "relation")
 #: default held-out fraction of the prompt split
 HELDOUT_FRACTION = 0.2
 #: object size (side of the bounding box) as a fraction of the canvas side
-SIZE_RANGE = (0.22, 0.34)
+SIZE_RANGE = (0.25, 0.36)
 #: background grey level range (light, so every palette colour stands out) and per-channel tint
 BACKGROUND_RANGE = (175, 245)
 BACKGROUND_TINT = 6

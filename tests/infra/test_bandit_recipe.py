@@ -59,7 +59,7 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, monkeypatch):
 def test_existing_run_directory_is_never_clobbered(tmp_path):
     main(cfg_for(tmp_path, "once", "trainer.steps=2"))
     before = (tmp_path / "once/metrics.jsonl").read_text()
-    with pytest.raises(FileExistsError, match="run.resume=true"):
+    with pytest.raises(FileExistsError, match=r"run\.resume=true"):
         main(cfg_for(tmp_path, "once", "trainer.steps=2"))
     assert (tmp_path / "once/metrics.jsonl").read_text() == before
 

@@ -57,7 +57,7 @@ def test_malformed_files(tmp_path, text, match):
 def test_missing_file_and_bad_override(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(Recipe, "/nonexistent/c.yaml")
-    with pytest.raises(ConfigError, match="key.sub=value"):
+    with pytest.raises(ConfigError, match=r"key\.sub=value"):
         load_config(Recipe, None, ["trainer.lr"])
     with pytest.raises(ConfigError, match="is a value"):
         load_config(Recipe, write(tmp_path, "trainer:\n  lr: 0.1\n"), ["trainer.lr.x=1"])

@@ -1,0 +1,50 @@
+"""Exponential moving average of trainable parameters, swapped in for evaluation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+__all__ = ["EMA"]
+
+
+class EMA:
+    """``ema <- decay * ema + (1 - decay) * param`` over the trainable parameters of ``module``.
+
+    ``with ema.swapped(): evaluate()`` runs with the averaged weights and restores the live ones afterwards.
+    """
+
+    def __init__(self, module: nn.Module, decay: float) -> None:
+        if not 0 < decay < 1:
+            raise ValueError(f"EMA decay must be in (0, 1), got {decay}")
+        self.decay = decay
+        self.params = {n: p for n, p in module.named_parameters() if p.requires_grad}
+        self.shadow = {n: p.detach().clone() for n, p in self.params.items()}
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for name, p in self.params.items():
+            self.shadow[name].lerp_(p.detach(), 1.0 - self.decay)
+
+    @contextmanager
+    def swapped(self) -> Iterator[None]:
+        live = {n: p.detach().clone() for n, p in self.params.items()}
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(self.shadow[n])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    p.copy_(live[n])
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {n: t.clone() for n, t in self.shadow.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for n in self.shadow:
+            self.shadow[n].copy_(state[n])

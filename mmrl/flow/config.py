@@ -1,0 +1,153 @@
+"""Config of the flow-matching GRPO recipe (``recipe: flow_grpo``): one section per component."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import model_validator
+
+from mmrl.config import Config, Field, RunConfig
+
+__all__ = [
+    "FlowAllocationConfig",
+    "FlowGRPOConfig",
+    "FlowModelConfig",
+    "FlowSamplingConfig",
+    "FlowTrainerConfig",
+    "LoraSettings",
+    "RewardSpec",
+]
+
+
+class LoraSettings(Config):
+    rank: int = Field(8, ge=1, description="LoRA rank r (Flow-GRPO: 32 for SD3.5-M).")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha / r.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"],
+        description="Module names that get adapters (attention projections of the diffusers transformers).",
+    )
+
+
+class FlowModelConfig(Config):
+    family: Literal["shapes", "sd3", "flux", "sana", "wan"] = Field(
+        "shapes", description="Adapter family (pipelines/flow/adapters)."
+    )
+    path: str = Field("checkpoints/shapes_flow", description="Hub id or local diffusers directory.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Weights dtype; bfloat16 on GPUs. The SDE math is always float32."
+    )
+    device: str = Field("auto", description="'auto' (cuda when available, else cpu), 'cpu', 'cuda', 'cuda:1'...")
+    lora: LoraSettings | None = Field(
+        default_factory=LoraSettings, description="LoRA settings; null trains the full transformer."
+    )
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (less memory).")
+    init_lora: str | None = Field(None, description="Start from a saved LoRA (a checkpoint's adapter folder).")
+
+
+class RewardSpec(Config):
+    name: str = Field(description="Registered reward name (rewards.list_rewards()).")
+    weight: float = Field(1.0, description="Weight in the sum (or in GDPO's weighted sum).")
+    options: dict[str, Any] = Field(default_factory=dict, description="Keyword options of rewards.build.")
+
+
+class FlowSamplingConfig(Config):
+    num_steps: int = Field(10, ge=1, description="Denoising steps of training rollouts (Flow-GRPO: 10).")
+    eval_num_steps: int = Field(10, ge=1, description="ODE steps of evaluation samples.")
+    guidance_scale: float = Field(1.0, ge=1.0, description="CFG scale (1: no CFG). SD3.5: 4.5.")
+    noise_level: float = Field(0.7, gt=0, description="SDE noise a (Flow-GRPO 0.7) or eta (DanceGRPO).")
+    sde_kind: Literal["flow_grpo", "dance", "cps"] = Field("flow_grpo", description="SDE variant.")
+    sde_window: int | None = Field(
+        None, ge=1, description="SDE steps per rollout (a window; ODE elsewhere). null: every step is SDE."
+    )
+    window_schedule: Literal["random", "sliding", "fixed"] = Field(
+        "random", description="Where the SDE window sits each step (MixGRPO slides it, Flow-GRPO-Fast draws it)."
+    )
+    height: int = Field(32, ge=8, description="Image height in pixels.")
+    width: int = Field(32, ge=8, description="Image width in pixels.")
+    num_frames: int | None = Field(None, ge=1, description="Video frames (Wan).")
+    shared_noise: bool = Field(False, description="One initial noise per prompt group.")
+    negative_prompt: str = Field("", description="Unconditional prompt for CFG.")
+    max_batch_size: int | None = Field(None, ge=1, description="Largest transformer batch per forward.")
+
+
+class FlowAllocationConfig(Config):
+    selection: Literal["uniform", "thompson", "priority"] = Field("uniform", description="Prompt selection.")
+    method: Literal["uniform", "knapsack", "sqrt"] = Field("uniform", description="Rollout allocation.")
+    prompts_per_step: int = Field(8, ge=1, description="Prompts per step.")
+    rollouts_per_step: int = Field(64, ge=1, description="Images generated per step (sum of group sizes).")
+    n_min: int = Field(2, ge=1, description="Fewest images per prompt.")
+    n_max: int | None = Field(None, ge=1, description="Most images per prompt.")
+    rho: float = Field(1.0, gt=0, le=1, description="Forgetting factor of the prompt statistics store.")
+
+    @model_validator(mode="after")
+    def _budget_fits(self) -> FlowAllocationConfig:
+        if self.rollouts_per_step < self.prompts_per_step * self.n_min:
+            raise ValueError(
+                f"rollouts_per_step ({self.rollouts_per_step}) must be >= prompts_per_step * n_min "
+                f"({self.prompts_per_step} * {self.n_min})"
+            )
+        return self
+
+
+class FlowTrainerConfig(Config):
+    objective: Literal["grpo", "nft"] = Field(
+        "grpo", description="grpo: clipped ratio on SDE log-probs; nft: DiffusionNFT (likelihood-free)."
+    )
+    steps: int = Field(100, ge=1, description="Training steps (one rollout batch each).")
+    lr: float = Field(3e-4, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(1e-4, ge=0, description="AdamW weight decay.")
+    optimizer: Literal["adamw", "adamw8bit"] = Field("adamw", description="adamw8bit: bitsandbytes 8-bit AdamW.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    advantage: Literal["grpo", "dr_grpo", "rloo", "global_std"] = Field("grpo", description="Advantage estimator.")
+    multi_reward: Literal["weighted_sum", "gdpo"] = Field(
+        "weighted_sum", description="How several rewards combine: weighted sum then GRPO, or GDPO."
+    )
+    adv_clip_max: float = Field(5.0, gt=0, description="Advantages are clipped to [-x, x] (Flow-GRPO: 5).")
+    epsilon_low: float = Field(1e-4, ge=0, description="Lower clip of the ratio (Flow-GRPO: 1e-4).")
+    epsilon_high: float | None = Field(None, ge=0, description="Upper clip (default epsilon_low).")
+    beta: float = Field(0.004, ge=0, description="KL coefficient on SDE means to the reference (Flow-GRPO: .004).")
+    timestep_fraction: float = Field(
+        1.0, gt=0, le=1, description="Share of SDE steps trained per sample (Flow-GRPO-Fast subsampling)."
+    )
+    train_cfg: bool = Field(
+        True, description="Log-probs with CFG as sampled (true) or CFG-free (false, one forward per transition)."
+    )
+    minibatch_size: int = Field(32, ge=1, description="Transitions per forward/backward.")
+    gradient_accumulation: int = Field(
+        0, ge=0, description="Minibatches per optimizer step (0: one optimizer step per rollout batch)."
+    )
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
+    drop_zero_advantage: bool = Field(True, description="Skip samples whose advantage is exactly 0.")
+    nft_beta: float = Field(1.0, gt=0, description="DiffusionNFT implicit-policy strength.")
+    nft_timesteps: int = Field(2, ge=1, description="DiffusionNFT noise levels sampled per image.")
+    ema_decay: float | None = Field(None, gt=0, lt=1, description="EMA of trainable weights for eval (null: off).")
+    eval_every: int = Field(10, ge=1, description="Evaluate on held-out prompts every this many steps.")
+    eval_prompts: int = Field(64, ge=1, description="Held-out prompts scored per evaluation.")
+    eval_images_per_prompt: int = Field(1, ge=1, description="Images per held-out prompt.")
+    sample_every: int = Field(10, ge=1, description="Save an image grid of training samples every N steps.")
+
+
+class FlowGRPOConfig(Config):
+    recipe: Literal["flow_grpo"] = Field("flow_grpo", description="Which recipe this config runs.")
+    run: RunConfig = Field(default_factory=lambda: RunConfig(name="flow_grpo"))
+    model: FlowModelConfig = Field(default_factory=FlowModelConfig)
+    train_prompts: str = Field("shapes:train", description="Prompt file or shapes:train.")
+    eval_prompts: str = Field("shapes:heldout", description="Prompt file or shapes:heldout.")
+    rewards: list[RewardSpec] = Field(
+        default_factory=lambda: [RewardSpec(name="shapes")], description="Rewards and their weights."
+    )
+    sampling: FlowSamplingConfig = Field(default_factory=FlowSamplingConfig)
+    allocation: FlowAllocationConfig = Field(default_factory=FlowAllocationConfig)
+    trainer: FlowTrainerConfig = Field(default_factory=FlowTrainerConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> FlowGRPOConfig:
+        if not self.rewards:
+            raise ValueError("rewards: at least one reward is needed")
+        w = self.sampling.sde_window
+        if w is not None and w > self.sampling.num_steps:
+            raise ValueError(f"sampling.sde_window ({w}) exceeds sampling.num_steps ({self.sampling.num_steps})")
+        if self.trainer.objective == "grpo" and self.sampling.sde_kind == "cps" and w is None:
+            raise ValueError("sde_kind=cps adds no noise at the last step: set sampling.sde_window < num_steps")
+        return self

@@ -1,0 +1,583 @@
+"""Flow-matching GRPO for text-to-image and text-to-video models (``recipe: flow_grpo``).
+
+Lifecycle: ``FlowGRPOTrainer(cfg, run)`` -> ``setup()`` -> ``train()`` -> ``cleanup()``; ``main(cfg)`` does all four.
+One training step:
+
+1. pick prompts and split the image budget over them (core: selection + allocation from the statistics store);
+2. roll out groups with SDE log-probs (pipelines/flow/rollout.py), SDE steps in a window when configured;
+3. score the images (rewards/), fold the rewards into the statistics store;
+4. advantages per prompt group (GRPO / Dr.GRPO / RLOO / global std; GDPO for several rewards), clipped;
+5. GRPO: re-score the stored SDE transitions under the current weights, clipped ratio loss + KL on the SDE means
+   to the reference (the LoRA switched off) (Flow-GRPO, arXiv 2505.05470 eq. 8-10);
+   NFT: DiffusionNFT's negative-aware flow-matching loss on the final images (arXiv 2509.16117).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import rewards as reward_registry
+from mmrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from mmrl.core import advantages as adv_lib
+from mmrl.core import allocation as alloc_lib
+from mmrl.core import losses as loss_lib
+from mmrl.core.groups import effective_ratio, make_groups
+from mmrl.core.stats import PromptStats
+from mmrl.data.prompts import load_prompts
+from mmrl.ema import EMA
+from mmrl.flow.config import FlowGRPOConfig
+from mmrl.images import make_grid, tensor_to_pil
+from mmrl.progress import TrainProgress
+from mmrl.run import MetricAccumulator, Run
+from mmrl.seeding import get_rng_state, seed_everything, set_rng_state
+from pipelines.flow.adapters import FlowAdapter, load_adapter
+from pipelines.flow.rollout import Rollout, SamplingConfig, TransitionBatch, rescore, rollout
+
+__all__ = ["FlowGRPOTrainer", "evaluate", "main"]
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EVAL_SEED = 1234  # evaluation noise is the same at every evaluation, so scores are comparable across steps
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"model.device={name!r} but no CUDA device is available; use 'cpu' or 'auto'")
+    return device
+
+
+class FlowGRPOTrainer:
+    """GRPO / DiffusionNFT over any flow adapter, with the core's selection, allocation and advantages."""
+
+    def __init__(self, cfg: FlowGRPOConfig, run: Run | None = None) -> None:
+        self.cfg = cfg
+        self.run = run
+        self.step = 0
+        self.nfe_total = 0
+        self.metrics = MetricAccumulator()
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, for_training: bool = True) -> None:
+        cfg = self.cfg
+        # 1. seeds and device; one process per GPU under `accelerate launch`
+        self.rank, self.world_size = _dist_rank_world()
+        self.generator = seed_everything(cfg.run.seed + self.rank)
+        self.device = resolve_device(cfg.model.device)
+        if self.world_size > 1 and self.device.type == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        # 2. model
+        self.adapter: FlowAdapter = load_adapter(
+            cfg.model.family, cfg.model.path, torch_dtype=_DTYPES[cfg.model.dtype], device=self.device
+        )
+        transformer = self.adapter.transformer
+        transformer.requires_grad_(False)
+        for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"):
+            module = getattr(self.adapter.pipe, name, None)
+            if module is not None:
+                module.requires_grad_(False)
+        self.reference: torch.nn.Module | None = None
+        if cfg.model.lora is not None:
+            from peft import LoraConfig
+
+            lora = cfg.model.lora
+            transformer.add_adapter(
+                LoraConfig(
+                    r=lora.rank,
+                    lora_alpha=lora.alpha,
+                    lora_dropout=lora.dropout,
+                    target_modules=list(lora.target_modules),
+                    init_lora_weights="gaussian",
+                )
+            )
+            if cfg.model.init_lora:
+                self._load_lora(Path(cfg.model.init_lora))
+        else:
+            transformer.requires_grad_(True)
+            if cfg.trainer.beta > 0 and for_training:
+                self.reference = copy.deepcopy(transformer).requires_grad_(False).eval()
+        if cfg.model.gradient_checkpointing:
+            transformer.enable_gradient_checkpointing()
+        self.trainable = [p for p in transformer.parameters() if p.requires_grad]
+        # 3. rewards and prompts
+        self.rewards = [reward_registry.build(spec.name, **spec.options) for spec in cfg.rewards]
+        self.reward_weights = torch.tensor([spec.weight for spec in cfg.rewards], dtype=torch.float32)
+        self.eval_pool = load_prompts(cfg.eval_prompts)
+        if not for_training:
+            return
+        self.train_pool = load_prompts(cfg.train_prompts)
+        overlap = set(self.train_pool) & set(self.eval_pool)
+        if overlap:
+            logger.warning("%d prompts are both train and eval prompts, e.g. %r", len(overlap), next(iter(overlap)))
+        if cfg.allocation.prompts_per_step > len(self.train_pool):
+            raise ValueError(
+                f"allocation.prompts_per_step ({cfg.allocation.prompts_per_step}) exceeds the "
+                f"{len(self.train_pool)} train prompts of {cfg.train_prompts}"
+            )
+        # 4. optimizer, statistics store, EMA
+        self.optimizer = self._make_optimizer()
+        self.stats = PromptStats(rho=cfg.allocation.rho)
+        self.ema = EMA(transformer, cfg.trainer.ema_decay) if cfg.trainer.ema_decay else None
+        # 5. resume
+        if self.run is not None:
+            ckpt = self.run.resume_checkpoint()
+            if ckpt is not None:
+                self.load_state(load_checkpoint(ckpt, map_location="cpu"))
+                self.run.truncate_metrics(self.step)
+                logger.info("resumed from %s at step %d", ckpt, self.step)
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        t = self.cfg.trainer
+        if not self.trainable:
+            raise ValueError("no trainable parameters: check model.lora.target_modules against the transformer")
+        if t.optimizer == "adamw8bit":
+            try:
+                import bitsandbytes as bnb
+            except ImportError as err:
+                raise ImportError("trainer.optimizer=adamw8bit needs bitsandbytes (pip install bitsandbytes)") from err
+            return bnb.optim.AdamW8bit(self.trainable, lr=t.lr, weight_decay=t.weight_decay)
+        return torch.optim.AdamW(self.trainable, lr=t.lr, weight_decay=t.weight_decay)
+
+    # ------------------------------------------------------------------ policies
+    @contextmanager
+    def reference_policy(self) -> Iterator[None]:
+        """Run the adapter as the reference policy: the LoRA switched off, or the frozen start copy."""
+        transformer = self.adapter.transformer
+        if self.cfg.model.lora is not None:
+            transformer.disable_adapters()
+            try:
+                yield
+            finally:
+                transformer.enable_adapters()
+        else:
+            if self.reference is None:
+                raise RuntimeError("no reference policy: full fine-tuning keeps one only when trainer.beta > 0")
+            live = self.adapter.pipe.transformer
+            self.adapter.pipe.transformer = self.reference
+            try:
+                yield
+            finally:
+                self.adapter.pipe.transformer = live
+
+    # ------------------------------------------------------------------ rewards
+    def score(self, images: torch.Tensor, prompts: list[str]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``([B, K] raw rewards, components for logging)``; a reward that raises stops the run with its name."""
+        pil = tensor_to_pil(images) if images.ndim == 4 else None
+        columns, components = [], {}
+        for spec, reward in zip(self.cfg.rewards, self.rewards, strict=True):
+            batch = {"images": pil, "prompts": prompts} if pil is not None else {"videos": images, "prompts": prompts}
+            try:
+                out = reward.score(**batch)
+            except Exception as err:
+                raise RuntimeError(f"reward {spec.name!r} failed on a batch of {len(prompts)} samples: {err}") from err
+            scores = out.scores.detach().float().cpu()
+            if scores.shape != (len(prompts),) or not bool(torch.isfinite(scores).all()):
+                raise RuntimeError(f"reward {spec.name!r} returned {tuple(scores.shape)} scores with NaN/inf or wrong size")
+            columns.append(scores)
+            for name, value in out.components.items():
+                components[f"reward/{spec.name}/{name}"] = value.detach().float().cpu()
+        return torch.stack(columns, dim=1), components
+
+    def combine(self, raw: torch.Tensor) -> torch.Tensor:
+        """Weighted sum of the rewards ``[B]`` (what is logged and stored as the prompt's reward)."""
+        return raw @ self.reward_weights
+
+    def advantages(self, raw: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+        t = self.cfg.trainer
+        if raw.shape[1] > 1 and t.multi_reward == "gdpo":
+            adv = adv_lib.decoupled_multi_reward(raw, group_index, self.reward_weights)
+        else:
+            total = self.combine(raw)
+            if t.advantage == "rloo":
+                adv = adv_lib.rloo(total, group_index)
+            else:
+                std = {"grpo": "group", "dr_grpo": "none", "global_std": "global"}[t.advantage]
+                adv = adv_lib.group_normalized(total, group_index, std=std)
+        return adv_lib.clip_advantages(adv, t.adv_clip_max)
+
+    # ------------------------------------------------------------------ one step
+    def sampling_config(self) -> SamplingConfig:
+        s = self.cfg.sampling
+        window = None
+        if s.sde_window is not None:
+            span = s.num_steps - s.sde_window
+            if s.window_schedule == "fixed":
+                start = 0
+            elif s.window_schedule == "sliding":
+                start = self.step % (span + 1)
+            else:
+                start = int(torch.randint(0, span + 1, (1,), generator=self.generator))
+            window = (start, start + s.sde_window)
+        return SamplingConfig(
+            num_steps=s.num_steps,
+            guidance_scale=s.guidance_scale,
+            noise_level=s.noise_level,
+            sde_kind=s.sde_kind,
+            sde_window=window,
+            height=s.height,
+            width=s.width,
+            num_frames=s.num_frames,
+            shared_noise=s.shared_noise,
+            negative_prompt=s.negative_prompt,
+            max_batch_size=s.max_batch_size,
+        )
+
+    def collect(self) -> tuple[Rollout, torch.Tensor]:
+        """Steps 1-4: returns ``(rollout, advantages [B])``."""
+        a = self.cfg.allocation
+        prompts = alloc_lib.sample_prompts(
+            self.stats, self.train_pool, a.prompts_per_step, method=a.selection, generator=self.generator
+        )
+        counts = alloc_lib.allocate(self.stats, prompts, a.rollouts_per_step, method=a.method, n_min=a.n_min,
+                                    n_max=a.n_max)
+        start = time.perf_counter()
+        self.adapter.transformer.eval()
+        ro = rollout(self.adapter, prompts, counts.tolist(), self.sampling_config(), generator=self.generator)
+        self.metrics.add("time/rollout_s", time.perf_counter() - start)
+        raw, components = self.score(ro.images, ro.prompts)
+        total = self.combine(raw)
+        self.stats.update_distributed(ro.prompts, total, step=self.step)
+        adv = self.advantages(raw, ro.group_index)
+        groups = make_groups(ro.group_index)
+        self.metrics.add("reward/mean", total.mean(), count=total.numel())
+        for k, spec in enumerate(self.cfg.rewards):
+            self.metrics.add(f"reward/{spec.name}/mean", raw[:, k].mean(), count=total.numel())
+        for name, value in components.items():
+            self.metrics.add(name, value.mean(), count=total.numel())
+        self.metrics.add("train/effective_ratio", effective_ratio(total, ro.group_index))
+        self.metrics.add("train/zero_std_frac", float((groups.std(total.double()) == 0).double().mean()))
+        self.metrics.add("rollouts/per_prompt_min", counts.min().float())
+        self.metrics.add("rollouts/per_prompt_max", counts.max().float())
+        self.metrics.add("nfe/rollout", float(ro.nfe))
+        self.nfe_total += ro.nfe
+        return ro, adv
+
+    def _train_steps(self, ro: Rollout) -> torch.Tensor:
+        """SDE steps whose transitions are trained this step (timestep subsampling)."""
+        sde = torch.nonzero(ro.sde_steps).flatten()
+        keep = max(1, math.ceil(self.cfg.trainer.timestep_fraction * sde.numel()))
+        order = torch.randperm(sde.numel(), generator=self.generator)[:keep]
+        return sde[order.sort().values]
+
+    def _optimizer_step(self) -> None:
+        _all_reduce_grads(self.trainable, self.world_size)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.trainer.max_grad_norm)
+        self.metrics.add("train/grad_norm", grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update()
+
+    def grpo_update(self, ro: Rollout, adv: torch.Tensor) -> None:
+        t = self.cfg.trainer
+        trans: TransitionBatch = ro.transitions(self._train_steps(ro))
+        adv_t = adv[trans.sample_index]
+        if t.drop_zero_advantage:
+            keep = torch.nonzero(adv_t != 0).flatten()
+            if keep.numel() == 0:
+                self.metrics.add("train/skipped_no_signal", 1.0)
+                return
+            trans, adv_t = trans.select(keep), adv_t[keep]
+        cfg_scale = None if t.train_cfg else 1.0
+        nfe_each = self.adapter.nfe_per_sample(trans.guidance_scale if t.train_cfg else 1.0)
+        if t.train_cfg or trans.guidance_scale <= 1.0:
+            old_logp = trans.log_probs
+        else:
+            # CFG-free training of CFG-sampled transitions: the behaviour policy of the ratio is the CFG-free one.
+            with torch.no_grad():
+                old_logp = torch.cat([rescore(self.adapter, trans.select(idx), 1.0)[0].cpu()
+                                      for idx in torch.arange(len(trans)).split(t.minibatch_size)])
+            self.nfe_total += len(trans)
+        self.adapter.transformer.train()
+        n = len(trans)
+        for _ in range(t.ppo_epochs):
+            order = torch.randperm(n, generator=self.generator)
+            batches = list(order.split(t.minibatch_size))
+            accum = t.gradient_accumulation or len(batches)
+            for i, idx in enumerate(batches):
+                mb = trans.select(idx)
+                logp, mean, std = rescore(self.adapter, mb, cfg_scale)
+                a = adv_t[idx].to(logp.device)
+                old = old_logp[idx].to(logp.device)
+                per_sample = loss_lib.clipped_surrogate(logp, old, a, t.epsilon_low, t.epsilon_high)
+                loss = per_sample.mean()
+                self.nfe_total += len(mb) * nfe_each
+                if t.beta > 0:
+                    with torch.no_grad(), self.reference_policy():
+                        _, ref_mean, _ = rescore(self.adapter, mb, cfg_scale)
+                    kl = loss_lib.gaussian_mean_kl(mean, ref_mean, std)
+                    loss = loss + t.beta * kl.mean()
+                    self.metrics.add("policy/kl", kl.mean(), count=len(mb))
+                    self.nfe_total += len(mb) * nfe_each
+                (loss / accum).backward()
+                self.metrics.add("loss", loss, count=len(mb))
+                self.metrics.add("policy/ratio_mean", torch.exp(logp - old).mean(), count=len(mb))
+                self.metrics.add_dict(loss_lib.clip_fractions(logp, old, a, t.epsilon_low, t.epsilon_high), count=len(mb))
+                if (i + 1) % accum == 0 or i + 1 == len(batches):
+                    self._optimizer_step()
+
+    def nft_update(self, ro: Rollout, adv: torch.Tensor) -> None:
+        """DiffusionNFT on the final samples: ``r = clip(0.5 + 0.5 A / A_max, 0, 1)`` is each image's optimality."""
+        t = self.cfg.trainer
+        x0 = ro.latents[:, -1]  # [B, ...] clean samples
+        optimality = (0.5 + 0.5 * adv / t.adv_clip_max).clamp(0, 1)
+        batch = x0.shape[0]
+        rows = torch.arange(batch).repeat(t.nft_timesteps)  # [B*T]
+        sigma = torch.rand(rows.numel(), generator=self.generator) * 0.98 + 0.01
+        eps = torch.randn((rows.numel(), *x0.shape[1:]), generator=self.generator)
+        s = sigma.view(-1, *([1] * (x0.ndim - 1)))
+        x_t = (1 - s) * x0[rows] + s * eps
+        target = eps - x0[rows]
+        cond = ro.cond.select(rows)
+        with torch.no_grad():
+            self.adapter.transformer.eval()
+            v_old = torch.cat([
+                self.adapter.velocity(x_t[idx].to(self.device), sigma[idx].to(self.device), cond.select(idx), 1.0).cpu()
+                for idx in torch.arange(rows.numel()).split(t.minibatch_size)
+            ])
+        self.adapter.transformer.train()
+        order = torch.randperm(rows.numel(), generator=self.generator)
+        batches = list(order.split(t.minibatch_size))
+        accum = t.gradient_accumulation or len(batches)
+        for i, idx in enumerate(batches):
+            v = self.adapter.velocity(x_t[idx].to(self.device), sigma[idx].to(self.device), cond.select(idx), 1.0)
+            loss = loss_lib.diffusion_nft_loss(
+                v, v_old[idx].to(v.device), target[idx].to(v.device), optimality[rows[idx]].to(v.device), t.nft_beta
+            ).mean()
+            (loss / accum).backward()
+            self.metrics.add("loss", loss, count=len(idx))
+            if (i + 1) % accum == 0 or i + 1 == len(batches):
+                self._optimizer_step()
+        self.nfe_total += 2 * rows.numel()
+
+    def train_step(self) -> dict[str, float]:
+        ro, adv = self.collect()
+        start = time.perf_counter()
+        if self.cfg.trainer.objective == "grpo":
+            self.grpo_update(ro, adv)
+        else:
+            self.nft_update(ro, adv)
+        self.metrics.add("time/train_s", time.perf_counter() - start)
+        if self.run is not None and (self.step + 1) % self.cfg.trainer.sample_every == 0:
+            self.run.save_image_grid(self.step + 1, ro.images[:16], ro.prompts[:16], tag="train")
+        metrics = self.metrics.reduce()
+        metrics["nfe/total"] = float(self.nfe_total)
+        return metrics
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def generate(self, prompts: list[str], images_per_prompt: int = 1) -> Rollout:
+        """Deterministic (ODE) samples from a fixed noise: the evaluation protocol."""
+        s = self.cfg.sampling
+        config = SamplingConfig(
+            num_steps=s.eval_num_steps, guidance_scale=s.guidance_scale, noise_level=s.noise_level,
+            sde_kind=s.sde_kind, sde_window=(0, 0), height=s.height, width=s.width, num_frames=s.num_frames,
+            negative_prompt=s.negative_prompt, max_batch_size=s.max_batch_size,
+        )
+        self.adapter.transformer.eval()
+        return rollout(self.adapter, prompts, images_per_prompt, config, generator=torch.Generator().manual_seed(EVAL_SEED))
+
+    def evaluate(self) -> dict[str, float]:
+        t = self.cfg.trainer
+        prompts = self.eval_pool[: t.eval_prompts]
+        with self.ema.swapped() if self.ema is not None else nullcontext():
+            ro = self.generate(prompts, t.eval_images_per_prompt)
+        raw, components = self.score(ro.images, ro.prompts)
+        out = {"eval/reward_mean": float(self.combine(raw).mean())}
+        for k, spec in enumerate(self.cfg.rewards):
+            out[f"eval/{spec.name}/mean"] = float(raw[:, k].mean())
+        for name, value in components.items():
+            out["eval/" + name.removeprefix("reward/")] = float(value.mean())
+        if self.run is not None:
+            self.run.save_image_grid(self.step, ro.images[:64], ro.prompts[:64], tag="eval")
+        return out
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> dict[str, float]:
+        cfg = self.cfg
+        total = cfg.trainer.steps
+        latest: dict[str, float] = {}
+        main_process = self.rank == 0 and self.run is not None
+        if self.step == 0:
+            first = self.evaluate()
+            latest.update(first)
+            if main_process:
+                self.run.log_metrics(0, first)
+        with TrainProgress(total, start=self.step, show=("reward/mean", "eval/reward_mean"),
+                           enabled=cfg.run.progress and self.rank == 0) as bar:
+            while self.step < total:
+                metrics = self.train_step()
+                self.step += 1
+                if self.step % cfg.trainer.eval_every == 0 or self.step == total:
+                    metrics.update(self.evaluate())
+                latest.update(metrics)
+                if main_process:
+                    if self.step % cfg.run.log_every == 0 or self.step == total:
+                        self.run.log_metrics(self.step, metrics)
+                    if cfg.run.save_every and self.step % cfg.run.save_every == 0:
+                        self.save_checkpoint()
+                bar.update(self.step, latest)
+        if main_process:
+            if not (cfg.run.save_every and self.step % cfg.run.save_every == 0):
+                self.save_checkpoint()
+            self.run.write_summary({"step": self.step, **latest})
+        return latest
+
+    # ------------------------------------------------------------------ state
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().cpu().clone() for n, p in self.adapter.transformer.named_parameters() if p.requires_grad}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "nfe_total": self.nfe_total,
+            "trainable": self.trainable_state(),
+            "optimizer": self.optimizer.state_dict(),
+            "stats": self.stats.state_dict(),
+            "ema": self.ema.state_dict() if self.ema is not None else None,
+            "rng": get_rng_state({"train": self.generator}),
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        params = dict(self.adapter.transformer.named_parameters())
+        missing = set(state["trainable"]) - set(params)
+        if missing:
+            raise ValueError(f"checkpoint has parameters this model lacks, e.g. {sorted(missing)[:3]}")
+        with torch.no_grad():
+            for name, value in state["trainable"].items():
+                params[name].copy_(value)
+        self.step = int(state["step"])
+        self.nfe_total = int(state["nfe_total"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.stats.load_state_dict(state["stats"])
+        if self.ema is not None and state.get("ema") is not None:
+            self.ema.load_state_dict(state["ema"])
+        set_rng_state(state["rng"], {"train": self.generator})
+
+    def save_lora(self, directory: Path) -> None:
+        """The LoRA in diffusers/PEFT format: ``pipe.load_lora_weights(directory)`` loads it on the base model."""
+        from peft.utils import get_peft_model_state_dict
+
+        layers = get_peft_model_state_dict(self.adapter.transformer)
+        type(self.adapter.pipe).save_lora_weights(directory, transformer_lora_layers=layers)
+
+    def _load_lora(self, directory: Path) -> None:
+        from peft.utils import set_peft_model_state_dict
+
+        pipe_cls = type(self.adapter.pipe)
+        state = pipe_cls.lora_state_dict(str(directory))
+        state = state[0] if isinstance(state, tuple) else state
+        prefix = "transformer."
+        layers = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+        if not layers:
+            raise ValueError(f"{directory} holds no transformer LoRA weights")
+        result = set_peft_model_state_dict(self.adapter.transformer, layers)
+        unexpected = getattr(result, "unexpected_keys", [])
+        if unexpected:
+            raise ValueError(f"LoRA at {directory} does not fit this model: unexpected keys {unexpected[:3]}")
+
+    def save_checkpoint(self) -> None:
+        if self.run is None:
+            return
+        extra = (lambda d: self.save_lora(d / "adapter")) if self.cfg.model.lora is not None else None
+        save_checkpoint(self.run.checkpoint_dir, self.step, self.state_dict(), extra=extra,
+                        keep_last=self.cfg.run.keep_last)
+
+    def cleanup(self) -> None:
+        if self.run is not None:
+            self.run.close()
+
+
+def _dist_rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # launched by `accelerate launch` / torchrun: join the process group
+        from accelerate import PartialState
+
+        state = PartialState()
+        return state.process_index, state.num_processes
+    return 0, 1
+
+
+def _all_reduce_grads(params: list[torch.nn.Parameter], world_size: int) -> None:
+    """Average gradients over data-parallel ranks (each rank rolls out its own prompts)."""
+    if world_size <= 1:
+        return
+    import torch.distributed as dist
+
+    for p in params:
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= world_size
+
+
+def main(cfg: FlowGRPOConfig) -> dict[str, float]:
+    """Train end to end; returns the final metrics."""
+    run = Run(cfg.run, cfg)
+    trainer = FlowGRPOTrainer(cfg, run)
+    try:
+        trainer.setup()
+        return trainer.train()
+    finally:
+        trainer.cleanup()
+
+
+def evaluate(cfg: FlowGRPOConfig, prompts_file: str | None, out_dir: Path, checkpoint: Path | None,
+             images_per_prompt: int) -> dict[str, float]:
+    """Score the base model, or a checkpoint's LoRA on it, on a prompt file; write scores and a grid.
+
+    Writes ``out_dir/scores.jsonl`` (prompt, image index, every reward), ``out_dir/summary.json`` and
+    ``out_dir/grid.png``.
+    """
+    if prompts_file is not None:
+        cfg = cfg.model_copy(update={"eval_prompts": prompts_file})
+    trainer = FlowGRPOTrainer(cfg, run=None)
+    trainer.setup(for_training=False)
+    if checkpoint is not None:
+        if cfg.model.lora is None:
+            state = load_checkpoint(checkpoint)
+            with torch.no_grad():
+                params = dict(trainer.adapter.transformer.named_parameters())
+                for name, value in state["trainable"].items():
+                    params[name].copy_(value)
+        else:
+            trainer._load_lora(checkpoint / "adapter")
+    prompts = trainer.eval_pool
+    ro = trainer.generate(prompts, images_per_prompt)
+    raw, components = trainer.score(ro.images, ro.prompts)
+    total = trainer.combine(raw)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "scores.jsonl", "w") as f:
+        for i, prompt in enumerate(ro.prompts):
+            record = {"prompt": prompt, "image": i, "reward": float(total[i])}
+            record.update({spec.name: float(raw[i, k]) for k, spec in enumerate(cfg.rewards)})
+            record.update({name: float(v[i]) for name, v in components.items()})
+            f.write(json.dumps(record) + "\n")
+    summary = {"checkpoint": str(checkpoint) if checkpoint else None, "prompts": len(prompts),
+               "images": len(ro.prompts), "reward_mean": float(total.mean())}
+    summary.update({f"{spec.name}_mean": float(raw[:, k].mean()) for k, spec in enumerate(cfg.rewards)})
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    make_grid(ro.images[:256]).save(out_dir / "grid.png")
+    return summary
+
+
+def find_checkpoint(run_dir: Path) -> Path | None:
+    return latest_checkpoint(run_dir / "checkpoints")

@@ -1,0 +1,121 @@
+"""The flow GRPO trainer on a tiny random shapes model: one-step invariants, LoRA format, NFT, eval, resume."""
+
+import json
+
+import pytest
+import torch
+
+from mmrl.config import load_config
+from mmrl.data.shapes import all_prompts
+from mmrl.flow.config import FlowGRPOConfig
+from mmrl.flow.trainer import FlowGRPOTrainer, evaluate, main
+from mmrl.run import Run, read_metrics
+from pipelines.flow.tiny import build_shapes_pipeline
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    pipe = build_shapes_pipeline(all_prompts(), num_layers=1, num_attention_heads=2, attention_head_dim=8)
+    path = tmp_path_factory.mktemp("shapes_tiny")
+    pipe.save_pretrained(path)
+    return path
+
+
+def make_cfg(model_dir, out, name, *overrides):
+    return load_config(
+        FlowGRPOConfig,
+        None,
+        [
+            f"model.path={model_dir}", "model.device=cpu", f"run.output_dir={out}", f"run.name={name}",
+            "run.progress=false", "run.tensorboard=false", "sampling.num_steps=4", "sampling.eval_num_steps=3",
+            "sampling.sde_window=2", "allocation.prompts_per_step=2", "allocation.rollouts_per_step=8",
+            "trainer.steps=2", "trainer.eval_every=2", "trainer.eval_prompts=4", "trainer.minibatch_size=8",
+            "trainer.lr=1e-2", "trainer.drop_zero_advantage=false",
+            # random weights: the shapes verifier scores ~0, so train on a reward with spread
+            "rewards=[{name: jpeg_incompressibility}]",
+            *overrides,
+        ],
+    )
+
+
+def test_grpo_step_trains_lora_only_and_ratio_starts_at_one(model_dir, tmp_path):
+    cfg = make_cfg(model_dir, tmp_path, "grpo")
+    trainer = FlowGRPOTrainer(cfg, Run(cfg.run, cfg))
+    trainer.setup()
+    named = dict(trainer.adapter.transformer.named_parameters())
+    lora = {n: p.detach().clone() for n, p in named.items() if "lora" in n}
+    base = {n: p.detach().clone() for n, p in named.items() if "lora" not in n}
+    assert lora and all(not named[n].requires_grad for n in base)
+    metrics = trainer.train_step()
+    # one optimizer step after all minibatches: every ratio was computed under the sampling weights
+    assert metrics["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["nfe/rollout"] == 8 * 4
+    assert any(not torch.equal(lora[n], named[n]) for n in lora)
+    assert all(torch.equal(base[n], named[n]) for n in base)
+    for key in ("reward/mean", "policy/kl", "clip/low_frac", "train/zero_std_frac", "train/effective_ratio"):
+        assert key in metrics
+    trainer.cleanup()
+
+
+def test_lora_checkpoint_loads_in_diffusers(model_dir, tmp_path):
+    from diffusers import StableDiffusion3Pipeline
+
+    final = main(make_cfg(model_dir, tmp_path, "ckpt", "trainer.steps=1", "trainer.eval_every=1"))
+    assert "eval/reward_mean" in final
+    adapter_dir = tmp_path / "ckpt/checkpoints/step_00000001/adapter"
+    assert (adapter_dir / "pytorch_lora_weights.safetensors").is_file()
+    pipe = StableDiffusion3Pipeline.from_pretrained(model_dir, vae=None, text_encoder_3=None, tokenizer_3=None)
+    pipe.load_lora_weights(adapter_dir)
+    state = torch.load(tmp_path / "ckpt/checkpoints/step_00000001/state.pt", weights_only=False)
+    loaded = {n: p for n, p in pipe.transformer.named_parameters() if "lora" in n}
+    assert len(loaded) == len(state["trainable"])
+    for name, value in state["trainable"].items():
+        match = [p for n, p in loaded.items() if n.replace(".default_0", ".default") == name or n == name]
+        assert match and torch.equal(match[0], value)
+
+
+def test_nft_objective_and_cfg_free_logprobs(model_dir, tmp_path):
+    for extra in (["trainer.objective=nft"], ["sampling.guidance_scale=2.0", "trainer.train_cfg=false"]):
+        cfg = make_cfg(model_dir, tmp_path, "x" + str(len(extra)), "trainer.steps=1", *extra)
+        trainer = FlowGRPOTrainer(cfg, None)
+        trainer.setup()
+        before = [p.detach().clone() for p in trainer.trainable]
+        metrics = trainer.train_step()
+        assert torch.isfinite(torch.tensor(metrics["loss"]))
+        assert any(not torch.equal(b, p) for b, p in zip(before, trainer.trainable, strict=True))
+
+
+def test_resume_is_exact(model_dir, tmp_path, monkeypatch):
+    args = ("trainer.steps=3", "run.save_every=1", "trainer.eval_every=3")
+    straight = main(make_cfg(model_dir, tmp_path, "a", *args))
+    original = FlowGRPOTrainer.train_step
+
+    def crash(self):
+        if self.step == 2:
+            raise KeyboardInterrupt
+        return original(self)
+
+    monkeypatch.setattr(FlowGRPOTrainer, "train_step", crash)
+    with pytest.raises(KeyboardInterrupt):
+        main(make_cfg(model_dir, tmp_path, "b", *args))
+    monkeypatch.setattr(FlowGRPOTrainer, "train_step", original)
+    resumed = main(make_cfg(model_dir, tmp_path, "b", *args, "run.resume=true"))
+    drop = ("time/rollout_s", "time/train_s")
+    assert {k: v for k, v in resumed.items() if k not in drop} == {k: v for k, v in straight.items() if k not in drop}
+    assert len(read_metrics(tmp_path / "b")) == 4
+
+
+def test_eval_writes_scores_and_grid(model_dir, tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a photo of a red circle\n\na photo of two squares\n")
+    cfg = make_cfg(model_dir, tmp_path, "e", "rewards=[{name: shapes}]")
+    summary = evaluate(cfg, str(prompts), tmp_path / "eval", None, images_per_prompt=2)
+    assert summary["images"] == 4 and 0.0 <= summary["reward_mean"] <= 1.0
+    lines = [json.loads(line) for line in (tmp_path / "eval/scores.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in lines] == ["a photo of a red circle"] * 2 + ["a photo of two squares"] * 2
+    assert (tmp_path / "eval/grid.png").is_file()
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="holds no prompt"):
+        evaluate(cfg, str(empty), tmp_path / "eval2", None, images_per_prompt=1)
