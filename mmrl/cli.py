@@ -55,8 +55,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         config_path = target
         out = Path(args.out) if args.out else Path("runs") / "eval" / target.stem
     recipe, data = _recipe_of(str(config_path), args.overrides)
-    schema, _ = recipe.load()
-    cfg = validate(schema, data)
+    cfg = validate(recipe.load_config_class(), data)
     summary = recipe.load_evaluate()(cfg, args.prompts, out, checkpoint, args.images_per_prompt)
     print(json.dumps(summary, indent=2))
     print(f"scores and grid written to {out}")
@@ -64,7 +63,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    cfg, _ = _resolve(args.config, args.overrides)
+    recipe, data = _recipe_of(args.config, args.overrides)
+    cfg = validate(recipe.load_config_class(), data)
     sys.stdout.write(to_yaml(cfg))
     return 0
 

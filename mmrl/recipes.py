@@ -20,10 +20,13 @@ class Recipe:
     module: str
     config_class: str
     description: str
+    config_module: str | None = None  # where the config class lives, when importing the trainer is heavy
+
+    def load_config_class(self) -> type[Config]:
+        return getattr(importlib.import_module(self.config_module or self.module), self.config_class)
 
     def load(self) -> tuple[type[Config], Callable[[Any], Any]]:
-        mod = importlib.import_module(self.module)
-        return getattr(mod, self.config_class), mod.main
+        return self.load_config_class(), importlib.import_module(self.module).main
 
     def load_evaluate(self) -> Callable[..., Any]:
         """The recipe's ``evaluate(cfg, prompts_file, out_dir, checkpoint, images_per_prompt)``."""
@@ -35,7 +38,10 @@ class Recipe:
 
 _RECIPES: dict[str, Recipe] = {
     "bandit": Recipe("mmrl.bandit.trainer", "BanditRecipeConfig", "core demo: GRPO on a synthetic contextual bandit"),
-    "flow_grpo": Recipe("mmrl.flow.trainer", "FlowGRPOConfig", "flow-matching GRPO / DiffusionNFT for text-to-image/video"),
+    "flow_grpo": Recipe(
+        "mmrl.flow.trainer", "FlowGRPOConfig", "flow-matching GRPO / DiffusionNFT for text-to-image/video",
+        config_module="mmrl.flow.config",
+    ),
 }
 
 

@@ -7,10 +7,12 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from peft import LoraConfig
 
-from pipelines.flow.adapters import get_adapter, list_adapters
+from mmrl.data.shapes import all_prompts
+from pipelines.flow.adapters import ShapesAdapter, get_adapter, list_adapters
 from pipelines.flow.rollout import SamplingConfig, rescore, rollout
 from pipelines.flow.tiny import TINY_LOAD_KWARGS as LOAD_KWARGS
 from pipelines.flow.tiny import TINY_SIZES as SIZES
+from pipelines.flow.tiny import build_shapes_pipeline
 
 FAMILIES = list(LOAD_KWARGS)
 PROMPTS = ["a photo of a red circle", "a green triangle left of a yellow circle"]
@@ -177,3 +179,23 @@ def test_latent_shape_rejects_bad_sizes(load_tiny):
         load_tiny("sd3").latent_shape(30, 32)
     with pytest.raises(ValueError, match="num_frames"):
         load_tiny("wan").latent_shape(16, 16, num_frames=4)
+
+
+def test_shapes_model_loads_through_the_sd3_path_in_pixel_space(tmp_path):
+    """A random shapes model (no VAE, no T5) saves, reloads via ShapesAdapter, samples and re-scores."""
+    torch.manual_seed(0)
+    build_shapes_pipeline(
+        all_prompts(), num_layers=1, num_attention_heads=2, attention_head_dim=8
+    ).save_pretrained(tmp_path)
+    adapter = ShapesAdapter.from_pretrained(str(tmp_path))
+    assert adapter.pixel_space and adapter.pipe.text_encoder_3 is None
+    assert adapter.latent_shape(32, 32) == (3, 32, 32)
+    prompt = "a photo of a purple triangle left of a yellow circle"
+    ids = adapter.pipe.tokenizer(prompt).input_ids
+    assert adapter.pipe.tokenizer.decode(ids, skip_special_tokens=True) == prompt
+    assert len(ids) == len(prompt.split()) + 2  # every shapes word is one token
+    config = SamplingConfig(num_steps=3, height=32, width=32, guidance_scale=2.0, sde_window=(0, 2))
+    result = rollout(adapter, [prompt], 2, config, generator=torch.Generator().manual_seed(0))
+    assert result.images.shape == (2, 3, 32, 32)
+    log_probs, _, _ = rescore(adapter, result.transitions())
+    torch.testing.assert_close(log_probs, result.transitions().log_probs, rtol=0, atol=1e-4)

@@ -50,7 +50,9 @@ def test_rollouts_are_reproducible_and_noise_can_be_replayed(sd3):
     config = _config(sde_window=(1, 3))
     a = rollout(sd3, PROMPTS[:2], 2, config, generator=torch.Generator().manual_seed(7))
     b = rollout(sd3, PROMPTS[:2], 2, config, generator=torch.Generator().manual_seed(7))
-    assert torch.equal(a.latents, b.latents) and torch.allclose(a.log_probs, b.log_probs, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(a.latents, b.latents) and torch.allclose(
+        a.log_probs, b.log_probs, rtol=0, atol=0, equal_nan=True
+    )
     # two-stage regeneration: the same initial noise through an ODE-only sampler is deterministic
     ode = _config(sde_window=(0, 0))
     c = rollout(sd3, PROMPTS[:2], 2, ode, noise=a.latents[:, 0])

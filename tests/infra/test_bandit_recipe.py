@@ -86,3 +86,10 @@ def test_cli_train_and_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli_main(["--help"])
     assert "train" in capsys.readouterr().out
+
+
+def test_every_shipped_config_validates():
+    from pathlib import Path
+
+    for path in sorted(Path(__file__).resolve().parents[2].glob("configs/**/*.yaml")):
+        assert cli_main(["config", str(path)]) == 0, path

@@ -106,28 +106,14 @@ def hf_clip_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def aesthetic_parts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(directory of a tiny CLIPVisionModelWithProjection + image processor, MLP head state-dict file)."""
-    from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
-
+def aesthetic_parts(hf_clip_dir: Path) -> tuple[Path, Path]:
+    """(directory of a tiny CLIPModel + image processor, MLP head state-dict file)."""
     from rewards.aesthetic import AestheticMLP
 
-    config = CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=TINY_SIZE,
-        patch_size=8,
-        projection_dim=16,
-    )
     torch.manual_seed(3)
-    path = tmp_path_factory.mktemp("aesthetic")
-    CLIPVisionModelWithProjection(config).save_pretrained(path)
-    clip_image_processor().save_pretrained(path)
-    head_path = path / "head.pth"
+    head_path = hf_clip_dir / "aesthetic-head.pth"
     torch.save(AestheticMLP(16).state_dict(), head_path)
-    return path, head_path
+    return hf_clip_dir, head_path
 
 
 @pytest.fixture

@@ -108,12 +108,12 @@ def test_pickscore_matches_processor_path(hf_clip_dir, images, prompts):
 
 
 def test_aesthetic_is_mlp_of_normalised_embedding(aesthetic_parts, images):
-    from transformers import CLIPImageProcessor, CLIPVisionModelWithProjection
+    from transformers import CLIPImageProcessor, CLIPModel
 
     from rewards.aesthetic import AestheticMLP
 
     path, head_path = aesthetic_parts
-    model = CLIPVisionModelWithProjection.from_pretrained(path).eval()
+    model = CLIPModel.from_pretrained(path).eval()
     pixel_values = CLIPImageProcessor.from_pretrained(path)(images=to_pil(images), return_tensors="pt")[
         "pixel_values"
     ]
@@ -123,7 +123,9 @@ def test_aesthetic_is_mlp_of_normalised_embedding(aesthetic_parts, images):
         f"layers.{i}.{p}" for i in (0, 2, 4, 6, 7) for p in ("bias", "weight")
     ]
     with torch.no_grad():
-        expected = head(F.normalize(model(pixel_values=pixel_values).image_embeds, dim=-1))
+        expected = head(
+            F.normalize(model.get_image_features(pixel_values=pixel_values).pooler_output, dim=-1)
+        )
     reward = rewards.build("aesthetic", clip_model_id=str(path), head_path=str(head_path))
     torch.testing.assert_close(reward(images=to_pil(images)), expected, rtol=1e-4, atol=1e-5)
     # dropout is off: scoring is deterministic
@@ -173,3 +175,18 @@ def test_uint8_tensor_equals_float_tensor(open_clip_name, open_clip_weights, ima
         reward(images=as_uint8, prompts=prompts), reward(images=as_uint8.float() / 255, prompts=prompts)
     )
     assert np.isfinite(reward(images=as_uint8, prompts=prompts).numpy()).all()
+
+
+def test_half_precision_open_clip(open_clip_name, open_clip_weights, images, prompts):
+    full = rewards.build("clip_score", model_name=open_clip_name, pretrained=str(open_clip_weights))
+    half = rewards.build(
+        "clip_score", model_name=open_clip_name, pretrained=str(open_clip_weights), precision="bf16"
+    )
+    assert next(half.model.parameters()).dtype == torch.bfloat16
+    scores = half(images=images, prompts=prompts)
+    assert scores.dtype == torch.float32  # scores are float32 whatever the weights
+    torch.testing.assert_close(scores, full(images=images, prompts=prompts), atol=0.05, rtol=0)
+    with pytest.raises(ValueError, match="precision"):
+        rewards.build(
+            "clip_score", model_name=open_clip_name, pretrained=str(open_clip_weights), precision="fp8"
+        )

@@ -65,8 +65,16 @@ def case(name: str, request: pytest.FixtureRequest) -> tuple[dict[str, Any], dic
         return {"reward": "jpeg_incompressibility", "aggregate": "min"}, video_batch
     if name == "remote":
         return {"url": request.getfixturevalue("jpeg_server").url, "retries": 0}, image_batch
-    if name in ("jpeg_compressibility", "jpeg_incompressibility", "shapes"):
+    if name in ("jpeg_compressibility", "jpeg_incompressibility"):
         return {}, image_batch
+    if name == "shapes":  # its own prompt grammar
+        shapes_prompts = [
+            "a photo of a red circle",
+            "a photo of two squares",
+            "a photo of a blue square left of a red circle",
+            "a photo of a green triangle and a yellow circle",
+        ]
+        return {}, {"images": images, "prompts": shapes_prompts}
     if name in ("exact_match", "numeric", "math_verify", "multiple_choice", "format"):
         return {}, TEXT_BATCH
     raise AssertionError(f"no test case for reward {name!r}: add one here")

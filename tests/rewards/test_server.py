@@ -5,6 +5,8 @@ Servers bind to 127.0.0.1 only, on ports the OS picks; every loop below is bound
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 import signal
@@ -99,6 +101,12 @@ def test_oversized_request_is_413_and_client_can_chunk(server) -> None:
     torch.testing.assert_close(chunked(images=distinct_images(64, 1)), JPEG(images=distinct_images(64, 1)))
 
 
+def huge_png_b64() -> str:
+    buffer = io.BytesIO()
+    Image.new("1", (9000, 9000)).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
 @pytest.mark.parametrize(
     "body",
     [
@@ -112,6 +120,7 @@ def test_oversized_request_is_413_and_client_can_chunk(server) -> None:
         b"{}",
         b'{"images": []}',
         b'{"id": 5, "completions": ["a"]}',
+        json.dumps({"images": [huge_png_b64()]}).encode(),  # a small 1-bit PNG of 81 M pixels
     ],
 )
 def test_malformed_payload_is_400_and_server_stays_up(server, body: bytes) -> None:
