@@ -42,6 +42,10 @@ _RECIPES: dict[str, Recipe] = {
         "mmrl.flow.trainer", "FlowGRPOConfig", "flow-matching GRPO / DiffusionNFT for text-to-image/video",
         config_module="mmrl.flow.config",
     ),
+    "vlm_rlvr": Recipe(
+        "mmrl.vlm.trainer", "VLMRLVRConfig", "single-rollout entropy-shaped RLVR (or group GRPO) for VLMs",
+        config_module="mmrl.vlm.config",
+    ),
 }
 
 

@@ -70,6 +70,7 @@ __all__ = [
     "render_prompt",
     "sample_prompts",
     "scene_for_prompt",
+    "stable_unit_hash",
     "train_prompts",
     "write_prompt_file",
 ]
@@ -170,7 +171,7 @@ def _order(o: ObjectSpec) -> tuple[int, int]:
     return SHAPES.index(o.shape), COLOURS.index(o.colour or COLOURS[0])
 
 
-def _unit_hash(text: str) -> float:
+def stable_unit_hash(text: str) -> float:
     """Stable uniform number in [0, 1) from text (sha256; Python's ``hash`` is salted per process)."""
     return int(hashlib.sha256(text.encode("utf-8")).hexdigest()[:16], 16) / 2.0**64
 
@@ -185,7 +186,7 @@ def is_heldout(prompt: str, fraction: float = HELDOUT_FRACTION) -> bool:
     """
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"fraction must be in [0, 1], got {fraction}")
-    return _unit_hash(canonical_prompt(prompt)) < fraction
+    return stable_unit_hash(canonical_prompt(prompt)) < fraction
 
 
 def _split_prompts(split: Split, fraction: float) -> list[str]:
@@ -353,12 +354,13 @@ def _place(
 def _background(rng: np.random.Generator) -> tuple[int, int, int]:
     grey = rng.integers(BACKGROUND_RANGE[0], BACKGROUND_RANGE[1] + 1)
     tint = rng.integers(-BACKGROUND_TINT, BACKGROUND_TINT + 1, 3)
-    return tuple(int(v) for v in np.clip(grey + tint, 0, 255))  # type: ignore[return-value]
+    r, g, b = (int(v) for v in np.clip(grey + tint, 0, 255))
+    return r, g, b
 
 
 def _check_size(size: int) -> None:
-    if not isinstance(size, int | np.integer) or size < 16:
-        raise ValueError(f"size must be an integer >= 16 pixels, got {size!r}")
+    if not isinstance(size, int | np.integer) or size < 24:
+        raise ValueError(f"size must be an integer >= 24 pixels (four objects must fit with clear gaps), got {size!r}")
 
 
 def scene_for_prompt(prompt: str, seed: int, size: int = 32) -> Scene:
@@ -370,12 +372,12 @@ def scene_for_prompt(prompt: str, seed: int, size: int = 32) -> Scene:
     canvas.
 
     Raises:
-        ValueError: the prompt is outside the grammar, or ``size < 16``.
+        ValueError: the prompt is outside the grammar, or ``size < 24``.
     """
     _check_size(size)
     spec = parse_prompt(prompt)
     # the prompt's own hash joins the seed so that one seed gives different layouts for different prompts
-    rng = np.random.default_rng([seed, int(_unit_hash(spec.to_prompt()) * 2**32), size])
+    rng = np.random.default_rng([seed, int(stable_unit_hash(spec.to_prompt()) * 2**32), size])
     background = _background(rng)
     items = [(o.shape, o.colour or COLOURS[rng.integers(len(COLOURS))]) for o in spec.objects]
     return Scene(size, background, _place(rng, items, size, spec.relation))
@@ -385,7 +387,7 @@ def random_scene(seed: int, size: int = 32, n_objects: int | None = None) -> Sce
     """A random scene of 1..4 objects (``n_objects`` if given) with random shapes and colours (repeats allowed).
 
     Raises:
-        ValueError: ``n_objects`` outside 1..4, or ``size < 16``.
+        ValueError: ``n_objects`` outside 1..4, or ``size < 24``.
     """
     _check_size(size)
     rng = np.random.default_rng([seed, 0x0B1E, size])
@@ -459,17 +461,18 @@ def perturb(scene: Scene, kind: str, seed: int) -> Image.Image:
     rng = np.random.default_rng([seed, PERTURBATIONS.index(kind)])
     if kind == "background":
         if rng.random() < 0.5:
-            background = (int(rng.integers(40, 111)),) * 3
+            grey = int(rng.integers(40, 111))
+            background = (grey, grey, grey)
         else:
-            base = rng.integers(200, 241)
-            background = tuple(int(v) for v in base - rng.integers(0, 31, 3))
-        return render(dataclasses.replace(scene, background=background))  # type: ignore[arg-type]
+            r, g, b = (int(v) for v in rng.integers(200, 241) - rng.integers(0, 31, 3))
+            background = (r, g, b)
+        return render(dataclasses.replace(scene, background=background))
     if kind == "palette":
-        off = {
-            c: tuple(int(v) for v in np.clip(np.add(rgb, rng.integers(-25, 26, 3)), 0, 255))
-            for c, rgb in PALETTE.items()
-        }
-        return render(scene, palette=off)  # type: ignore[arg-type]
+        off = {}
+        for colour, rgb in PALETTE.items():
+            r, g, b = (int(v) for v in np.clip(np.add(rgb, rng.integers(-25, 26, 3)), 0, 255))
+            off[colour] = (r, g, b)
+        return render(scene, palette=off)
     image = render(scene)
     if kind == "blur":
         return image.filter(ImageFilter.GaussianBlur(float(rng.uniform(0.5, 1.0))))

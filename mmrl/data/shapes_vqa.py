@@ -41,9 +41,9 @@ from mmrl.data.shapes import (
     SHAPES,
     Scene,
     SceneObject,
-    _unit_hash,
     random_scene,
     render,
+    stable_unit_hash,
 )
 from rewards.shapes import relation_offset
 
@@ -96,7 +96,7 @@ def is_heldout_scene(scene: Scene, fraction: float = HELDOUT_FRACTION) -> bool:
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"fraction must be in [0, 1], got {fraction}")
     content = ",".join(sorted(f"{o.colour} {o.shape}" for o in scene.objects))
-    return _unit_hash(f"vqa-scene:{content}") < fraction
+    return stable_unit_hash(f"vqa-scene:{content}") < fraction
 
 
 def _relation_value(relation: str, a: SceneObject, b: SceneObject) -> float:

@@ -70,6 +70,8 @@ class PretrainConfig:
         eval_reserve_s: seconds of the budget kept for evaluation and saving.
         threads: torch CPU threads (the machine is shared; 2 is the budget this recipe was tuned with).
         log_every: steps between loss log lines.
+        num_layers, num_attention_heads, patch_size: transformer size (heads of 32 dimensions; patch 4 = 64
+            image tokens at 32x32).
     """
 
     out: str = "checkpoints/shapes_flow"
@@ -85,7 +87,10 @@ class PretrainConfig:
     eval_prompts: int = 200
     eval_reserve_s: float = 75.0
     threads: int = 2
-    log_every: int = 50
+    log_every: int = 25
+    num_layers: int = 6
+    num_attention_heads: int = 3
+    patch_size: int = 4
 
     def __post_init__(self) -> None:
         if self.minutes <= 0:
@@ -172,7 +177,9 @@ class ShapesPretrainer:
         torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
         # 1. model: random weights, tokenizer trained on the prompt vocabulary
-        self.pipe = build_shapes_pipeline(shapes.all_prompts())
+        self.pipe = build_shapes_pipeline(
+            shapes.all_prompts(), cfg.num_layers, cfg.num_attention_heads, patch_size=cfg.patch_size
+        )
         self.modules = [self.pipe.transformer, self.pipe.text_encoder, self.pipe.text_encoder_2]
         self.params = [p for m in self.modules for p in m.parameters()]
         for m in self.modules:
@@ -361,6 +368,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--renders-per-kind", type=int, default=defaults.renders_per_kind)
+    parser.add_argument("--layers", type=int, default=defaults.num_layers)
+    parser.add_argument("--heads", type=int, default=defaults.num_attention_heads)
+    parser.add_argument("--patch", type=int, default=defaults.patch_size)
     parser.add_argument("--threads", type=int, default=defaults.threads)
     parser.add_argument("--eval-prompts", type=int, default=defaults.eval_prompts)
     parser.add_argument(
@@ -387,6 +397,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         lr=args.lr,
         threads=args.threads,
         renders_per_kind=args.renders_per_kind,
+        num_layers=args.layers,
+        num_attention_heads=args.heads,
+        patch_size=args.patch,
         eval_prompts=args.eval_prompts,
     )
     command = "python -m mmrl.flow.pretrain_shapes " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -28,7 +28,7 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -48,32 +48,58 @@ logger = logging.getLogger(__name__)
 class SFTConfig:
     """Options of the SFT run (each is also a command-line flag)."""
 
-    out: str = "checkpoints/shapes_vlm"
-    """Directory the model, processor and card.md are written to (replaced if it exists)."""
-    minutes: float = 15.0
-    """Wall-clock budget of the whole run (data, training, evaluation); training gets what the rest leaves."""
-    steps: int | None = None
-    """Fixed number of optimizer steps (reproducible step for step); ``None`` trains until the time budget."""
-    seed: int = 0
-    """Seed of the data, the initialisation and the batch order."""
-    train_items: int = 16000
-    """Size of the training pool (items cost ~2 ms each to render; the pool is reused over epochs)."""
-    eval_items: int = 700
-    """Held-out items evaluated at the end (balanced over the 7 question kinds)."""
-    image_size: int = 64
-    """Scene side in pixels; 64 gives 16 image tokens, 32 gives 4."""
-    batch_size: int = 64
-    """Items per optimizer step."""
-    lr: float = 2e-3
-    """Peak learning rate of AdamW."""
-    warmup_steps: int = 100
-    """Linear warm-up steps before the cosine decay."""
-    weight_decay: float = 0.01
-    """AdamW weight decay."""
-    eval_reserve_s: float = 60.0
-    """Seconds of the budget kept for the final evaluation and saving."""
-    threads: int = 2
-    """CPU threads for torch (the machine is shared)."""
+    out: str = field(
+        default="checkpoints/shapes_vlm",
+        metadata={"help": "Directory the model, processor and card.md are written to (replaced if it exists)."},
+    )
+    minutes: float = field(
+        default=15.0,
+        metadata={"help": "Wall-clock budget of the whole run (data, training, evaluation); training gets what the rest leaves."},
+    )
+    steps: int | None = field(
+        default=None,
+        metadata={"help": "Fixed number of optimizer steps (reproducible step for step); ``None`` trains until the time budget."},
+    )
+    seed: int = field(
+        default=0,
+        metadata={"help": "Seed of the data, the initialisation and the batch order."},
+    )
+    train_items: int = field(
+        default=16000,
+        metadata={"help": "Size of the training pool (items cost ~2 ms each to render; the pool is reused over epochs)."},
+    )
+    eval_items: int = field(
+        default=700,
+        metadata={"help": "Held-out items evaluated at the end (balanced over the 7 question kinds)."},
+    )
+    image_size: int = field(
+        default=64,
+        metadata={"help": "Scene side in pixels; 64 gives 16 image tokens, 32 gives 4."},
+    )
+    batch_size: int = field(
+        default=64,
+        metadata={"help": "Items per optimizer step."},
+    )
+    lr: float = field(
+        default=2e-3,
+        metadata={"help": "Peak learning rate of AdamW."},
+    )
+    warmup_steps: int = field(
+        default=100,
+        metadata={"help": "Linear warm-up steps before the cosine decay."},
+    )
+    weight_decay: float = field(
+        default=0.01,
+        metadata={"help": "AdamW weight decay."},
+    )
+    eval_reserve_s: float = field(
+        default=60.0,
+        metadata={"help": "Seconds of the budget kept for the final evaluation and saving."},
+    )
+    threads: int = field(
+        default=2,
+        metadata={"help": "CPU threads for torch (the machine is shared)."},
+    )
 
 
 def build_corpus(items: Sequence[VQAItem]) -> list[str]:
@@ -319,11 +345,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Command-line entry point (``python -m mmrl.vlm.sft_shapes --help``)."""
     defaults = SFTConfig()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for field in dataclasses.fields(SFTConfig):
-        flag = "--" + field.name.replace("_", "-")
-        default = getattr(defaults, field.name)
-        kind = int if field.name == "steps" else type(default)
-        parser.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
+    for option in dataclasses.fields(SFTConfig):
+        default = getattr(defaults, option.name)
+        kind = int if option.name == "steps" else type(default)
+        parser.add_argument(
+            "--" + option.name.replace("_", "-"),
+            type=kind,
+            default=default,
+            help=f"{option.metadata['help']} (default: {default})",
+        )
     parser.add_argument("--eval-only", action="store_true", help="evaluate the checkpoint in --out and exit")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

@@ -1,0 +1,131 @@
+"""VQA examples for the VLM front end: the shapes VQA tasks, local json/jsonl/parquet files, or a hub dataset.
+
+Every source becomes a list of :class:`VQAExample` (a stable id, the question text, the answer, the images).
+Local files and hub datasets go through HF ``datasets``; an image column may hold file paths (relative to
+``image_root``), a list of paths, ``datasets.Image`` values or raw bytes.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from PIL import Image, UnidentifiedImageError
+
+__all__ = ["VQAExample", "load_vqa"]
+
+_LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+@dataclass
+class VQAExample:
+    """One question with its ground-truth answer; ``prompt_id`` keys the trainer's statistics store."""
+
+    prompt_id: str
+    question: str
+    answer: str
+    images: list[Image.Image] = field(default_factory=list)
+    kind: str = ""
+
+
+def _shapes(split: str, n: int, seed: int, size: int) -> list[VQAExample]:
+    from mmrl.data.shapes_vqa import make_vqa_items
+
+    items = make_vqa_items(n, seed, size=size, split=split)  # type: ignore[arg-type]
+    return [
+        VQAExample(f"shapes-{split}-{seed}-{i}", item.prompt, item.answer, [item.image], item.kind)
+        for i, item in enumerate(items)
+    ]
+
+
+def _open_image(value: Any, root: Path, where: str) -> Image.Image:
+    try:
+        if isinstance(value, Image.Image):
+            return value.convert("RGB")
+        if isinstance(value, dict) and ("bytes" in value or "path" in value):
+            if value.get("bytes"):
+                return Image.open(io.BytesIO(value["bytes"])).convert("RGB")
+            value = value["path"]
+        if isinstance(value, bytes | bytearray):
+            return Image.open(io.BytesIO(value)).convert("RGB")
+        path = Path(str(value))
+        path = path if path.is_absolute() else root / path
+        with Image.open(path) as im:
+            return im.convert("RGB")
+    except (FileNotFoundError, UnidentifiedImageError, OSError) as err:
+        raise ValueError(f"{where}: cannot read image {str(value)[:200]!r}: {err}") from None
+
+
+def load_vqa(
+    source: str,
+    *,
+    split: str = "train",
+    limit: int | None = None,
+    seed: int = 0,
+    image_size: int = 32,
+    question_column: str = "question",
+    answer_column: str = "answer",
+    image_column: str | None = "image",
+    id_column: str | None = None,
+    image_root: str | None = None,
+    question_template: str = "{question}",
+) -> list[VQAExample]:
+    """Load VQA examples.
+
+    Args:
+        source: ``shapes:train`` / ``shapes:heldout`` (generated, ``limit`` items, default 1000), a local
+            ``.json`` / ``.jsonl`` / ``.parquet`` file, or a hub dataset id (on a connected machine).
+        split: the split of a hub dataset.
+        limit: keep the first ``limit`` examples.
+        seed: seed of the generated shapes items.
+        image_size: side of the generated shapes images.
+        question_column, answer_column, image_column, id_column: column names (``image_column=None``: no image).
+        image_root: folder that relative image paths are resolved against (default: the data file's folder).
+        question_template: formats the question, e.g. ``"{question} Put the answer in <answer></answer>."``.
+
+    Raises:
+        ValueError: an unknown shapes split, a missing column (named, with the columns present), an unreadable
+            image (named, with the row), or an empty dataset.
+    """
+    if source.startswith("shapes:"):
+        which = source.split(":", 1)[1]
+        if which not in ("train", "heldout"):
+            raise ValueError(f"unknown shapes VQA split {which!r} in {source!r}; use shapes:train or shapes:heldout")
+        return _shapes(which, 1000 if limit is None else limit, seed, image_size)
+
+    import datasets
+
+    path = Path(source)
+    if path.suffix in _LOCAL_FORMATS:
+        if not path.is_file():
+            raise ValueError(f"VQA data file not found: {path}")
+        ds = datasets.load_dataset(_LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
+        root = Path(image_root) if image_root else path.parent
+    else:
+        ds = datasets.load_dataset(source, split=split)
+        root = Path(image_root) if image_root else Path(".")
+    needed = [c for c in (question_column, answer_column, image_column, id_column) if c]
+    missing = [c for c in needed if c not in ds.column_names]
+    if missing:
+        raise ValueError(f"{source}: missing column(s) {missing}; columns present: {ds.column_names}")
+    if limit is not None:
+        ds = ds.select(range(min(limit, len(ds))))
+    examples = []
+    for i, row in enumerate(ds):
+        where = f"{source} row {i}"
+        images: list[Image.Image] = []
+        if image_column:
+            value = row[image_column]
+            values: Sequence[Any] = value if isinstance(value, list) else [value]
+            images = [_open_image(v, root, where) for v in values if v is not None]
+        question = question_template.format(question=row[question_column])
+        answer = row[answer_column]
+        answer = answer if isinstance(answer, str) else str(answer)
+        pid = str(row[id_column]) if id_column else f"{path.stem or source}-{i}"
+        examples.append(VQAExample(pid, question, answer, images))
+    if not examples:
+        raise ValueError(f"{source}: no examples")
+    return examples

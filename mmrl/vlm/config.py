@@ -1,0 +1,129 @@
+"""Config of the VLM RLVR recipe (``recipe: vlm_rlvr``)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import model_validator
+
+from mmrl.config import Config, Field, RunConfig
+
+__all__ = ["VLMRLVRConfig"]
+
+
+class VLMLora(Config):
+    rank: int = Field(16, ge=1, description="LoRA rank.")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha (scale alpha / r).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="Language-model modules that get adapters (the vision tower's are added when it is trained).",
+    )
+
+
+class VLMModelConfig(Config):
+    path: str = Field("checkpoints/shapes_vlm", description="Hub id or local directory (AutoModelForImageTextToText).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype.")
+    device: str = Field("auto", description="'auto', 'cpu', 'cuda', ...")
+    lora: VLMLora | None = Field(default_factory=VLMLora, description="LoRA settings; null: full fine-tuning.")
+    train_vision: bool = Field(False, description="Also train the vision tower (frozen by default).")
+    gradient_checkpointing: bool = Field(False, description="Activation checkpointing in the language model.")
+    load_in_4bit: bool = Field(False, description="QLoRA: NF4 base weights through transformers' BitsAndBytesConfig.")
+
+
+class VLMDataConfig(Config):
+    train: str = Field("shapes:train", description="shapes:train, a json/jsonl/parquet file, or a hub id.")
+    eval: str = Field("shapes:heldout", description="Held-out questions, same forms.")
+    train_limit: int | None = Field(2000, ge=1, description="Train examples kept (shapes: generated).")
+    eval_limit: int | None = Field(200, ge=1, description="Eval examples kept.")
+    split: str = Field("train", description="Split of a hub dataset.")
+    question_column: str = "question"
+    answer_column: str = "answer"
+    image_column: str | None = "image"
+    id_column: str | None = None
+    image_root: str | None = None
+    question_template: str = Field("{question}", description="Formats the question text.")
+    system_prompt: str | None = Field(None, description="Optional system message.")
+    image_size: int = Field(32, ge=8, description="Side of generated shapes images.")
+
+
+class VLMRewardSpec(Config):
+    name: str = Field(description="Registered text verifier (exact_match, math_verify, multiple_choice, ...).")
+    weight: float = 1.0
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class GenerationConfig(Config):
+    backend: Literal["hf", "vllm"] = Field("hf", description="hf: transformers generate; vllm: GPU engine.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature of rollouts.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus mass (1: full distribution, on-policy).")
+    max_new_tokens: int = Field(16, ge=1, description="Completion budget.")
+    max_prompt_length: int | None = Field(None, ge=1, description="Longer prompts are skipped, never truncated.")
+    max_model_len: int | None = Field(None, ge=1, description="Context length of prompt + completion.")
+    batch_size: int | None = Field(None, ge=1, description="Prompts per generate call (hf).")
+    vllm_gpu_memory_utilization: float = Field(0.4, gt=0, le=1, description="vLLM memory share while awake.")
+    vllm_fp8: bool = Field(False, description="FP8 rollouts in vLLM (corrected by TIS).")
+
+
+class EntropyShaping(Config):
+    enabled: bool = Field(True, description="A_t + min(alpha H_t, |A_t|/kappa) (Cheng et al. 2506.14758).")
+    alpha: float = Field(0.4, ge=0, description="Entropy coefficient (paper: 0.4).")
+    kappa: float = Field(2.0, gt=1, description="Bonus cap ratio; > 1 keeps the sign (paper: 2).")
+    kind: Literal["full", "sampled"] = Field(
+        "full", description="full-vocabulary entropy, or the sampled token's -p log p (MSSR's code)."
+    )
+
+
+class VLMTrainerConfig(Config):
+    mode: Literal["single", "group"] = Field("single", description="single: MSSR/SPO one rollout; group: GRPO family.")
+    steps: int = Field(100, ge=1, description="Training steps.")
+    prompts_per_step: int = Field(16, ge=1, description="Prompts per step.")
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    # single mode
+    selection: Literal["uniform", "thompson", "priority"] = Field("uniform", description="Prompt selection.")
+    rho: float = Field(0.9, gt=0, le=1, description="Forgetting factor of the per-prompt baseline.")
+    prior_strength: float = Field(2.0, gt=0, description="Pseudo-count of the baseline's shrinkage prior.")
+    center: bool = Field(False, description="Centre single-rollout advantages on the batch mean (off: MSSR).")
+    # group mode
+    num_generations: int = Field(8, ge=2, description="Rollouts per prompt in group mode (G; MC-GRPO uses G+1).")
+    advantage: Literal["grpo", "dr_grpo", "rloo", "mc_grpo"] = Field("grpo", description="Group estimator.")
+    allocation: Literal["uniform", "knapsack", "sqrt"] = Field("uniform", description="Group sizes from the core.")
+    dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal.")
+    # shared
+    entropy_shaping: EntropyShaping = Field(default_factory=EntropyShaping)
+    epsilon_low: float = Field(0.2, ge=0, description="Lower clip range.")
+    epsilon_high: float = Field(0.28, ge=0, description="Upper clip range (clip-higher).")
+    dual_clip: float | None = Field(None, gt=1, description="Dual-clip constant.")
+    beta: float = Field(0.01, ge=0, description="k3 KL coefficient to the reference (adapter disabled).")
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    tis: Literal["auto", "on", "off"] = Field(
+        "auto", description="Truncated importance sampling vs the rollout engine (auto: on for vllm)."
+    )
+    tis_cap: float = Field(2.0, gt=0, description="TIS cap C.")
+    tis_mode: Literal["token", "sequence"] = "token"
+    minibatch_size: int = Field(16, ge=1, description="Sequences per forward/backward.")
+    ppo_epochs: int = Field(1, ge=1)
+    logprob_chunk_size: int = Field(128, ge=1, description="Positions per chunk of the head/softmax.")
+    eval_every: int = Field(10, ge=1)
+    sample_every: int = Field(10, ge=1, description="Write example completions every N steps.")
+
+
+class VLMRLVRConfig(Config):
+    recipe: Literal["vlm_rlvr"] = "vlm_rlvr"
+    run: RunConfig = Field(default_factory=lambda: RunConfig(name="vlm_rlvr"))
+    model: VLMModelConfig = Field(default_factory=VLMModelConfig)
+    data: VLMDataConfig = Field(default_factory=VLMDataConfig)
+    rewards: list[VLMRewardSpec] = Field(default_factory=lambda: [VLMRewardSpec(name="exact_match")])
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    trainer: VLMTrainerConfig = Field(default_factory=VLMTrainerConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> VLMRLVRConfig:
+        if not self.rewards:
+            raise ValueError("rewards: at least one verifier is needed")
+        t = self.trainer
+        if t.mode == "group" and t.advantage == "mc_grpo" and t.allocation != "uniform":
+            raise ValueError("mc_grpo needs odd, equal group sizes: use trainer.allocation=uniform")
+        return self

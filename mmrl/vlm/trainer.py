@@ -1,0 +1,469 @@
+"""RLVR for vision-language models (``recipe: vlm_rlvr``): single-rollout entropy-shaped, or group GRPO family.
+
+Lifecycle: ``VLMRLVRTrainer(cfg, run)`` -> ``setup()`` -> ``train()`` -> ``cleanup()``; ``main(cfg)`` does all four.
+One training step:
+
+1. pick prompts: ``single`` mode selects them from the statistics store (uniform / Thompson / priority) and
+   rolls out once each; ``group`` mode gives each prompt a group (sizes from the core's allocator);
+2. generate with behaviour log-probs (transformers or vLLM), verify the answers (rewards/);
+3. advantages: ``single`` (MSSR / SPO): ``A = r - V(x)`` with ``V`` the store's posterior mean *before* this
+   batch, scaled by the batch std; ``group``: GRPO / Dr.GRPO / RLOO / MC-GRPO (pivot excluded), optional DAPO
+   dynamic sampling; then entropy shaping per token ``A_t + min(alpha H_t, |A_t| / kappa)``;
+4. clipped surrogate (clip-higher, dual clip), k3 KL to the reference (adapter disabled), truncated importance
+   weights when the rollout engine is not the trainer, aggregated per ``loss_agg``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import rewards as reward_registry
+from mmrl.checkpoint import load_checkpoint, save_checkpoint
+from mmrl.core import advantages as adv_lib
+from mmrl.core import allocation as alloc_lib
+from mmrl.core import losses as loss_lib
+from mmrl.core.groups import effective_ratio
+from mmrl.core.stats import PromptStats
+from mmrl.data.vqa import VQAExample, load_vqa
+from mmrl.flow.trainer import resolve_device
+from mmrl.progress import TrainProgress
+from mmrl.run import MetricAccumulator, Run
+from mmrl.seeding import get_rng_state, seed_everything, set_rng_state
+from mmrl.vlm.config import VLMRLVRConfig
+from pipelines.vlm.backend import GenerationBackend, GenerationSample, SamplingParams
+from pipelines.vlm.inputs import VLMPrompt
+from pipelines.vlm.logprobs import build_scoring_batch, completion_token_stats
+
+__all__ = ["VLMRLVRTrainer", "evaluate", "main"]
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _lora_targets(names: list[str], train_vision: bool) -> str | list[str]:
+    """peft ``target_modules``: the names anywhere, or (vision frozen) only outside the vision tower."""
+    if train_vision:
+        return names
+    return r"^(?!.*visual).*\.(" + "|".join(n.replace(".", r"\.") for n in names) + r")$"
+
+
+class VLMRLVRTrainer:
+    """Single-rollout or group RLVR for a transformers VLM, with the core's baseline, selection and losses."""
+
+    def __init__(self, cfg: VLMRLVRConfig, run: Run | None = None) -> None:
+        self.cfg = cfg
+        self.run = run
+        self.step = 0
+        self.metrics = MetricAccumulator()
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, for_training: bool = True) -> None:
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        cfg = self.cfg
+        m = cfg.model
+        self.generator = seed_everything(cfg.run.seed)
+        self.device = resolve_device(m.device)
+        # 1. model and processor, loaded as users load Qwen2.5-VL
+        kwargs: dict[str, Any] = {"dtype": _DTYPES[m.dtype]}
+        if m.load_in_4bit:
+            from transformers import BitsAndBytesConfig
+
+            kwargs["quantization_config"] = BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=_DTYPES[m.dtype]
+            )
+        self.processor = AutoProcessor.from_pretrained(m.path)
+        model = AutoModelForImageTextToText.from_pretrained(m.path, **kwargs)
+        if not m.load_in_4bit:
+            model.to(self.device)
+        model.requires_grad_(False)
+        if m.lora is not None:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(
+                model,
+                LoraConfig(
+                    r=m.lora.rank,
+                    lora_alpha=m.lora.alpha,
+                    lora_dropout=m.lora.dropout,
+                    target_modules=_lora_targets(list(m.lora.target_modules), m.train_vision),
+                ),
+            )
+        else:
+            model.requires_grad_(True)
+            if not m.train_vision:
+                for name, p in model.named_parameters():
+                    if "visual" in name:
+                        p.requires_grad_(False)
+        if m.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        self.model = model
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
+        self.reference = None
+        if m.lora is None and cfg.trainer.beta > 0 and for_training:
+            import copy
+
+            self.reference = copy.deepcopy(model).requires_grad_(False).eval()
+        # 2. rollout engine
+        self.backend = self._make_backend()
+        # 3. verifiers and data
+        self.rewards = [reward_registry.build(spec.name, **spec.options) for spec in cfg.rewards]
+        self.reward_weights = torch.tensor([spec.weight for spec in cfg.rewards], dtype=torch.float32)
+        d = cfg.data
+        common = dict(
+            question_column=d.question_column, answer_column=d.answer_column, image_column=d.image_column,
+            id_column=d.id_column, image_root=d.image_root, question_template=d.question_template,
+            image_size=d.image_size, split=d.split,
+        )
+        self.eval_set = load_vqa(d.eval, limit=d.eval_limit, seed=cfg.run.seed + 1, **common)
+        if not for_training:
+            return
+        self.train_set = load_vqa(d.train, limit=d.train_limit, seed=cfg.run.seed, **common)
+        self.by_id = {ex.prompt_id: ex for ex in self.train_set}
+        if len(self.by_id) != len(self.train_set):
+            raise ValueError(f"{d.train}: prompt ids are not unique; set data.id_column to a unique column")
+        if cfg.trainer.prompts_per_step > len(self.train_set):
+            raise ValueError(
+                f"trainer.prompts_per_step ({cfg.trainer.prompts_per_step}) exceeds the {len(self.train_set)} "
+                "train examples"
+            )
+        # 4. optimizer and the persistent per-prompt baseline
+        if not self.trainable:
+            raise ValueError("no trainable parameters: check model.lora.target_modules")
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
+        self.stats = PromptStats(rho=cfg.trainer.rho, prior_strength=cfg.trainer.prior_strength)
+        if self.run is not None:
+            ckpt = self.run.resume_checkpoint()
+            if ckpt is not None:
+                self.load_state(load_checkpoint(ckpt))
+                self.run.truncate_metrics(self.step)
+                logger.info("resumed from %s at step %d", ckpt, self.step)
+
+    def _make_backend(self) -> GenerationBackend:
+        g = self.cfg.generation
+        if g.backend == "vllm":
+            from pipelines.vlm.vllm_backend import VLLMBackend
+
+            return VLLMBackend(
+                self.cfg.model.path, self.processor, max_model_len=g.max_model_len or 4096,
+                max_prompt_length=g.max_prompt_length, gpu_memory_utilization=g.vllm_gpu_memory_utilization,
+                quantization="fp8" if g.vllm_fp8 else None, dtype=self.cfg.model.dtype, seed=self.cfg.run.seed,
+            )
+        from pipelines.vlm.hf_backend import HFBackend
+
+        return HFBackend(self.model, self.processor, max_model_len=g.max_model_len,
+                         max_prompt_length=g.max_prompt_length, batch_size=g.batch_size)
+
+    @property
+    def uses_tis(self) -> bool:
+        t = self.cfg.trainer.tis
+        return t == "on" or (t == "auto" and self.cfg.generation.backend != "hf")
+
+    # ------------------------------------------------------------------ helpers
+    def _prompt(self, ex: VQAExample) -> VLMPrompt:
+        return VLMPrompt.from_question(ex.question, ex.images, system=self.cfg.data.system_prompt,
+                                       prompt_id=ex.prompt_id)
+
+    def generate(self, examples: list[VQAExample], n: int, temperature: float) -> list[tuple[VQAExample, GenerationSample]]:
+        g = self.cfg.generation
+        params = SamplingParams(temperature=temperature, top_p=g.top_p if temperature > 0 else 1.0,
+                                max_new_tokens=g.max_new_tokens, n=n,
+                                seed=int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator)))
+        result = self.backend.generate([self._prompt(ex) for ex in examples], params)
+        for skipped in result.skipped:
+            logger.warning("skipped prompt %s: %s", skipped.prompt_id, skipped.reason)
+        self.metrics.add("gen/skipped", float(len(result.skipped)))
+        return [(examples[s.prompt_index], s) for s in result.samples]
+
+    def verify(self, pairs: list[tuple[VQAExample, GenerationSample]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([N] weighted reward, [N, K] per verifier)``; a verifier that raises stops the run with its name."""
+        completions = [s.text for _, s in pairs]
+        truths = [ex.answer for ex, _ in pairs]
+        columns = []
+        for spec, reward in zip(self.cfg.rewards, self.rewards, strict=True):
+            try:
+                out = reward.score(completions=completions, ground_truths=truths)
+            except Exception as err:
+                raise RuntimeError(f"verifier {spec.name!r} failed: {err}") from err
+            columns.append(out.scores.detach().float().cpu())
+        raw = torch.stack(columns, dim=1)
+        return raw @ self.reward_weights, raw
+
+    def token_stats(self, pairs: list[tuple[VQAExample, GenerationSample]], temperature: float):
+        batch = build_scoring_batch(
+            self.processor,
+            [s.prompt_token_ids for _, s in pairs],
+            [s.completion_token_ids for _, s in pairs],
+            [ex.images for ex, _ in pairs],
+        )
+        suppressed = getattr(self.backend, "suppressed_token_ids", ())
+        return completion_token_stats(self.model, batch, temperature=temperature or 1.0,
+                                      chunk_size=self.cfg.trainer.logprob_chunk_size, suppressed_token_ids=suppressed)
+
+    def reference_context(self):
+        if self.cfg.model.lora is not None:
+            return self.model.disable_adapter()
+        return nullcontext()
+
+    # ------------------------------------------------------------------ one step
+    def collect(self) -> tuple[list[tuple[VQAExample, GenerationSample]], torch.Tensor, torch.Tensor]:
+        """Steps 1-3: ``(pairs, sequence advantages [N], row mask [N] of samples that enter the loss)``."""
+        t = self.cfg.trainer
+        temp = self.cfg.generation.temperature
+        ids = [ex.prompt_id for ex in self.train_set]
+        if t.mode == "single":
+            chosen = alloc_lib.sample_prompts(self.stats, ids, t.prompts_per_step, method=t.selection,
+                                              generator=self.generator)
+            pairs = self.generate([self.by_id[p] for p in chosen], 1, temp)
+            total, raw = self.verify(pairs)
+            pids = [ex.prompt_id for ex, _ in pairs]
+            baseline = self.stats.success_prob(pids).float()  # V(x) before this batch
+            adv = adv_lib.single_rollout(total, baseline, scale="batch_std", center=t.center)
+            self.stats.update(pids, total, step=self.step)
+            keep = torch.ones(len(pairs), dtype=torch.bool)
+            self.metrics.add("baseline/mean", baseline.mean())
+        else:
+            chosen = alloc_lib.sample_prompts(self.stats, ids, t.prompts_per_step, method="uniform",
+                                              generator=self.generator)
+            g = t.num_generations + (1 if t.advantage == "mc_grpo" else 0)
+            counts = alloc_lib.allocate(self.stats, chosen, g * len(chosen), method=t.allocation, n_min=2)
+            pairs = []
+            for n in sorted(set(counts.tolist())):
+                group = [self.by_id[p] for p, c in zip(chosen, counts.tolist(), strict=True) if c == n]
+                pairs.extend(self.generate(group, n, temp))
+            total, raw = self.verify(pairs)
+            pids = [ex.prompt_id for ex, _ in pairs]
+            group_ids = torch.tensor(_group_index(pids))
+            self.stats.update(pids, total, step=self.step)
+            keep = torch.ones(len(pairs), dtype=torch.bool)
+            if t.advantage == "mc_grpo":
+                adv, pivot = adv_lib.median_centered(total, group_ids)
+                keep &= ~pivot
+            elif t.advantage == "rloo":
+                adv = adv_lib.rloo(total, group_ids)
+            else:
+                adv = adv_lib.group_normalized(total, group_ids, std="group" if t.advantage == "grpo" else "none")
+            self.metrics.add("train/effective_ratio", effective_ratio(total, group_ids))
+            if t.dynamic_sampling:
+                keep &= adv != 0
+        self.metrics.add("reward/mean", total.mean(), count=len(pairs))
+        for k, spec in enumerate(self.cfg.rewards):
+            self.metrics.add(f"reward/{spec.name}/mean", raw[:, k].mean(), count=len(pairs))
+        lengths = torch.tensor([len(s.completion_token_ids) for _, s in pairs], dtype=torch.float32)
+        self.metrics.add("gen/length_mean", lengths.mean())
+        self.metrics.add("gen/truncated_frac", sum(s.finish_reason == "length" for _, s in pairs) / len(pairs))
+        self.metrics.add("adv/mean", adv.mean())
+        self.metrics.add("adv/std", adv.std(correction=0))
+        return pairs, adv, keep
+
+    def update(self, pairs: list[tuple[VQAExample, GenerationSample]], adv: torch.Tensor, keep: torch.Tensor) -> None:
+        t = self.cfg.trainer
+        temp = self.cfg.generation.temperature
+        rows = torch.nonzero(keep).flatten()
+        if rows.numel() == 0:
+            self.metrics.add("train/skipped_no_signal", 1.0)
+            return
+        # old-policy statistics: log-probs for the ratio, entropies for the shaping (no gradient)
+        self.model.eval()
+        with torch.no_grad():
+            old = [self.token_stats([pairs[i] for i in idx.tolist()], temp) for idx in rows.split(t.minibatch_size)]
+        self.model.train()
+        for _ in range(t.ppo_epochs):
+            n_chunks = len(old)
+            for chunk, idx in enumerate(rows.split(t.minibatch_size)):
+                mb = [pairs[i] for i in idx.tolist()]
+                o = old[chunk]
+                mask = o.mask
+                a = adv[idx].to(mask.device).float()
+                entropy = o.entropy if t.entropy_shaping.kind == "full" else o.sampled_entropy
+                if t.entropy_shaping.enabled:
+                    a_tok = adv_lib.entropy_shaped(a, entropy, t.entropy_shaping.alpha, t.entropy_shaping.kappa)
+                else:
+                    a_tok = a.unsqueeze(1).expand_as(o.logprobs)
+                new = self.token_stats(mb, temp)
+                per_token = loss_lib.clipped_surrogate(new.logprobs, o.logprobs, a_tok, t.epsilon_low,
+                                                       t.epsilon_high, t.dual_clip)
+                behaviour = _pad_logprobs([s.logprobs for _, s in mb], mask.shape[1]).to(mask.device)
+                mismatch = ((o.logprobs - behaviour).abs() * mask).sum() / mask.sum()
+                self.metrics.add("tis/logprob_mismatch", mismatch)
+                if self.uses_tis:
+                    w = loss_lib.truncated_is_weights(o.logprobs, behaviour, cap=t.tis_cap, mode=t.tis_mode, mask=mask)
+                    per_token = per_token * w
+                    self.metrics.add("tis/weight_mean", (w * mask).sum() / mask.sum())
+                if t.beta > 0:
+                    with torch.no_grad(), self.reference_context():
+                        ref = (self.token_stats(mb, temp) if self.reference is None
+                               else _stats_with(self.reference, self, mb, temp))
+                    kl = loss_lib.kl_estimate(new.logprobs, ref.logprobs, kind="k3")
+                    per_token = per_token + t.beta * kl
+                    self.metrics.add("policy/kl", (kl * mask).sum() / mask.sum())
+                loss = loss_lib.aggregate(per_token, mask, mode=t.loss_agg, max_len=self.cfg.generation.max_new_tokens)
+                (loss / n_chunks).backward()
+                self.metrics.add("loss", loss)
+                self.metrics.add("entropy/mean", (entropy * mask).sum() / mask.sum())
+                self.metrics.add_dict(loss_lib.clip_fractions(new.logprobs, o.logprobs, a_tok, t.epsilon_low,
+                                                              t.epsilon_high))
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, t.max_grad_norm)
+            self.metrics.add("train/grad_norm", grad_norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.backend.sync_weights(self.model)
+
+    def train_step(self) -> dict[str, float]:
+        start = time.perf_counter()
+        pairs, adv, keep = self.collect()
+        self.metrics.add("time/rollout_s", time.perf_counter() - start)
+        start = time.perf_counter()
+        self.update(pairs, adv, keep)
+        self.metrics.add("time/train_s", time.perf_counter() - start)
+        if self.run is not None and (self.step + 1) % self.cfg.trainer.sample_every == 0:
+            lines = [{"question": ex.question, "answer": ex.answer, "completion": s.text} for ex, s in pairs[:8]]
+            path = self.run.samples_dir / f"train_{self.step + 1:08d}.jsonl"
+            path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+        return self.metrics.reduce()
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self, examples: list[VQAExample] | None = None) -> dict[str, float]:
+        """Greedy answers on the held-out questions: accuracy per verifier and per question kind."""
+        examples = self.eval_set if examples is None else examples
+        pairs = self.generate(examples, 1, temperature=0.0)
+        total, raw = self.verify(pairs)
+        out = {"eval/accuracy": float(total.mean())}
+        for k, spec in enumerate(self.cfg.rewards):
+            out[f"eval/{spec.name}"] = float(raw[:, k].mean())
+        kinds = sorted({ex.kind for ex, _ in pairs if ex.kind})
+        for kind in kinds:
+            sel = torch.tensor([ex.kind == kind for ex, _ in pairs])
+            out[f"eval/accuracy_{kind}"] = float(total[sel].mean())
+        self._last_eval = pairs, total
+        return out
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> dict[str, float]:
+        cfg = self.cfg
+        total = cfg.trainer.steps
+        latest: dict[str, float] = {}
+        if self.step == 0:
+            first = self.evaluate()
+            latest.update(first)
+            if self.run is not None:
+                self.run.log_metrics(0, first)
+        with TrainProgress(total, start=self.step, show=("reward/mean", "eval/accuracy"),
+                           enabled=cfg.run.progress) as bar:
+            while self.step < total:
+                metrics = self.train_step()
+                self.step += 1
+                if self.step % cfg.trainer.eval_every == 0 or self.step == total:
+                    metrics.update(self.evaluate())
+                latest.update(metrics)
+                if self.run is not None:
+                    if self.step % cfg.run.log_every == 0 or self.step == total:
+                        self.run.log_metrics(self.step, metrics)
+                    if cfg.run.save_every and self.step % cfg.run.save_every == 0:
+                        self.save_checkpoint()
+                bar.update(self.step, latest)
+        if self.run is not None:
+            if not (cfg.run.save_every and self.step % cfg.run.save_every == 0):
+                self.save_checkpoint()
+            self.run.write_summary({"step": self.step, **latest})
+        return latest
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "trainable": {n: p.detach().cpu().clone() for n, p in self.model.named_parameters() if p.requires_grad},
+            "optimizer": self.optimizer.state_dict(),
+            "stats": self.stats.state_dict(),
+            "rng": get_rng_state({"train": self.generator}),
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, value in state["trainable"].items():
+                if name not in params:
+                    raise ValueError(f"checkpoint parameter {name!r} is not in this model")
+                params[name].copy_(value)
+        self.step = int(state["step"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.stats.load_state_dict(state["stats"])
+        set_rng_state(state["rng"], {"train": self.generator})
+        self.backend.sync_weights(self.model)
+
+    def save_checkpoint(self) -> None:
+        if self.run is None:
+            return
+        extra = (lambda d: self.model.save_pretrained(d / "adapter")) if self.cfg.model.lora is not None else None
+        save_checkpoint(self.run.checkpoint_dir, self.step, self.state_dict(), extra=extra,
+                        keep_last=self.cfg.run.keep_last)
+
+    def cleanup(self) -> None:
+        if self.run is not None:
+            self.run.close()
+
+
+def _group_index(prompt_ids: list[str]) -> list[int]:
+    """Contiguous group index per sample from its prompt id (samples of a prompt share a group)."""
+    seen: dict[str, int] = {}
+    return [seen.setdefault(p, len(seen)) for p in prompt_ids]
+
+
+def _pad_logprobs(rows: list[torch.Tensor], width: int) -> torch.Tensor:
+    out = torch.zeros(len(rows), width)
+    for i, r in enumerate(rows):
+        out[i, : r.numel()] = r[:width].float()
+    return out
+
+
+def _stats_with(model: torch.nn.Module, trainer: VLMRLVRTrainer, pairs, temperature: float):
+    live = trainer.model
+    trainer.model = model
+    try:
+        return trainer.token_stats(pairs, temperature)
+    finally:
+        trainer.model = live
+
+
+def main(cfg: VLMRLVRConfig) -> dict[str, float]:
+    run = Run(cfg.run, cfg)
+    trainer = VLMRLVRTrainer(cfg, run)
+    try:
+        trainer.setup()
+        return trainer.train()
+    finally:
+        trainer.cleanup()
+
+
+def evaluate(cfg: VLMRLVRConfig, prompts_file: str | None, out_dir: Path, checkpoint: Path | None,
+             images_per_prompt: int) -> dict[str, float]:
+    """Accuracy of the base model, or a checkpoint's adapter, on a question file (json/jsonl/parquet)."""
+    if prompts_file is not None:
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"eval": prompts_file})})
+    trainer = VLMRLVRTrainer(cfg, run=None)
+    trainer.setup(for_training=False)
+    if checkpoint is not None:
+        state = load_checkpoint(checkpoint)
+        params = dict(trainer.model.named_parameters())
+        with torch.no_grad():
+            for name, value in state["trainable"].items():
+                params[name].copy_(value)
+    summary = trainer.evaluate()
+    pairs, total = trainer._last_eval
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "answers.jsonl", "w") as f:
+        for (ex, s), r in zip(pairs, total.tolist(), strict=True):
+            f.write(json.dumps({"id": ex.prompt_id, "question": ex.question, "answer": ex.answer,
+                                "completion": s.text, "reward": r}) + "\n")
+    summary = {"checkpoint": str(checkpoint) if checkpoint else None, "questions": len(pairs), **summary}
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
