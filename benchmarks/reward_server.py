@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     answered = sum(sum(log.answered.values()) for log in logs)
     duplicated = sum(n - 1 for log in logs for n in log.answered.values() if n > 1)
     sent = sum(log.sent for log in logs)
-    lost = sum(log.lost for log in logs) + max(0, sent - answered - sum(log.lost for log in logs))
+    lost = sent - answered  # every request without a 200 answer (the clients also count them as they go)
     batches = after["batches"] - before["batches"]
     samples = after["samples"] - before["samples"]
     return {
@@ -194,6 +194,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "mean_batch_size": round(samples / batches, 2) if batches else 0.0,
         "mean_requests_per_batch": round(samples / args.images / batches, 2) if batches else 0.0,
         "lost": lost,
+        "lost_seen_by_clients": sum(log.lost for log in logs),
         "duplicated": duplicated,
         "mismatched": sum(log.mismatched for log in logs),
         "errors": [e for log in logs for e in log.errors][:5],

@@ -20,7 +20,17 @@ _REGISTRY: dict[str, type[Reward]] = {}
 
 # Modules whose import registers their rewards. Imported on first lookup, not at package import, so that
 # `import rewards` stays cheap and optional dependencies are only touched when their reward is built.
-_PROVIDERS: tuple[str, ...] = ()
+_PROVIDERS: tuple[str, ...] = (
+    "rewards.jpeg",
+    "rewards.clip",
+    "rewards.pickscore",
+    "rewards.aesthetic",
+    "rewards.imagereward",
+    "rewards.video",
+    "rewards.text",
+    "rewards.remote",
+    "rewards.shapes",
+)
 
 
 def register(name: str) -> Callable[[R], R]:

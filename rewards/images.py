@@ -1,0 +1,228 @@
+"""Shared plumbing of the image rewards: input conversion, CLIP-style preprocessing, the batched base class.
+
+Every image reward accepts ``images`` as a list of PIL images (any sizes) or a ``[B, 3, H, W]`` float tensor in
+[0, 1] (uint8 tensors are divided by 255). Preprocessing is done with torch ops on the reward's device, so the
+same code path serves inference and differentiable use (reward backpropagation into the pixels):
+
+    x -> resize (bicubic, antialiased) so the shorter side is ``size`` -> centre crop -> (x - mean) / std
+
+This is the transform of open-clip's and transformers' CLIP image processors. Their PIL implementation resizes
+uint8 images; ours resizes floats, so scores of a PIL image differ from the reference scripts' by resampling
+rounding only (about 1e-3 relative on a real model).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from rewards.base import Reward, RewardOutput
+
+ImageBatch = Sequence[Image.Image] | torch.Tensor
+
+
+def pil_to_tensor(image: Image.Image) -> torch.Tensor:
+    """One PIL image -> ``[3, H, W]`` float32 in [0, 1] (converted to RGB first: palette, grey, RGBA)."""
+    array = np.asarray(image.convert("RGB"), dtype=np.uint8)
+    return torch.from_numpy(array.copy()).permute(2, 0, 1).float().div_(255.0)
+
+
+def check_image_tensor(images: torch.Tensor, name: str = "images") -> torch.Tensor:
+    """Validate a ``[B, 3, H, W]`` tensor and return it as float in [0, 1] (uint8 is divided by 255)."""
+    if images.ndim != 4 or images.shape[1] != 3:
+        raise ValueError(f"{name} must be a [B, 3, H, W] tensor, got shape {tuple(images.shape)}")
+    if images.dtype == torch.uint8:
+        return images.float() / 255.0
+    if not images.is_floating_point():
+        raise ValueError(f"{name} must be float in [0, 1] or uint8, got dtype {images.dtype}")
+    return images
+
+
+def image_list(images: ImageBatch, name: str = "images") -> list[torch.Tensor]:
+    """Any accepted image batch -> list of ``[3, H, W]`` float tensors in [0, 1] (sizes may differ)."""
+    if isinstance(images, torch.Tensor):
+        return list(check_image_tensor(images, name).unbind(0))
+    if isinstance(images, Image.Image) or not isinstance(images, Sequence):
+        raise ValueError(
+            f"{name} must be a list of PIL images or a [B, 3, H, W] tensor, got {type(images).__name__}"
+        )
+    out = []
+    for i, image in enumerate(images):
+        if isinstance(image, Image.Image):
+            out.append(pil_to_tensor(image))
+        elif isinstance(image, torch.Tensor) and image.ndim == 3:
+            out.append(check_image_tensor(image.unsqueeze(0), f"{name}[{i}]")[0])
+        else:
+            raise ValueError(
+                f"{name}[{i}] must be a PIL image or a [3, H, W] tensor, got {type(image).__name__}"
+            )
+    return out
+
+
+def images_to_uint8(images: ImageBatch) -> list[np.ndarray]:
+    """Any accepted image batch -> list of ``[H, W, 3]`` uint8 arrays, rounding as DDPO does: ``round(255 x)``."""
+    if isinstance(images, Sequence) and all(isinstance(im, Image.Image) for im in images):
+        return [np.asarray(im.convert("RGB"), dtype=np.uint8) for im in images]
+    return [
+        (t.detach() * 255).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).cpu().numpy()
+        for t in image_list(images)
+    ]
+
+
+def images_to_pil(images: ImageBatch) -> list[Image.Image]:
+    """Any accepted image batch -> list of RGB PIL images (tensors are rounded to uint8)."""
+    if isinstance(images, Sequence) and all(isinstance(im, Image.Image) for im in images):
+        return [im.convert("RGB") for im in images]
+    return [Image.fromarray(a) for a in images_to_uint8(images)]
+
+
+def clip_preprocess(
+    pixels: torch.Tensor,
+    size: tuple[int, int],
+    mean: Sequence[float],
+    std: Sequence[float],
+) -> torch.Tensor:
+    """CLIP image transform on a ``[B, 3, H, W]`` tensor in [0, 1]; differentiable.
+
+    Resize (bicubic, antialiased) so that the image covers ``size`` = (height, width) with its shorter side,
+    centre crop to ``size``, normalise with ``(x - mean) / std``.
+    """
+    _, _, h, w = pixels.shape
+    out_h, out_w = size
+    scale = max(out_h / h, out_w / w)
+    new_h, new_w = max(out_h, round(h * scale)), max(out_w, round(w * scale))
+    if (new_h, new_w) != (h, w):
+        pixels = F.interpolate(
+            pixels, size=(new_h, new_w), mode="bicubic", align_corners=False, antialias=True
+        )
+        # bicubic overshoots at edges; PIL clamps to the uint8 range, so do the same
+        pixels = pixels.clamp(0.0, 1.0)
+    top, left = (new_h - out_h) // 2, (new_w - out_w) // 2
+    pixels = pixels[:, :, top : top + out_h, left : left + out_w]
+    mean_t = torch.tensor(mean, dtype=pixels.dtype, device=pixels.device).view(1, -1, 1, 1)
+    std_t = torch.tensor(std, dtype=pixels.dtype, device=pixels.device).view(1, -1, 1, 1)
+    return (pixels - mean_t) / std_t
+
+
+def prepare_pixels(
+    images: ImageBatch,
+    size: tuple[int, int],
+    mean: Sequence[float],
+    std: Sequence[float],
+    device: torch.device | str,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Any accepted image batch -> ``[B, 3, *size]`` normalised model input on ``device``.
+
+    A tensor batch is transformed in one call (and keeps its autograd graph); a list of PIL images of
+    different sizes is transformed image by image.
+    """
+    if isinstance(images, torch.Tensor):
+        pixels = check_image_tensor(images).to(device=device, dtype=dtype)
+        return clip_preprocess(pixels, size, mean, std)
+    return torch.cat(
+        [clip_preprocess(t.to(device=device, dtype=dtype)[None], size, mean, std) for t in image_list(images)]
+    )
+
+
+def batch_size_of(images: ImageBatch) -> int:
+    return images.shape[0] if isinstance(images, torch.Tensor) else len(images)
+
+
+def check_prompts(prompts: Sequence[str] | None, batch: int, reward: str) -> list[str]:
+    """Validate that there is one prompt string per image."""
+    if prompts is None:
+        raise ValueError(f"reward {reward!r} needs prompts=[...] (one per image)")
+    if isinstance(prompts, str) or len(prompts) != batch:
+        got = "a string" if isinstance(prompts, str) else f"{len(prompts)} prompts"
+        raise ValueError(f"reward {reward!r} needs one prompt per image: {batch} images, got {got}")
+    if not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"reward {reward!r}: every prompt must be a str")
+    return list(prompts)
+
+
+class ImageRewardBase(Reward):
+    """Base of the learned image rewards: device placement, chunking, grad mode.
+
+    Subclasses implement :meth:`score_chunk` on at most ``batch_size`` images. Scores are detached float32 on
+    the CPU, except with ``differentiable=True``, where they stay on the reward's device with their graph
+    (the model's parameters stay frozen either way: gradients flow to the pixels only).
+    """
+
+    #: whether the reward reads ``prompts``
+    needs_prompts: bool = True
+
+    def __init__(
+        self, device: str | torch.device = "cpu", differentiable: bool = False, batch_size: int = 32
+    ):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.device = torch.device(device)
+        self.differentiable = differentiable
+        self.batch_size = batch_size
+
+    def freeze(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Move ``module`` to the reward's device, eval mode, parameters frozen."""
+        module = module.to(self.device).eval()
+        module.requires_grad_(False)
+        return module
+
+    @contextlib.contextmanager
+    def grad_mode(self) -> Iterator[None]:
+        with torch.enable_grad() if self.differentiable else torch.no_grad():
+            yield
+
+    def score_chunk(self, images: ImageBatch, prompts: list[str] | None) -> RewardOutput:
+        raise NotImplementedError
+
+    def score(self, *, images: ImageBatch, prompts: Sequence[str] | None = None, **_: Any) -> RewardOutput:
+        """Score ``images`` (list of PIL or ``[B, 3, H, W]`` in [0, 1]) against ``prompts`` (one per image).
+
+        Other batch fields (``metadata``, ...) are accepted and ignored, so one batch dict can feed several
+        rewards.
+        """
+        batch = batch_size_of(images)
+        prompt_list = check_prompts(prompts, batch, self.name) if self.needs_prompts else None
+        if not isinstance(images, torch.Tensor):
+            images = list(images)
+        outputs = []
+        with self.grad_mode():
+            for start in range(0, batch, self.batch_size):
+                stop = start + self.batch_size
+                outputs.append(
+                    self.score_chunk(
+                        images[start:stop], None if prompt_list is None else prompt_list[start:stop]
+                    )
+                )
+        return self.finish(concat_outputs(outputs))
+
+    def finish(self, output: RewardOutput) -> RewardOutput:
+        if self.differentiable:
+            return output
+        return RewardOutput(
+            scores=output.scores.detach().float().cpu(),
+            components={k: v.detach().float().cpu() for k, v in output.components.items()},
+            reasons=output.reasons,
+        )
+
+
+def concat_outputs(outputs: Sequence[RewardOutput]) -> RewardOutput:
+    """Concatenate chunk outputs along the batch; components and reasons are joined key by key."""
+    if not outputs:  # an empty batch
+        return RewardOutput(scores=torch.zeros(0))
+    if len(outputs) == 1:
+        return outputs[0]
+    reasons = None
+    if any(o.reasons is not None for o in outputs):
+        reasons = [r for o in outputs for r in (o.reasons or [None] * len(o.scores))]
+    return RewardOutput(
+        scores=torch.cat([o.scores for o in outputs]),
+        components={k: torch.cat([o.components[k] for o in outputs]) for k in outputs[0].components},
+        reasons=reasons,
+    )

@@ -1,0 +1,396 @@
+"""Text verifiers for RLVR: exact match, multiple choice, numeric with tolerance, math equivalence, format.
+
+Every verifier reads ``completions`` (strings, or chat messages as lists of ``{"role", "content"}`` dicts) and,
+except ``format``, ``ground_truths`` (one per completion: a string, a number, or a list of acceptable answers).
+A completion scores 1 when correct, 0 otherwise. Model output never makes a verifier raise: a malformed
+completion scores 0 and ``RewardOutput.reasons`` says why. Mismatched batch lengths are a caller error and raise.
+
+Where the answer is read from: the last ``<answer>...</answer>`` span when there is one (the tag is
+configurable), otherwise the whole completion (``require_answer_tag=True`` scores that 0 instead).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from rewards.base import Reward, RewardOutput
+from rewards.registry import register
+
+# stripped from both ends of an answer by exact_match: sentence punctuation, quotes, markdown emphasis.
+# Signs, %, $ and brackets are kept: "-3" is not "3", "(B)" is handled by multiple_choice.
+END_PUNCTUATION = ".,;:!?\"'`*"
+
+
+def completion_text(completion: Any) -> str | None:
+    """The text of a completion: a string, or the last message's content of a chat (list of dicts)."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, dict):
+        completion = [completion]
+    if isinstance(completion, Sequence) and completion and isinstance(completion[-1], dict):
+        content = completion[-1].get("content")
+        if isinstance(content, list):  # multimodal message: join its text parts
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        return content if isinstance(content, str) else None
+    return None
+
+
+def extract_tag(text: str, tag: str) -> str | None:
+    """Content of the last ``<tag>...</tag>`` span in ``text``, or ``None`` when there is none."""
+    spans = re.findall(rf"<{re.escape(tag)}>(.*?)</{re.escape(tag)}>", text, flags=re.DOTALL)
+    return spans[-1] if spans else None
+
+
+def normalize_answer(text: str) -> str:
+    """Case-fold, collapse whitespace, strip :data:`END_PUNCTUATION` and spaces at both ends."""
+    text = " ".join(text.split()).casefold()
+    return text.strip(END_PUNCTUATION + " ")
+
+
+def as_answers(ground_truth: Any) -> list[Any]:
+    """A ground truth as a list of acceptable answers."""
+    if isinstance(ground_truth, (list, tuple, set)):
+        return list(ground_truth)
+    return [ground_truth]
+
+
+class TextVerifier(Reward):
+    """Base of the verifiers: batch plumbing, answer extraction, never-raise policy.
+
+    Subclasses implement :meth:`check` ``(answer, ground_truth) -> (score, reason)`` for one sample.
+    """
+
+    needs_ground_truth = True
+
+    def __init__(self, answer_tag: str = "answer", require_answer_tag: bool = False):
+        self.answer_tag = answer_tag
+        self.require_answer_tag = require_answer_tag
+
+    def answer(self, text: str) -> tuple[str | None, str | None]:
+        """(answer text, reason when there is none)."""
+        span = extract_tag(text, self.answer_tag) if self.answer_tag else None
+        if span is not None:
+            return span, None
+        if self.require_answer_tag:
+            return None, f"no <{self.answer_tag}>...</{self.answer_tag}> span"
+        return text, None
+
+    def check(self, answer: str, ground_truth: Any, from_span: bool) -> tuple[float, str | None]:
+        """Score one answer; ``from_span`` tells whether it came from an answer span or is the whole text."""
+        raise NotImplementedError
+
+    def score(
+        self, *, completions: Sequence[Any], ground_truths: Sequence[Any] | None = None, **_: Any
+    ) -> RewardOutput:
+        """Score each completion against its ground truth; other batch fields are ignored.
+
+        Raises:
+            ValueError: ``ground_truths`` missing or not one per completion (a caller error, not model output).
+        """
+        if isinstance(completions, str):
+            raise ValueError("completions must be a list (one entry per sample), got a single string")
+        if self.needs_ground_truth and (
+            ground_truths is None or isinstance(ground_truths, str) or len(ground_truths) != len(completions)
+        ):
+            got = "none" if ground_truths is None else "a string"
+            if ground_truths is not None and not isinstance(ground_truths, str):
+                got = str(len(ground_truths))
+            raise ValueError(
+                f"reward {self.name!r} needs ground_truths, one per completion: "
+                f"{len(completions)} completions, got {got}"
+            )
+        truths = ground_truths if self.needs_ground_truth else [None] * len(completions)
+        scores, reasons = [], []
+        for completion, truth in zip(completions, truths or [], strict=True):
+            value, reason = self.check_one(completion, truth)
+            scores.append(value)
+            reasons.append(reason)
+        return RewardOutput(scores=torch.tensor(scores, dtype=torch.float32), reasons=reasons)
+
+    def check_one(self, completion: Any, ground_truth: Any) -> tuple[float, str | None]:
+        text = completion_text(completion)
+        if text is None:
+            return 0.0, f"completion is not text ({type(completion).__name__})"
+        answer, reason = self.answer(text)
+        if answer is None:
+            return 0.0, reason
+        try:
+            # answer() returns the completion itself when there is no answer span
+            return self.check(answer, ground_truth, from_span=answer is not text)
+        except Exception as error:  # a verifier bug or a pathological answer must not stop training
+            return 0.0, f"verifier error: {type(error).__name__}: {error}"
+
+
+@register("exact_match")
+class ExactMatch(TextVerifier):
+    """1 if the normalised answer equals a normalised ground truth (any of several), else 0.
+
+    Normalisation: case-folded, whitespace collapsed, ``.,;:!?"'`*`` and spaces stripped at both ends
+    ("  The Red Circle. " == "the red circle").
+
+    Args:
+        answer_tag: read the answer from the last ``<answer_tag>...</answer_tag>`` span ("" to never look).
+        require_answer_tag: score 0 when the span is missing instead of using the whole completion.
+    """
+
+    def check(self, answer: str, ground_truth: Any, from_span: bool) -> tuple[float, str | None]:
+        got = normalize_answer(answer)
+        if not got:
+            return 0.0, "empty answer"
+        if any(got == normalize_answer(str(t)) for t in as_answers(ground_truth)):
+            return 1.0, None
+        return 0.0, f"answer {got!r} does not match"
+
+
+# the whole answer is one option: "B", "(b)", "B.", "B)"
+_ONE_LETTER = re.compile(r"\(?([A-Za-z])\)?[.:)]?", flags=re.IGNORECASE)
+# a list of options: "A, C", "(A) and (C)", "A/C"
+_LETTER_LIST = re.compile(r"\(?[A-Z]\)?(?:\s*(?:,|;|/|&|and)?\s*\(?[A-Z]\)?)+\.?")
+# an answer that starts with an option and explains it: "B. the red one", "(B) red"
+_LEADING_LETTER = re.compile(r"\(?([A-Z])\)?[.:)]?\s")
+
+
+@register("multiple_choice")
+class MultipleChoice(TextVerifier):
+    """1 if the chosen option letter(s) equal the ground truth letter(s), else 0.
+
+    The choice is read from the answer span, or from the completion's last "answer is X" / "Answer: X" when
+    there is no span. Accepted forms: ``B``, ``(B)``, ``B.``, ``B) text``; a multi-answer ground truth such as
+    ``"A,C"`` or ``["A", "C"]`` needs exactly that set (``"A, C"``, ``"(A) and (C)"``). Several different
+    letters for a single-answer question score 0 ("ambiguous"), so listing every option is never rewarded.
+
+    Args:
+        choices: the valid option letters.
+        answer_tag, require_answer_tag: as in ``exact_match``.
+    """
+
+    def __init__(
+        self, choices: str = "ABCDEFGHIJ", answer_tag: str = "answer", require_answer_tag: bool = False
+    ):
+        super().__init__(answer_tag, require_answer_tag)
+        self.choices = choices.upper()
+
+    def letters(self, answer: str, from_span: bool) -> set[str]:
+        """The option letters an answer chooses (upper case)."""
+        text = answer.strip()
+        match = _ONE_LETTER.fullmatch(text)
+        if match:
+            return {match.group(1).upper()}
+        if not from_span:
+            # free text: only an explicit statement counts, the letter "a" is also a word
+            stated = re.findall(
+                r"answer\s*(?:is|:)\s*\(?([A-Za-z])\)?(?![A-Za-z])", text, flags=re.IGNORECASE
+            )
+            return {stated[-1].upper()} if stated else set()
+        standalone = set(re.findall(r"(?<![A-Za-z])\(?([A-Z])\)?(?![A-Za-z])", text))
+        if _LETTER_LIST.fullmatch(text):
+            return standalone
+        match = _LEADING_LETTER.match(text)
+        if match:
+            return {match.group(1)}
+        # free text in the span: every letter that stands alone counts (several = ambiguous)
+        return standalone
+
+    def check(self, answer: str, ground_truth: Any, from_span: bool) -> tuple[float, str | None]:
+        return self.compare(self.letters(answer, from_span), ground_truth)
+
+    def compare(self, chosen: set[str], ground_truth: Any) -> tuple[float, str | None]:
+        truth = {c for t in as_answers(ground_truth) for c in re.findall(r"[A-Za-z]", str(t).upper())}
+        if not truth <= set(self.choices):
+            raise ValueError(f"ground truth {ground_truth!r} is not among choices {self.choices!r}")
+        invalid = chosen - set(self.choices)
+        if invalid:
+            return 0.0, f"choice {sorted(invalid)} is not among {self.choices!r}"
+        if not chosen:
+            return 0.0, "no choice found"
+        if len(truth) == 1 and len(chosen) > 1:
+            return 0.0, f"ambiguous: several choices {sorted(chosen)}"
+        if chosen == truth:
+            return 1.0, None
+        return 0.0, f"chose {sorted(chosen)}"
+
+
+_NUMBER = r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+]?\.\d+(?:[eE][-+]?\d+)?"
+
+
+_FRACTION = rf"\(?\s*({_NUMBER})\s*\)?\s*/\s*\(?\s*({_NUMBER})\s*\)?"
+
+
+def _latex_to_plain(text: str) -> str:
+    text = text.replace("\u2212", "-").replace("$", "")
+    for command in (r"\,", r"\!", r"\;", r"\ ", r"\left", r"\right", r"\%", "%"):
+        text = text.replace(command, " " if command == r"\ " else "")
+    text = re.sub(r"\\boxed\s*{(.*)}", r"\1", text)
+    text = re.sub(r"\\[dt]?frac\s*{([^{}]*)}\s*{([^{}]*)}", r"(\1)/(\2)", text)
+    # 1.5 \times 10^{3} -> 1.5e3
+    text = re.sub(r"\s*(?:\\times|\\cdot|x|\*)\s*10\s*\^\s*{?\s*([-+]?\d+)\s*}?", r"e\1", text)
+    return text.replace("{,}", ",")
+
+
+def parse_number(text: str) -> float | None:
+    """The value of the last number in ``text``: integers, decimals, thousands separators, scientific
+    notation (``1.5e3``, ``1.5 \\times 10^{3}``), fractions ``a/b`` and ``\\frac{a}{b}``, ``\\boxed{}``; units
+    and ``%`` are ignored (``"12 cm"`` -> 12, ``"50%"`` -> 50). ``None`` when there is no number."""
+    plain = _latex_to_plain(text)
+    numbers = list(re.finditer(_NUMBER, plain))
+    if not numbers:
+        return None
+    fractions = list(re.finditer(_FRACTION, plain))
+    # the last number is a denominator: the answer is the whole fraction
+    if fractions and fractions[-1].end() >= numbers[-1].end():
+        numerator, denominator = (float(g.replace(",", "")) for g in fractions[-1].groups())
+        return numerator / denominator if denominator != 0 else None
+    return float(numbers[-1].group().replace(",", ""))
+
+
+@register("numeric")
+class Numeric(TextVerifier):
+    """1 if the answer's number is within tolerance of the ground truth, else 0:
+
+        |pred - truth| <= max(rel_tol * max(|pred|, |truth|), abs_tol)     (``math.isclose``)
+
+    The number is the last one in the answer (see :func:`parse_number`), so "so x = 12 cm" reads 12.
+
+    Args:
+        rel_tol, abs_tol: tolerances (defaults: 1e-4 relative, 1e-6 absolute).
+        answer_tag, require_answer_tag: as in ``exact_match``. Without a span, a ``\\boxed{}`` is used when
+            present.
+    """
+
+    def __init__(
+        self,
+        rel_tol: float = 1e-4,
+        abs_tol: float = 1e-6,
+        answer_tag: str = "answer",
+        require_answer_tag: bool = False,
+    ):
+        super().__init__(answer_tag, require_answer_tag)
+        if rel_tol < 0 or abs_tol < 0:
+            raise ValueError(f"tolerances must be >= 0, got rel_tol={rel_tol}, abs_tol={abs_tol}")
+        self.rel_tol, self.abs_tol = rel_tol, abs_tol
+
+    def answer(self, text: str) -> tuple[str | None, str | None]:
+        answer, reason = super().answer(text)
+        if answer is text:
+            boxed = re.findall(r"\\boxed\s*{([^{}]*(?:{[^{}]*}[^{}]*)*)}", text)
+            answer = boxed[-1] if boxed else text
+        return answer, reason
+
+    def check(self, answer: str, ground_truth: Any, from_span: bool) -> tuple[float, str | None]:
+        value = parse_number(answer)
+        if value is None or not math.isfinite(value):
+            return 0.0, f"no number in answer {answer.strip()[:80]!r}"
+        for truth in as_answers(ground_truth):
+            target = float(truth) if isinstance(truth, (int, float)) else parse_number(str(truth))
+            if target is None:
+                raise ValueError(f"ground truth {truth!r} is not a number")
+            if math.isclose(value, target, rel_tol=self.rel_tol, abs_tol=self.abs_tol):
+                return 1.0, None
+        return 0.0, f"{value:g} is not within tolerance of {ground_truth!r}"
+
+
+@register("math_verify")
+class MathVerify(TextVerifier):
+    """1 if the answer is mathematically equivalent to the ground truth according to math-verify
+    (Hugging Face, https://github.com/huggingface/Math-Verify), else 0.
+
+    math-verify extracts the answer (``\\boxed{}``, the last LaTeX or plain expression), normalises units,
+    percentages and malformed LaTeX, and compares symbolically with sympy: ``\\frac{1}{2}`` == ``0.5`` ==
+    ``1/2``, ``\\{1, 2\\}`` == ``\\{2, 1\\}``, ``x = 2`` == ``2``.
+
+    Args:
+        timeout_s: parse/verify timeout, enforced with SIGALRM and so only in the main thread (math-verify's
+            mechanism); in worker threads (the reward server) it is off.
+        float_rounding: decimal places compared for floats (math-verify's default 6).
+        answer_tag, require_answer_tag: as in ``exact_match``.
+    """
+
+    def __init__(
+        self,
+        timeout_s: int = 5,
+        float_rounding: int = 6,
+        answer_tag: str = "answer",
+        require_answer_tag: bool = False,
+    ):
+        super().__init__(answer_tag, require_answer_tag)
+        import math_verify  # noqa: F401  (fail at build time, not at the first score)
+
+        self.timeout_s = timeout_s
+        self.float_rounding = float_rounding
+
+    def check(self, answer: str, ground_truth: Any, from_span: bool) -> tuple[float, str | None]:
+        from math_verify import parse, verify
+
+        timeout = self.timeout_s if threading.current_thread() is threading.main_thread() else None
+
+        def parse_math(text: str, bare: bool) -> list[Any]:
+            # An answer span or a ground truth is one bare expression: math-verify reads bare LaTeX such as
+            # "\{1, 2\}" or a list "2, 3" whole only between math delimiters (unwrapped it takes the last
+            # number). Free text is parsed as is (it finds \boxed{} and $...$ itself).
+            if bare and "$" not in text and "\\boxed" not in text:
+                parsed = parse(f"${text.strip()}$", parsing_timeout=timeout)
+                if parsed:
+                    return parsed
+            return parse(text, parsing_timeout=timeout)
+
+        predicted = parse_math(answer, bare=from_span)
+        if not predicted:
+            return 0.0, f"no parsable answer in {answer.strip()[:80]!r}"
+        for truth in as_answers(ground_truth):
+            gold = parse_math(str(truth), bare=True)
+            if not gold:
+                raise ValueError(f"ground truth {truth!r} does not parse")
+            if verify(gold, predicted, float_rounding=self.float_rounding, timeout_seconds=timeout):
+                return 1.0, None
+        return 0.0, f"answer {predicted[-1]!s} is not equivalent to {ground_truth!r}"
+
+
+@register("format")
+class Format(TextVerifier):
+    """1 if the completion is ``<think>...</think><answer>...</answer>``, else 0 (DeepSeek-R1's format reward,
+    arXiv 2501.12948).
+
+    Whitespace around and between the blocks is allowed; each tag must occur exactly once, the answer must be
+    non-empty, and no text may precede or follow the blocks unless ``allow_outside_text``.
+
+    Args:
+        think_tag, answer_tag: the tag names; ``think_tag=""`` asks for the answer block only.
+        allow_outside_text: accept text before the first and after the last block.
+    """
+
+    needs_ground_truth = False
+
+    def __init__(
+        self, think_tag: str = "think", answer_tag: str = "answer", allow_outside_text: bool = False
+    ):
+        super().__init__(answer_tag=answer_tag, require_answer_tag=False)
+        if not answer_tag:
+            raise ValueError("format needs an answer_tag")
+        self.think_tag = think_tag
+        self.allow_outside_text = allow_outside_text
+        blocks = [rf"<{re.escape(t)}>(.*?)</{re.escape(t)}>" for t in (think_tag, answer_tag) if t]
+        edge = r".*?" if allow_outside_text else r"\s*"
+        self.pattern = re.compile(edge + r"\s*".join(blocks) + edge + r"\Z", flags=re.DOTALL)
+
+    def check_one(self, completion: Any, ground_truth: Any) -> tuple[float, str | None]:
+        text = completion_text(completion)
+        if text is None:
+            return 0.0, f"completion is not text ({type(completion).__name__})"
+        for tag in (self.think_tag, self.answer_tag):
+            if not tag:
+                continue
+            opened, closed = text.count(f"<{tag}>"), text.count(f"</{tag}>")
+            if (opened, closed) != (1, 1):
+                return 0.0, f"expected one <{tag}> and one </{tag}>, found {opened} and {closed}"
+        match = self.pattern.match(text)
+        if match is None:
+            return 0.0, "blocks out of order or text outside them"
+        if not match.groups()[-1].strip():
+            return 0.0, f"empty <{self.answer_tag}> block"
+        return 1.0, None
