@@ -360,7 +360,9 @@ def _background(rng: np.random.Generator) -> tuple[int, int, int]:
 
 def _check_size(size: int) -> None:
     if not isinstance(size, int | np.integer) or size < 24:
-        raise ValueError(f"size must be an integer >= 24 pixels (four objects must fit with clear gaps), got {size!r}")
+        raise ValueError(
+            f"size must be an integer >= 24 pixels (four objects must fit with clear gaps), got {size!r}"
+        )
 
 
 def scene_for_prompt(prompt: str, seed: int, size: int = 32) -> Scene:

@@ -8,6 +8,8 @@ import time
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 import rewards
@@ -67,9 +69,22 @@ def test_accuracy_on_perturbed_renders(reward, size):
     for kind in PERTURBATIONS:
         images = [perturb(s, kind, i) for i, s in enumerate(scenes)]
         accuracy[kind] = reward(images, prompts).mean().item()
-    assert np.mean(list(accuracy.values())) >= 0.95, accuracy
-    # JPEG at 32x32 is the hardest (chroma at 16x16 for objects of 7-11 px); measured ~0.95
-    assert min(accuracy.values()) >= 0.9, accuracy
+    # each kind on its own; JPEG at 32x32 is the hardest (chroma kept at 16x16), measured 0.98
+    assert min(accuracy.values()) >= 0.95, accuracy
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompt=st.sampled_from(all_prompts()),
+    seed=st.integers(0, 2**31),
+    size=st.integers(28, 128),
+    antialias=st.booleans(),
+)
+def test_any_prompt_seed_and_size_verifies(prompt, seed, size, antialias):
+    # hard pixel edges need a few pixels per object: 24x24 aliased renders verify only ~90%
+    size = max(size, 32) if not antialias else size
+    image = render(scene_for_prompt(prompt, seed, size), antialias=antialias)
+    assert ShapesReward()([image], [prompt]).item() == 1.0
 
 
 # ---------------------------------------------------------------- an independent drawing of the same scenes
@@ -158,6 +173,15 @@ def test_empty_and_blob_images_score_zero(reward):
         _scene(SceneObject("circle", "red", 12.0, 16.0, 9.0), SceneObject("circle", "red", 20.0, 16.0, 9.0))
     )
     assert reward([blank, blob], ["a photo of one circle", "a photo of two circles"]).tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("size", [32, 64])
+def test_touching_objects_of_two_colours_are_two_objects(reward, size):
+    k = size / 32
+    red = SceneObject("square", "red", 10 * k, 16 * k, 10 * k)
+    blue = SceneObject("circle", "blue", 20 * k, 16 * k, 10 * k)  # boxes share an edge
+    image = render(_scene(red, blue, size=size))
+    assert reward([image], ["a photo of a red square left of a blue circle"]).item() == 1.0
 
 
 def test_tolerates_speckles(reward):

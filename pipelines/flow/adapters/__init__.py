@@ -1,0 +1,65 @@
+"""Flow-model adapters by family name: ``get_adapter("sd3")``, ``load_adapter("flux", "black-forest-labs/FLUX.1-dev")``."""
+
+from __future__ import annotations
+
+import torch
+
+from pipelines.flow.adapters.base import Conditioning, FlowAdapter, flow_match_sigmas
+from pipelines.flow.adapters.flux import FluxAdapter
+from pipelines.flow.adapters.sana import SanaAdapter
+from pipelines.flow.adapters.sd3 import SD3Adapter
+from pipelines.flow.adapters.shapes import ShapesAdapter
+from pipelines.flow.adapters.wan import WanAdapter
+
+_ADAPTERS: dict[str, type[FlowAdapter]] = {
+    cls.family: cls for cls in (SD3Adapter, FluxAdapter, SanaAdapter, WanAdapter, ShapesAdapter)
+}
+
+
+def list_adapters() -> list[str]:
+    """Names of every adapter family, sorted."""
+    return sorted(_ADAPTERS)
+
+
+def get_adapter(family: str) -> type[FlowAdapter]:
+    """The adapter class of ``family``.
+
+    Raises:
+        KeyError: unknown family, listing the available ones.
+    """
+    if family not in _ADAPTERS:
+        raise KeyError(f"unknown flow adapter {family!r}. Available: {list_adapters()}")
+    return _ADAPTERS[family]
+
+
+def load_adapter(
+    family: str,
+    model_id_or_path: str,
+    torch_dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    quantization_config: object | None = None,
+    **kwargs,
+) -> FlowAdapter:
+    """``get_adapter(family).from_pretrained(model_id_or_path, ...)``."""
+    return get_adapter(family).from_pretrained(
+        model_id_or_path,
+        torch_dtype=torch_dtype,
+        device=device,
+        quantization_config=quantization_config,
+        **kwargs,
+    )
+
+
+__all__ = [
+    "Conditioning",
+    "FlowAdapter",
+    "FluxAdapter",
+    "SD3Adapter",
+    "SanaAdapter",
+    "ShapesAdapter",
+    "WanAdapter",
+    "flow_match_sigmas",
+    "get_adapter",
+    "list_adapters",
+    "load_adapter",
+]

@@ -1,0 +1,252 @@
+"""The one interface every flow-model adapter implements, and the conditioning it passes around.
+
+An adapter wraps a diffusers pipeline of one model family and exposes exactly what RL needs, statelessly:
+
+    cond = adapter.encode(prompts, cfg=True)           # text embeddings (+ unconditional ones for CFG)
+    sigmas = adapter.sigmas(num_steps, height, width)  # [S+1] float32, from 1 towards 0, last entry 0
+    x = torch.randn(B, *adapter.latent_shape(height, width))
+    v = adapter.velocity(x, sigma, cond, guidance_scale)
+    images = adapter.decode(x)                         # [B, 3, H, W] in [0, 1]  (video: [B, T, 3, H, W])
+
+``adapter.transformer`` is the module RL trains (LoRA through peft's ``add_adapter``). Latents are always kept
+in the layout the SDE step works on; families whose transformer wants another layout (FLUX's packed 2x2
+patches) convert inside ``velocity`` so the SDE math and the stored trajectories stay family-agnostic.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
+
+
+@dataclass
+class Conditioning:
+    """Text conditioning for a batch of ``B`` samples.
+
+    Attributes:
+        cond: named ``[B, ...]`` tensors the family's transformer reads (e.g. ``prompt_embeds``,
+            ``pooled_projections``, ``attention_mask``).
+        uncond: the same names for the negative/empty prompt, present only when CFG was requested at encode time.
+    """
+
+    cond: dict[str, torch.Tensor]
+    uncond: dict[str, torch.Tensor] | None = None
+
+    def __len__(self) -> int:
+        return next(iter(self.cond.values())).shape[0]
+
+    @property
+    def has_uncond(self) -> bool:
+        return self.uncond is not None
+
+    def select(self, index: torch.Tensor | Sequence[int]) -> Conditioning:
+        """Rows ``index`` of every tensor (repeats allowed): expands prompts to samples, or picks transitions."""
+        idx = torch.as_tensor(index, dtype=torch.long)
+
+        def pick(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return {k: t.index_select(0, idx.to(t.device)) for k, t in d.items()}
+
+        return Conditioning(pick(self.cond), pick(self.uncond) if self.uncond is not None else None)
+
+    def with_cfg_batch(self) -> dict[str, torch.Tensor]:
+        """``uncond`` then ``cond`` stacked on the batch dimension ``[2B, ...]``, for one batched CFG forward."""
+        if self.uncond is None:
+            raise ValueError(
+                "classifier-free guidance needs unconditional embeddings: encode(prompts, cfg=True)"
+            )
+        return {k: torch.cat([self.uncond[k], self.cond[k]], dim=0) for k in self.cond}
+
+
+# load_config accepts these of from_pretrained's keyword arguments (where and which revision to read)
+_CONFIG_KWARGS = ("cache_dir", "local_files_only", "revision", "token", "force_download", "proxies")
+
+
+def load_pipeline(
+    pipeline_cls: type[DiffusionPipeline],
+    model_id_or_path: str,
+    torch_dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    quantization_config: object | None = None,
+    **kwargs,
+) -> DiffusionPipeline:
+    """``pipeline_cls.from_pretrained`` with mmrl's loading options, moved to ``device``.
+
+    Args:
+        pipeline_cls: the diffusers pipeline class of the family (``StableDiffusion3Pipeline``...).
+        model_id_or_path: a hub id (``stabilityai/stable-diffusion-3.5-medium``) or a local directory.
+        torch_dtype: weights dtype (``torch.bfloat16`` on GPUs; float32 on CPU).
+        device: where the modules go after loading (a quantized pipeline is placed by its quantizer, not moved).
+        quantization_config: a diffusers ``PipelineQuantizationConfig`` (bitsandbytes / torchao) or ``None``.
+        kwargs: passed on (``revision``, ``variant``, ``local_files_only``...).
+    """
+    if quantization_config is not None:
+        kwargs["quantization_config"] = quantization_config
+    # A component saved as absent (model_index entry [null, null]: SD3 without T5, the pixel-space shapes model
+    # without VAE) must be passed as None, or diffusers refuses the directory as incomplete.
+    index = pipeline_cls.load_config(
+        model_id_or_path, **{k: v for k, v in kwargs.items() if k in _CONFIG_KWARGS}
+    )
+    for name, entry in index.items():
+        if isinstance(entry, list | tuple) and list(entry) == [None, None]:
+            kwargs.setdefault(name, None)
+    # diffusers >= 0.42 names the argument `dtype` (`torch_dtype` is deprecated there)
+    pipe = pipeline_cls.from_pretrained(model_id_or_path, dtype=torch_dtype, **kwargs)
+    if quantization_config is None:
+        pipe.to(device)
+    # RL drives the denoising loop itself; the pipeline's progress bars would only add noise to the logs.
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def flow_match_sigmas(
+    scheduler_config: dict, num_steps: int, image_seq_len: int | None = None, explicit_linspace: bool = False
+) -> torch.Tensor:
+    """The Euler sigma schedule ``[S+1]`` (last entry 0) a flow scheduler config implies, computed by diffusers.
+
+    Static shift (SD3, SANA, Wan): ``sigma = shift t / (1 + (shift - 1) t)``. Dynamic shift (FLUX, SD3.5 option):
+    ``mu`` from the image token count by diffusers' ``calculate_shift`` (linear between ``base_shift`` at
+    ``base_image_seq_len`` and ``max_shift`` at ``max_image_seq_len``), then ``sigma = e^mu / (e^mu + 1/t - 1)``.
+    Schedulers that are not Euler (SANA's DPM-Solver, Wan's UniPC, both with ``use_flow_sigmas``) carry
+    ``flow_shift``; their sigmas are those of the Euler scheduler with ``shift = flow_shift``.
+
+    Args:
+        scheduler_config: the pipeline scheduler's ``config``.
+        num_steps: number of denoising steps ``S``.
+        image_seq_len: transformer image tokens, needed when the config uses dynamic shifting.
+        explicit_linspace: pass ``sigmas = linspace(1, 1/S, S)`` as ``FluxPipeline`` does, instead of letting
+            the scheduler space timesteps between its ``sigma_max`` and ``sigma_min``.
+
+    Raises:
+        ValueError: ``num_steps < 1``, or dynamic shifting without ``image_seq_len``.
+    """
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    shift = scheduler_config.get("shift", scheduler_config.get("flow_shift", 1.0))
+    keys = ("use_dynamic_shifting", "base_shift", "max_shift", "base_image_seq_len", "max_image_seq_len")
+    euler = FlowMatchEulerDiscreteScheduler(
+        shift=shift, **{k: scheduler_config[k] for k in keys if scheduler_config.get(k) is not None}
+    )
+    kwargs: dict = {}
+    if euler.config.use_dynamic_shifting:
+        if image_seq_len is None:
+            raise ValueError("this scheduler uses dynamic shifting: pass image_seq_len")
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        kwargs["mu"] = calculate_shift(
+            image_seq_len,
+            euler.config.base_image_seq_len,
+            euler.config.max_image_seq_len,
+            euler.config.base_shift,
+            euler.config.max_shift,
+        )
+    if explicit_linspace:
+        kwargs["sigmas"] = np.linspace(1.0, 1 / num_steps, num_steps)
+        euler.set_timesteps(device="cpu", **kwargs)
+    else:
+        euler.set_timesteps(num_steps, device="cpu", **kwargs)
+    return euler.sigmas.float()
+
+
+class FlowAdapter(ABC):
+    """A flow-matching text-to-image (or -video) model, seen as RL sees it.
+
+    Subclasses hold the diffusers pipeline in ``self.pipe`` and implement the abstract methods. ``family`` names
+    the adapter in the registry; ``is_video`` tells whether ``decode`` returns ``[B, T, 3, H, W]``.
+    """
+
+    family: str = ""
+    is_video: bool = False
+
+    def __init__(self, pipe: DiffusionPipeline) -> None:
+        self.pipe = pipe
+
+    # ---- loading --------------------------------------------------------------------------------------------
+
+    @classmethod
+    @abstractmethod
+    def from_pretrained(
+        cls,
+        model_id_or_path: str,
+        torch_dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        quantization_config: object | None = None,
+        **kwargs,
+    ) -> FlowAdapter:
+        """Load the family's diffusers pipeline from a hub id or a local directory."""
+
+    # ---- the interface ---------------------------------------------------------------------------------------
+
+    @property
+    def transformer(self) -> torch.nn.Module:
+        """The denoiser RL trains."""
+        return self.pipe.transformer
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.transformer.parameters()).device
+
+    @abstractmethod
+    def encode(self, prompts: Sequence[str], cfg: bool = False, negative_prompt: str = "") -> Conditioning:
+        """Text conditioning ``[B, ...]``; ``cfg=True`` also encodes ``negative_prompt`` for guidance."""
+
+    @abstractmethod
+    def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
+        """Per-sample latent shape (without batch) for an output of ``height x width`` (and frames)."""
+
+    @abstractmethod
+    def sigmas(self, num_steps: int, height: int, width: int, num_frames: int | None = None) -> torch.Tensor:
+        """``[num_steps + 1]`` float32 sigma schedule, decreasing from ~1 to 0, as the family's pipeline uses."""
+
+    @abstractmethod
+    def _forward(
+        self, x: torch.Tensor, sigma: torch.Tensor, cond: dict[str, torch.Tensor], guidance_scale: float
+    ) -> torch.Tensor:
+        """One transformer forward on ``x [N, ...]`` at per-sample ``sigma [N]``; returns the velocity ``[N, ...]``."""
+
+    @abstractmethod
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Images ``[B, 3, H, W]`` (video ``[B, T, 3, H, W]``) float32 in [0, 1]."""
+
+    def uses_cfg(self, guidance_scale: float) -> bool:
+        """Whether ``velocity`` runs classifier-free guidance (two forwards per sample) at this scale."""
+        return guidance_scale > 1.0
+
+    def nfe_per_sample(self, guidance_scale: float) -> int:
+        """Transformer evaluations per sample and step: 2 with CFG (cond + uncond), else 1."""
+        return 2 if self.uses_cfg(guidance_scale) else 1
+
+    def velocity(
+        self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance_scale: float = 1.0
+    ) -> torch.Tensor:
+        """Velocity ``v(x, sigma | prompt)`` in float32, with classifier-free guidance when it applies:
+
+            v = v_uncond + w (v_cond - v_uncond)          (Ho & Salimans, arXiv 2207.12598)
+
+        The conditional and unconditional halves run as one batched forward of size ``2B``.
+
+        Args:
+            x: ``[B, *latent_shape]`` latents.
+            sigma: scalar or ``[B]`` sigmas in [0, 1].
+            cond: conditioning of the same ``B`` rows.
+            guidance_scale: ``w``; CFG is used when :meth:`uses_cfg` says so (FLUX embeds it instead).
+        """
+        batch = x.shape[0]
+        sigma_b = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).reshape(-1).expand(batch)
+        if len(cond) != batch:
+            raise ValueError(f"conditioning has {len(cond)} rows but x has batch {batch}")
+        if not self.uses_cfg(guidance_scale):
+            return self._forward(x, sigma_b, cond.cond, guidance_scale).float()
+        v = self._forward(
+            torch.cat([x, x]), torch.cat([sigma_b, sigma_b]), cond.with_cfg_batch(), guidance_scale
+        )
+        v_uncond, v_cond = v.float().chunk(2)
+        return v_uncond + guidance_scale * (v_cond - v_uncond)
+
+    def to(self, device: str | torch.device) -> FlowAdapter:
+        self.pipe.to(device)
+        return self

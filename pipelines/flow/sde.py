@@ -1,0 +1,186 @@
+"""One denoising step of a flow-matching model, deterministic (ODE) or stochastic (SDE) with its log-prob.
+
+Notation (rectified flow, as in SD3/FLUX/SANA/Wan): ``x_s = (1 - s) x0 + s eps`` with ``s`` the sigma in
+[0, 1] (1 = pure noise), the model predicts the velocity ``v = eps - x0``, and one step goes from ``s`` to
+``s' < s`` with ``d = s' - s < 0``. From ``x`` and ``v``:
+
+    x0_hat = x - s v            (predicted clean sample)
+    x1_hat = x + (1 - s) v      (predicted noise)
+
+Every function here is stateless: ``sigma``, ``sigma_next`` and the noise are explicit arguments, so a trainer can
+re-score a stored transition at any step (diffusers' schedulers keep a hidden step index instead). All math is in
+float32 whatever the input dtype: log-prob differences of bf16 means would be dominated by rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+
+SDEKind = Literal["flow_grpo", "dance", "cps"]
+SDE_KINDS: tuple[SDEKind, ...] = ("flow_grpo", "dance", "cps")
+
+_LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
+
+
+def _per_sample(value: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A scalar or ``[B]`` sigma as a float32 tensor of shape ``[B, 1, ..., 1]`` broadcastable against ``like``."""
+    t = torch.as_tensor(value, dtype=torch.float32, device=like.device)
+    if t.ndim == 0:
+        t = t.expand(like.shape[0])
+    if t.ndim != 1 or t.shape[0] != like.shape[0]:
+        raise ValueError(
+            f"sigma must be a scalar or a [B] tensor with B={like.shape[0]}, got shape {tuple(t.shape)}"
+        )
+    return t.reshape(-1, *([1] * (like.ndim - 1)))
+
+
+def ode_step(
+    x: torch.Tensor, v: torch.Tensor, sigma: float | torch.Tensor, sigma_next: float | torch.Tensor
+) -> torch.Tensor:
+    """Euler step of the probability-flow ODE: ``x' = x + v * (s' - s)``.
+
+    Equals ``FlowMatchEulerDiscreteScheduler.step`` for the same sigmas (diffusers also steps in float32).
+
+    Args:
+        x: ``[B, ...]`` current latents at ``sigma``.
+        v: ``[B, ...]`` predicted velocity.
+        sigma, sigma_next: scalars or ``[B]`` tensors.
+
+    Returns:
+        ``[B, ...]`` float32 latents at ``sigma_next``.
+    """
+    x32 = x.float()
+    s = _per_sample(sigma, x32)
+    s_next = _per_sample(sigma_next, x32)
+    return x32 + v.float() * (s_next - s)
+
+
+def sde_mean_std(
+    x: torch.Tensor,
+    v: torch.Tensor,
+    sigma: float | torch.Tensor,
+    sigma_next: float | torch.Tensor,
+    noise_level: float,
+    kind: SDEKind = "flow_grpo",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean ``[B, ...]`` and std ``[B, 1, ..., 1]`` of the Gaussian transition ``p(x' | x)`` of one SDE step.
+
+    ``flow_grpo`` (Flow-GRPO, arXiv 2505.05470, its ODE-to-SDE conversion), with ``a = noise_level``:
+
+        sigma_t = a * sqrt(s / (1 - s))          (at s = 1 the denominator uses s' instead, as the paper's code)
+        mean    = x + [v + sigma_t^2 / (2 s) * (x + (1 - s) v)] * d
+        std     = sigma_t * sqrt(-d)
+
+    ``dance`` (DanceGRPO, arXiv 2505.07818, the ``flux_step`` SDE solver) uses a constant ``eta = noise_level``:
+    the score ``-(x - (1 - s) x0_hat) / s^2 = -(x + (1 - s) v) / s`` enters the drift with ``eta^2 / 2``, so
+
+        mean = x + [v + eta^2 / (2 s) * (x + (1 - s) v)] * d
+        std  = eta * sqrt(-d)
+
+    ``cps`` (Coefficients-Preserving Sampling, Flow-CPS, arXiv 2509.05952), DDIM-like: the noise added
+    plus the deterministic noise part keep the coefficient of the noise at exactly ``s'``:
+
+        std  = s' * sin(a * pi / 2)
+        mean = (1 - s') x0_hat + sqrt(s'^2 - std^2) * x1_hat
+
+    With ``noise_level = 0`` all three reduce to the Euler ODE step ``x + v d`` with std 0. CPS has std 0 at
+    ``s' = 0`` (the last step is deterministic).
+
+    Raises:
+        ValueError: unknown ``kind`` or negative ``noise_level``.
+    """
+    if kind not in SDE_KINDS:
+        raise ValueError(f"unknown SDE kind {kind!r}. Available: {list(SDE_KINDS)}")
+    if noise_level < 0:
+        raise ValueError(f"noise_level must be >= 0, got {noise_level}")
+    x32, v32 = x.float(), v.float()
+    s = _per_sample(sigma, x32)
+    s_next = _per_sample(sigma_next, x32)
+    d = s_next - s  # < 0
+    if kind == "cps":
+        std = s_next * math.sin(noise_level * math.pi / 2)
+        x0_hat = x32 - s * v32
+        x1_hat = x32 + (1 - s) * v32
+        # clamp: s'^2 - std^2 >= 0 analytically (sin <= 1); rounding could make it -1e-9 and sqrt NaN.
+        mean = (1 - s_next) * x0_hat + torch.sqrt((s_next**2 - std**2).clamp_min(0.0)) * x1_hat
+        return mean, std
+    if kind == "flow_grpo":
+        # At s = 1, s / (1 - s) is infinite; Flow-GRPO evaluates the ratio with the next sigma there.
+        denom = 1 - torch.where(s >= 1, s_next, s)
+        std_dev_t = noise_level * torch.sqrt(s / denom)
+    else:  # dance
+        std_dev_t = torch.full_like(s, float(noise_level))
+    mean = x32 + (v32 + std_dev_t**2 / (2 * s) * (x32 + (1 - s) * v32)) * d
+    std = std_dev_t * torch.sqrt(-d)
+    return mean, std
+
+
+def gaussian_log_prob(sample: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Per-sample log-density of ``N(mean, std^2 I)``, **averaged** over all non-batch dimensions.
+
+        log p = mean_dims[ -(x' - mean)^2 / (2 std^2) - log std - log sqrt(2 pi) ]
+
+    The mean (not the sum) keeps per-step ratios near 1 (Flow-GRPO's convention, hence clip ranges ~1e-4).
+    Where ``std == 0`` the transition is deterministic and the density is undefined; those samples get
+    log-prob 0 (a point mass carries no policy gradient; rollouts never train on such steps).
+
+    Returns:
+        ``[B]`` float32.
+    """
+    sample32, mean32 = sample.float(), mean.float()
+    std32 = std.float().expand_as(mean32)
+    zero = std32 == 0
+    safe_std = torch.where(zero, torch.ones_like(std32), std32)
+    lp = -((sample32 - mean32) ** 2) / (2 * safe_std**2) - torch.log(safe_std) - _LOG_SQRT_2PI
+    lp = torch.where(zero, torch.zeros_like(lp), lp)
+    return lp.mean(dim=tuple(range(1, lp.ndim)))
+
+
+def sde_step(
+    x: torch.Tensor,
+    v: torch.Tensor,
+    sigma: float | torch.Tensor,
+    sigma_next: float | torch.Tensor,
+    noise_level: float,
+    kind: SDEKind = "flow_grpo",
+    noise: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    prev_sample: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One stochastic step ``x -> x'`` with the log-prob of ``x'``: ``x' = mean + std * noise``.
+
+    See :func:`sde_mean_std` for the three kinds and their formulas, :func:`gaussian_log_prob` for the log-prob.
+
+    Args:
+        x: ``[B, ...]`` latents at ``sigma`` (any float dtype; the step is computed in float32).
+        v: ``[B, ...]`` velocity predicted at ``(x, sigma)`` (after CFG, if any).
+        sigma, sigma_next: scalars or ``[B]`` tensors, ``sigma_next < sigma``.
+        noise_level: ``a`` of Flow-GRPO (paper: 0.7), ``eta`` of DanceGRPO (paper: 0.3), or CPS's ``a``.
+        kind: ``"flow_grpo"``, ``"dance"`` or ``"cps"``.
+        noise: ``[B, ...]`` standard normal draw; drawn with ``generator`` when ``None``.
+        generator: RNG for the draw when ``noise`` is ``None``.
+        prev_sample: ``[B, ...]`` an already taken ``x'``; when given, nothing is drawn and its log-prob is
+            returned (re-scoring under the current weights).
+
+    Returns:
+        ``(prev_sample [B, ...], log_prob [B], mean [B, ...], std [B, 1, ..., 1])``, all float32.
+
+    Raises:
+        ValueError: unknown ``kind``, negative ``noise_level``, or ``noise`` / ``prev_sample`` of the wrong shape.
+    """
+    mean, std = sde_mean_std(x, v, sigma, sigma_next, noise_level, kind)
+    if prev_sample is None:
+        if noise is None:
+            noise = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=torch.float32)
+        elif noise.shape != mean.shape:
+            raise ValueError(f"noise has shape {tuple(noise.shape)}, expected {tuple(mean.shape)}")
+        prev_sample = mean + std * noise.float()
+    elif prev_sample.shape != mean.shape:
+        raise ValueError(f"prev_sample has shape {tuple(prev_sample.shape)}, expected {tuple(mean.shape)}")
+    prev_sample = prev_sample.float()
+    # detach: the log-prob is a function of the policy's mean only; the action itself is data.
+    log_prob = gaussian_log_prob(prev_sample.detach(), mean, std)
+    return prev_sample, log_prob, mean, std

@@ -1,0 +1,450 @@
+"""Tiny, randomly initialised instances of every supported diffusers pipeline family, built offline.
+
+No weights can be downloaded where mmrl is tested, so tests (and the shapes world's text-to-image model) build
+the *real* diffusers / transformers classes from small configs: the same transformer, VAE and text-encoder
+classes that ``stabilityai/stable-diffusion-3.5-medium``, ``black-forest-labs/FLUX.1-dev``,
+``Efficient-Large-Model/Sana_600M_512px_diffusers`` and ``Wan-AI/Wan2.1-T2V-1.3B-Diffusers`` use, only with a
+few thousand parameters. Tokenizers are trained here with the ``tokenizers`` library on a small corpus and
+wrapped as the transformers tokenizer classes the real pipelines load (CLIP BPE, T5 unigram, Gemma BPE).
+
+A built pipeline is meant to be ``save_pretrained`` to a directory and loaded back through an adapter's
+``from_pretrained(directory)``, which is the code path users run with hub ids.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from diffusers import (
+    AutoencoderDC,
+    AutoencoderKL,
+    AutoencoderKLWan,
+    DiffusionPipeline,
+    DPMSolverMultistepScheduler,
+    FlowMatchEulerDiscreteScheduler,
+    FluxPipeline,
+    FluxTransformer2DModel,
+    SanaPipeline,
+    SanaTransformer2DModel,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
+    UniPCMultistepScheduler,
+    WanPipeline,
+    WanTransformer3DModel,
+)
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    CLIPTokenizer,
+    Gemma2Config,
+    Gemma2Model,
+    GemmaTokenizer,
+    T5Config,
+    T5EncoderModel,
+    T5Tokenizer,
+    UMT5Config,
+    UMT5EncoderModel,
+)
+
+Family = Literal["sd3", "flux", "sana", "wan"]
+FAMILIES: tuple[Family, ...] = ("sd3", "flux", "sana", "wan")
+
+# A few prompts so that trained tokenizers cover ordinary words; any corpus works, unknown words fall back to
+# characters (every lower-case letter is in the initial alphabet).
+DEFAULT_CORPUS: tuple[str, ...] = (
+    "a photo of a red circle",
+    "a photo of two blue squares",
+    "a photo of a green triangle left of a yellow circle",
+    "a cat sitting on a mat",
+    "a painting of a mountain lake at sunset",
+    "an astronaut riding a horse",
+)
+_ALPHABET = list("abcdefghijklmnopqrstuvwxyz0123456789.,'-")
+
+#: adapter ``from_pretrained`` options for the tiny models: short text sequences keep tiny forwards fast, and
+#: SANA's long default instruction prefix is switched off for the same reason
+TINY_LOAD_KWARGS: dict[str, dict] = {
+    "sd3": {"max_sequence_length": 8},
+    "flux": {"max_sequence_length": 8},
+    "sana": {"max_sequence_length": 8, "complex_human_instruction": None},
+    "wan": {"max_sequence_length": 8},
+}
+#: output sizes the tiny models are built for: 32x32 images, 5 frames of 16x16 video
+TINY_SIZES: dict[str, dict[str, int]] = {
+    "sd3": {"height": 32, "width": 32},
+    "flux": {"height": 32, "width": 32},
+    "sana": {"height": 32, "width": 32},
+    "wan": {"height": 16, "width": 16, "num_frames": 5},
+}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Tokenizers trained offline
+# --------------------------------------------------------------------------------------------------------------
+
+
+def train_clip_tokenizer(
+    corpus: Sequence[str], vocab_size: int = 256, model_max_length: int = 77
+) -> CLIPTokenizer:
+    """Train a CLIP-style byte-pair tokenizer (words end in ``</w>``) and wrap it as ``CLIPTokenizer``.
+
+    Args:
+        corpus: training text; its words become whole tokens when ``vocab_size`` allows.
+        vocab_size: upper bound of the vocabulary (special tokens and the alphabet included).
+        model_max_length: padded prompt length the pipelines use (``tokenizer_max_length``); 77 in real CLIP.
+    """
+    bpe = Tokenizer(models.BPE(unk_token="<|endoftext|>", end_of_word_suffix="</w>"))
+    bpe.normalizer = normalizers.Lowercase()
+    bpe.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|startoftext|>", "<|endoftext|>"],
+        end_of_word_suffix="</w>",
+        initial_alphabet=_ALPHABET,
+    )
+    bpe.train_from_iterator(corpus, trainer)
+    model = json.loads(bpe.to_str())["model"]
+    return CLIPTokenizer(
+        vocab=model["vocab"], merges=[tuple(m) for m in model["merges"]], model_max_length=model_max_length
+    )
+
+
+def train_t5_tokenizer(
+    corpus: Sequence[str], vocab_size: int = 128, model_max_length: int = 512
+) -> T5Tokenizer:
+    """Train a sentencepiece-style unigram tokenizer (``▁`` word marker) and wrap it as ``T5Tokenizer``.
+
+    Used for T5 (SD3's third encoder, FLUX) and UMT5 (Wan). ``pad`` is id 0 and ``</s>`` id 1, as in T5.
+    """
+    unigram = Tokenizer(models.Unigram())
+    unigram.normalizer = normalizers.Lowercase()
+    unigram.pre_tokenizer = pre_tokenizers.Metaspace()
+    trainer = trainers.UnigramTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "</s>", "<unk>"],
+        unk_token="<unk>",
+        initial_alphabet=_ALPHABET,
+    )
+    unigram.train_from_iterator(corpus, trainer)
+    vocab = [tuple(entry) for entry in json.loads(unigram.to_str())["model"]["vocab"]]
+    return T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=model_max_length)
+
+
+def train_gemma_tokenizer(corpus: Sequence[str], vocab_size: int = 160) -> GemmaTokenizer:
+    """Train a Gemma-style byte-pair tokenizer (spaces written ``▁``) and wrap it as ``GemmaTokenizer`` (SANA)."""
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.normalizer = normalizers.Replace(" ", "▁")
+    bpe.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never")
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"],
+        initial_alphabet=[*_ALPHABET, "▁"],
+    )
+    bpe.train_from_iterator(corpus, trainer)
+    model = json.loads(bpe.to_str())["model"]
+    return GemmaTokenizer(vocab=model["vocab"], merges=[tuple(m) for m in model["merges"]])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Text encoders
+# --------------------------------------------------------------------------------------------------------------
+
+
+def tiny_clip_text_encoder(
+    tokenizer: CLIPTokenizer, hidden_size: int = 16, projection_dim: int | None = 16, num_layers: int = 2
+) -> CLIPTextModel | CLIPTextModelWithProjection:
+    """A CLIP text tower; ``projection_dim`` set gives ``CLIPTextModelWithProjection`` (SD3), else ``CLIPTextModel``."""
+    config = CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=2,
+        max_position_embeddings=tokenizer.model_max_length,
+        projection_dim=projection_dim or hidden_size,
+        # The pooled output is read at the first eos token; these ids must be the trained tokenizer's.
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if projection_dim is None:
+        return CLIPTextModel(config)
+    return CLIPTextModelWithProjection(config)
+
+
+def tiny_t5_encoder(tokenizer: T5Tokenizer, d_model: int = 32, umt5: bool = False) -> T5EncoderModel:
+    """A T5 (or UMT5, for Wan) encoder stack with ``d_model`` hidden size."""
+    kwargs = {
+        "vocab_size": len(tokenizer),
+        "d_model": d_model,
+        "d_kv": 8,
+        "d_ff": 2 * d_model,
+        "num_layers": 1,
+        "num_heads": 2,
+        "relative_attention_num_buckets": 8,
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "decoder_start_token_id": tokenizer.pad_token_id,
+    }
+    if umt5:
+        return UMT5EncoderModel(UMT5Config(**kwargs))
+    return T5EncoderModel(T5Config(**kwargs))
+
+
+def tiny_gemma2_encoder(tokenizer: GemmaTokenizer, hidden_size: int = 16) -> Gemma2Model:
+    """A one-layer Gemma-2 decoder used as SANA's text encoder (its last hidden state is the caption)."""
+    config = Gemma2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    return Gemma2Model(config)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Whole pipelines
+# --------------------------------------------------------------------------------------------------------------
+
+
+def tiny_autoencoder_kl(latent_channels: int = 4) -> AutoencoderKL:
+    """A two-level ``AutoencoderKL`` (spatial factor 2) as used by SD3 and FLUX, with random weights."""
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        norm_num_groups=8,
+        sample_size=32,
+        # SD3's VAE config carries both; non-trivial values check that decode applies them.
+        scaling_factor=1.5,
+        shift_factor=0.1,
+    )
+
+
+def build_tiny_sd3(corpus: Sequence[str] = DEFAULT_CORPUS, with_t5: bool = True) -> StableDiffusion3Pipeline:
+    """SD3/SD3.5 layout: two CLIP-with-projection encoders, optional T5, MMDiT, AutoencoderKL, shift-3 Euler."""
+    tokenizer = train_clip_tokenizer(corpus, model_max_length=16)
+    tokenizer_2 = train_clip_tokenizer(corpus, model_max_length=16)
+    tokenizer_3 = train_t5_tokenizer(corpus) if with_t5 else None
+    return StableDiffusion3Pipeline(
+        # pooled_projection_dim = sum of both CLIP projections; joint_attention_dim = T5 width >= both CLIP widths
+        transformer=SD3Transformer2DModel(
+            sample_size=16,
+            patch_size=2,
+            in_channels=4,
+            out_channels=4,
+            num_layers=1,
+            attention_head_dim=8,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            caption_projection_dim=16,
+            pooled_projection_dim=32,
+            pos_embed_max_size=16,
+        ),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=tiny_autoencoder_kl(),
+        text_encoder=tiny_clip_text_encoder(tokenizer),
+        tokenizer=tokenizer,
+        text_encoder_2=tiny_clip_text_encoder(tokenizer_2),
+        tokenizer_2=tokenizer_2,
+        text_encoder_3=tiny_t5_encoder(tokenizer_3) if tokenizer_3 is not None else None,
+        tokenizer_3=tokenizer_3,
+    )
+
+
+def build_tiny_flux(corpus: Sequence[str] = DEFAULT_CORPUS) -> FluxPipeline:
+    """FLUX.1 layout: CLIP (pooled) + T5 (sequence), guidance-embedded MMDiT, AutoencoderKL, dynamic shift."""
+    tokenizer = train_clip_tokenizer(corpus, model_max_length=16)
+    tokenizer_2 = train_t5_tokenizer(corpus)
+    return FluxPipeline(
+        transformer=FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=16,  # 4 latent channels packed 2x2
+            out_channels=None,
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            pooled_projection_dim=16,
+            guidance_embeds=True,  # FLUX.1-dev is guidance-distilled
+            axes_dims_rope=(4, 4, 8),
+        ),
+        scheduler=FlowMatchEulerDiscreteScheduler(
+            use_dynamic_shifting=True,
+            base_shift=0.5,
+            max_shift=1.15,
+            base_image_seq_len=256,
+            max_image_seq_len=4096,
+        ),
+        vae=tiny_autoencoder_kl(),
+        text_encoder=tiny_clip_text_encoder(tokenizer, projection_dim=None),
+        tokenizer=tokenizer,
+        text_encoder_2=tiny_t5_encoder(tokenizer_2),
+        tokenizer_2=tokenizer_2,
+    )
+
+
+def build_tiny_sana(corpus: Sequence[str] = DEFAULT_CORPUS) -> SanaPipeline:
+    """SANA layout: Gemma-2 text encoder, linear-attention DiT, deep-compression autoencoder (AutoencoderDC)."""
+    tokenizer = train_gemma_tokenizer(corpus)
+    return SanaPipeline(
+        tokenizer=tokenizer,
+        text_encoder=tiny_gemma2_encoder(tokenizer),
+        vae=AutoencoderDC(
+            in_channels=3,
+            latent_channels=4,
+            attention_head_dim=2,
+            encoder_block_types=("ResBlock", "EfficientViTBlock"),
+            decoder_block_types=("ResBlock", "EfficientViTBlock"),
+            encoder_block_out_channels=(8, 8),
+            decoder_block_out_channels=(8, 8),
+            encoder_layers_per_block=(1, 1),
+            decoder_layers_per_block=(1, 1),
+            encoder_qkv_multiscales=((), (5,)),
+            decoder_qkv_multiscales=((), (5,)),
+            upsample_block_type="interpolate",
+            downsample_block_type="Conv",
+            decoder_norm_types="rms_norm",
+            decoder_act_fns="silu",
+            scaling_factor=0.41407,
+        ),
+        transformer=SanaTransformer2DModel(
+            patch_size=1,
+            in_channels=4,
+            out_channels=4,
+            num_layers=1,
+            num_attention_heads=2,
+            attention_head_dim=4,
+            num_cross_attention_heads=2,
+            cross_attention_head_dim=4,
+            cross_attention_dim=8,
+            caption_channels=16,
+            sample_size=16,
+        ),
+        # SANA ships a flow-sigma DPM-Solver; its flow_shift defines the sigma schedule the adapter uses.
+        scheduler=DPMSolverMultistepScheduler(
+            prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+        ),
+    )
+
+
+def build_tiny_wan(corpus: Sequence[str] = DEFAULT_CORPUS) -> WanPipeline:
+    """Wan2.1 layout: UMT5 text encoder, 3-D DiT on video latents [B, C, F, H, W], causal video VAE."""
+    tokenizer = train_t5_tokenizer(corpus)
+    return WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=tiny_t5_encoder(tokenizer, umt5=True),
+        vae=AutoencoderKLWan(
+            base_dim=3,
+            z_dim=16,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+        ),
+        transformer=WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=12,
+            in_channels=16,
+            out_channels=16,
+            text_dim=32,
+            freq_dim=256,
+            ffn_dim=32,
+            num_layers=1,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32,
+        ),
+        scheduler=UniPCMultistepScheduler(
+            prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+        ),
+    )
+
+
+def build_shapes_pipeline(
+    prompts: Sequence[str],
+    num_layers: int = 6,
+    num_attention_heads: int = 3,
+    attention_head_dim: int = 32,
+    patch_size: int = 4,
+    text_hidden_size: int = 32,
+    resolution: int = 32,
+    shift: float = 1.0,
+) -> StableDiffusion3Pipeline:
+    """The shapes world's text-to-image model, random-initialised: a pixel-space SD3 pipeline.
+
+    ``SD3Transformer2DModel`` on RGB pixels (``in_channels = 3``, no VAE; ``patch_size`` 4 makes 64 image tokens
+    at 32x32), two ``CLIPTextModelWithProjection`` encoders (``text_hidden_size`` wide, 2 layers) sharing a CLIP
+    tokenizer trained on ``prompts``, no T5. Dimensions follow SD3's wiring: ``joint_attention_dim`` = the two
+    CLIP widths concatenated, ``pooled_projection_dim`` = the two projections concatenated. ``shift`` is the
+    Euler scheduler's shift (SD3 uses 3 at 1024 px; 1 suits 32 px, where there is little low-frequency content
+    to hold back).
+
+    Args:
+        prompts: the prompt vocabulary (e.g. ``mmrl.data.shapes.all_prompts()``) the tokenizer is trained on.
+    """
+    longest = max(len(p.split()) for p in prompts)
+    # every shapes word becomes one token, plus start and end tokens
+    tokenizer = train_clip_tokenizer(prompts, vocab_size=512, model_max_length=longest + 2)
+    tokenizer_2 = train_clip_tokenizer(prompts, vocab_size=512, model_max_length=longest + 2)
+    width = num_attention_heads * attention_head_dim
+    return StableDiffusion3Pipeline(
+        transformer=SD3Transformer2DModel(
+            sample_size=resolution,
+            patch_size=patch_size,
+            in_channels=3,
+            out_channels=3,
+            num_layers=num_layers,
+            attention_head_dim=attention_head_dim,
+            num_attention_heads=num_attention_heads,
+            joint_attention_dim=2 * text_hidden_size,
+            caption_projection_dim=width,
+            pooled_projection_dim=2 * text_hidden_size,
+            pos_embed_max_size=resolution // patch_size,
+        ),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=shift),
+        vae=None,
+        text_encoder=tiny_clip_text_encoder(tokenizer, text_hidden_size, text_hidden_size),
+        tokenizer=tokenizer,
+        text_encoder_2=tiny_clip_text_encoder(tokenizer_2, text_hidden_size, text_hidden_size),
+        tokenizer_2=tokenizer_2,
+        text_encoder_3=None,
+        tokenizer_3=None,
+    )
+
+
+def build_tiny_pipeline(
+    family: Family, corpus: Sequence[str] = DEFAULT_CORPUS, seed: int = 0
+) -> DiffusionPipeline:
+    """Build the tiny random pipeline of ``family`` (one of :data:`FAMILIES`), seeded.
+
+    Raises:
+        ValueError: for an unknown family, listing the known ones.
+    """
+    builders = {
+        "sd3": build_tiny_sd3,
+        "flux": build_tiny_flux,
+        "sana": build_tiny_sana,
+        "wan": build_tiny_wan,
+    }
+    if family not in builders:
+        raise ValueError(f"unknown pipeline family {family!r}. Available: {sorted(builders)}")
+    torch.manual_seed(seed)
+    return builders[family](corpus)

@@ -1,0 +1,629 @@
+"""Quantized copies of a policy for cheap rollouts ("explorers"), kept in sync with a training LoRA.
+
+The two-stage explore/train rollout (Sol-RL) previews many candidate seeds with a low-precision copy of the
+policy and regenerates only a contrastive subset at full precision. This module builds that copy:
+
+* ``quantize_copy(module, scheme)`` returns a :class:`QuantizedCopy` whose ``module`` has the structure of
+  ``module`` (peft LoRA layers folded away) with every ``nn.Linear`` outside the skip list replaced by a
+  quantized layer of ``scheme``. The training module is only read: its parameters stay bit-identical and the
+  copy shares no storage with it.
+* ``sync_lora(explorer, trained)`` refreshes the copy after an optimizer step: each LoRA-adapted layer gets
+  ``W_eff = W_base + s * B @ A`` (``s = lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with rsLoRA) re-quantized
+  from the full-precision base weight of the training module, never from the copy's previous quantized weight,
+  so quantization error does not accumulate over steps.
+* ``weight_bytes(module)`` counts what the weights occupy, quantized storage included (packed 4-bit codes,
+  block scales, nested scales; float8 data and scales).
+
+Schemes (see docs/quantization.md for measured errors and memory):
+
+==================  ===========  ==========================================================  ==================
+scheme              backend      format                                                      hardware
+==================  ===========  ==========================================================  ==================
+``none``            torch        plain copy in ``compute_dtype`` (reference)                 any
+``int8``            bitsandbytes LLM.int8: int8 rows with one absmax scale per output row     CPU, CUDA
+``nf4`` / ``fp4``   bitsandbytes 4-bit NormalFloat / FP4 codes, absmax per 64 weights (double    CPU, CUDA
+                                 quantized to 8 bit per default)
+``fp8_weight_only`` torchao      float8 e4m3 weight, one scale per row; matmul in compute     any
+                                 dtype
+``fp8``             torchao      float8 e4m3 weights and activations, row-wise scales,       CUDA sm90+ (Hopper)
+                                 ``torch._scaled_mm``
+``nvfp4``           torchao      NVFP4 weights and activations (e2m1, e4m3 scale per 16)     CUDA sm100+
+                                                                                             (Blackwell)
+==================  ===========  ==========================================================  ==================
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+Scheme = Literal["none", "int8", "nf4", "fp4", "fp8_weight_only", "fp8", "nvfp4"]
+SCHEMES: tuple[Scheme, ...] = get_args(Scheme)
+
+#: Module-name patterns left unquantized by default (``fnmatch`` globs on the full dotted name; a module whose
+#: name or any ancestor's name matches is skipped). Unanchored names match top-level modules only, so
+#: ``proj_out`` skips FLUX's final projection but not the ``single_transformer_blocks.N.proj_out`` layers that
+#: hold much of its weight. Embedders and output layers are small and quantizing them costs the most accuracy
+#: per byte saved (the Sol-RL and diffusers/torchao recipes exclude the same families).
+DEFAULT_SKIP: tuple[str, ...] = (
+    # diffusers flow transformers (SD3/SD3.5, FLUX.1, SANA, Wan)
+    "time_text_embed",  # timestep / pooled-text (/ guidance) embedders: SD3, FLUX
+    "time_embed",  # SANA timestep embedder
+    "condition_embedder",  # Wan time + text embedders
+    "context_embedder",  # text-token projection: SD3, FLUX
+    "caption_projection",  # SANA text projection
+    "x_embedder",  # FLUX latent-patch embedder
+    "pos_embed",  # SD3 patch embedder (conv + positional table)
+    "patch_embed",  # SANA patch embedder
+    "patch_embedding",  # Wan patch embedder
+    "norm_out",  # final AdaLN modulation
+    "proj_out",  # final projection to latent patches
+    # transformers language models and VLMs
+    "lm_head",
+    "*embed_tokens",
+)
+
+_BNB_SCHEMES = ("int8", "nf4", "fp4")
+_TORCHAO_SCHEMES = ("fp8_weight_only", "fp8", "nvfp4")
+#: (minimum CUDA compute capability, what it means) for schemes that need a GPU generation
+_CAPABILITY: dict[str, tuple[tuple[int, int], str]] = {
+    # torch._scaled_mm with row-wise scales (the accurate fp8 recipe) runs on sm90; sm89 has fp8 tensor cores
+    # but only per-tensor scaling there.
+    "fp8": ((9, 0), "an NVIDIA GPU with compute capability >= 9.0 (Hopper: H100/H200, or newer)"),
+    # FP4 tensor-core GEMMs exist only from Blackwell on.
+    "nvfp4": ((10, 0), "an NVIDIA GPU with compute capability >= 10.0 (Blackwell: B200/GB200, or newer)"),
+}
+
+
+def list_schemes() -> list[str]:
+    """Names accepted by :func:`quantize_copy`."""
+    return list(SCHEMES)
+
+
+def check_scheme(scheme: str, device: torch.device | str) -> None:
+    """Raise a clear error if ``scheme`` cannot run on ``device`` here; return silently otherwise.
+
+    Hardware is checked before the optional torchao import, so a user without a suitable GPU learns that first.
+
+    Raises:
+        ValueError: unknown scheme, or a GPU-generation scheme on a device that lacks it.
+        ImportError: a torchao scheme without torchao installed.
+    """
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown quantization scheme {scheme!r}. Available: {list(SCHEMES)}")
+    device = torch.device(device)
+    if scheme in _CAPABILITY:
+        minimum, requirement = _CAPABILITY[scheme]
+        if device.type != "cuda":
+            found = f"the module is on {device.type!r}"
+        else:
+            capability = torch.cuda.get_device_capability(device)
+            found = (
+                f"{torch.cuda.get_device_name(device)} has compute capability {capability[0]}.{capability[1]}"
+            )
+            if capability >= minimum:
+                found = ""
+        if found:
+            raise ValueError(
+                f"quantization scheme {scheme!r} needs {requirement}; {found}. Elsewhere use "
+                "'fp8_weight_only' (any device, needs torchao), or 'int8' / 'nf4' / 'fp4' (bitsandbytes, CPU and CUDA)."
+            )
+    if scheme in _TORCHAO_SCHEMES:
+        try:
+            import torchao  # noqa: F401
+        except ImportError as err:
+            raise ImportError(
+                f"quantization scheme {scheme!r} needs torchao: pip install 'mmrl[torchao]'"
+            ) from err
+
+
+def _eligible(scheme: str, layer: nn.Linear) -> bool:
+    """Whether ``scheme``'s kernels accept this layer's shape; other layers stay in ``compute_dtype``."""
+    if scheme in ("fp8", "nvfp4"):
+        # fp8 GEMMs need 16-aligned dims; NVFP4 uses 16-element scale blocks along both dims.
+        return layer.in_features % 16 == 0 and layer.out_features % 16 == 0
+    return True
+
+
+def _is_skipped(name: str, patterns: Iterable[str]) -> bool:
+    """True if ``name`` or one of its ancestors (``a``, ``a.b``, ...) matches a pattern."""
+    parts = name.split(".")
+    prefixes = [".".join(parts[: i + 1]) for i in range(len(parts))]
+    return any(fnmatch.fnmatchcase(prefix, pattern) for prefix in prefixes for pattern in patterns)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Building one quantized layer from a full-precision weight
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Options:
+    blocksize: int
+    double_quant: bool
+
+
+def _bias_param(bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Parameter | None:
+    if bias is None:
+        return None
+    return nn.Parameter(bias.detach().to(dtype=dtype, copy=True), requires_grad=False)
+
+
+def _build_plain(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Linear:
+    out_features, in_features = weight.shape
+    # meta: no throw-away allocation + random init of a weight that is overwritten right away
+    layer = nn.Linear(in_features, out_features, bias=bias is not None, device="meta")
+    layer.weight = nn.Parameter(weight.detach().to(dtype=dtype, copy=True), requires_grad=False)
+    layer.bias = _bias_param(bias, dtype)
+    return layer
+
+
+def _build_bnb_4bit(
+    weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, quant_type: str, opts: _Options
+) -> nn.Module:
+    import bitsandbytes as bnb
+
+    out_features, in_features = weight.shape
+    layer = bnb.nn.Linear4bit(
+        in_features,
+        out_features,
+        bias=bias is not None,
+        compute_dtype=dtype,
+        compress_statistics=opts.double_quant,
+        quant_type=quant_type,
+        device="meta",
+    )
+    # Quantized from the weight in compute dtype, so dequantization returns the compute dtype directly.
+    data, state = bnb.functional.quantize_4bit(
+        weight.detach().to(dtype).contiguous(),
+        blocksize=opts.blocksize,
+        compress_statistics=opts.double_quant,
+        quant_type=quant_type,
+    )
+    layer.weight = bnb.nn.Params4bit(
+        data,
+        requires_grad=False,
+        quant_state=state,
+        blocksize=opts.blocksize,
+        compress_statistics=opts.double_quant,
+        quant_type=quant_type,
+        module=layer,
+        bnb_quantized=True,
+    )
+    layer.quant_state = state
+    layer.bias = _bias_param(bias, dtype)
+    # On AVX512-BF16 CPUs bitsandbytes 0.50 rewrites the weight into a bf16 "packed" layout at the first eval
+    # forward: it fails for in_features not a multiple of the block size, computes in bf16 whatever the
+    # compute dtype, and (without the optional `kernels` package) is no faster than the generic
+    # dequantize + matmul path (measured 17.6 vs 16.2 ms for a 1024x512 layer, batch 256). Keep the generic path.
+    layer.support_avx512bf16_for_cpu = False
+    return layer
+
+
+def _build_bnb_int8(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Module:
+    import bitsandbytes as bnb
+
+    out_features, in_features = weight.shape
+    layer = bnb.nn.Linear8bitLt(
+        in_features, out_features, bias=bias is not None, has_fp16_weights=False, threshold=0.0, device="meta"
+    )
+    # Row-wise absmax: CB = round(127 * W / SCB), SCB[i] = max_j |W[i, j]| (fp32 scales).
+    codes, scales, _ = bnb.functional.int8_vectorwise_quant(weight.detach().float().contiguous())
+    layer.weight = bnb.nn.Int8Params(codes, requires_grad=False, has_fp16_weights=False, CB=codes, SCB=scales)
+    layer.bias = _bias_param(bias, dtype)
+    return layer
+
+
+def _build_torchao(
+    weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, scheme: str
+) -> nn.Module:
+    from torchao.quantization import (
+        Float8DynamicActivationFloat8WeightConfig,
+        Float8WeightOnlyConfig,
+        PerRow,
+        quantize_,
+    )
+
+    if scheme == "fp8_weight_only":
+        config = Float8WeightOnlyConfig(granularity=PerRow())
+    elif scheme == "fp8":
+        config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+    else:
+        from torchao.prototype.mx_formats import NVFP4DynamicActivationNVFP4WeightConfig
+
+        # The fused Triton activation-scaling kernel needs the optional MSLK package; the plain path does not.
+        config = NVFP4DynamicActivationNVFP4WeightConfig(use_triton_kernel=False)
+    layer = _build_plain(weight, bias, dtype)
+    quantize_(layer, config)
+    return layer
+
+
+def _build_layer(
+    scheme: str, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, opts: _Options
+) -> nn.Module:
+    """A fresh quantized linear layer computing ``x @ Q(W).T + b`` in ``dtype``."""
+    if scheme == "none":
+        return _build_plain(weight, bias, dtype)
+    if scheme in ("nf4", "fp4"):
+        return _build_bnb_4bit(weight, bias, dtype, scheme, opts)
+    if scheme == "int8":
+        return _build_bnb_int8(weight, bias, dtype)
+    return _build_torchao(weight, bias, dtype, scheme)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Reading effective (LoRA-merged) parameters from the training module
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _unwrap_peft(module: nn.Module) -> nn.Module:
+    """The model inside a peft ``PeftModel`` (LoRA layers still injected); other modules unchanged."""
+    get_base_model = getattr(module, "get_base_model", None)
+    if callable(get_base_model) and hasattr(module, "peft_config"):
+        return get_base_model()
+    return module
+
+
+def _tuner_kind(module: nn.Module) -> Literal["lora", "other", None]:
+    """``"lora"`` for a peft LoRA layer, ``"other"`` for another peft wrapper, None for a plain module."""
+    try:
+        from peft.tuners.lora import LoraLayer
+        from peft.tuners.tuners_utils import BaseTunerLayer
+        from peft.utils.other import AuxiliaryTrainingWrapper
+    except ImportError:  # without peft there are no adapters to fold
+        return None
+    if isinstance(module, LoraLayer):
+        return "lora"
+    if isinstance(module, (BaseTunerLayer, AuxiliaryTrainingWrapper)):
+        return "other"
+    return None
+
+
+def _lora_delta_adapters(layer: nn.Module, name: str) -> list[str]:
+    """Adapters of a LoRA layer whose update is not already in its base weight."""
+    if getattr(layer, "disable_adapters", False):
+        return []
+    merged = set(getattr(layer, "merged_adapters", []))
+    adapters = [a for a in layer.active_adapters if a in layer.lora_A and a not in merged]
+    for adapter in adapters:
+        if adapter in getattr(layer, "lora_variant", {}):
+            raise ValueError(
+                f"layer {name!r}: adapter {adapter!r} uses a LoRA variant (e.g. DoRA) that the quantized copy "
+                "does not merge; train with plain LoRA (use_dora=False)"
+            )
+    return adapters
+
+
+def effective_params(layer: nn.Module, name: str = "") -> dict[str, torch.Tensor]:
+    """The parameters ``layer`` computes with, LoRA folded in, as fresh fp32 tensors (a plain layer: its own).
+
+    For a peft LoRA layer with active adapters ``a`` (peft's ``scaling[a]``: ``lora_alpha / r``, or
+    ``lora_alpha / sqrt(r)`` with ``use_rslora``; LoRA, arXiv 2106.09685 eqn. 3; rsLoRA, arXiv 2312.03732)::
+
+        weight = W_base + sum_a scaling[a] * B_a @ A_a      (reshaped by peft for conv / embedding layers)
+        bias   = b_base + sum_a scaling[a] * b_B_a          (only adapters trained with lora_bias=True)
+
+    Adapters already merged into the base weight by peft, and disabled adapters, contribute nothing.
+
+    Args:
+        layer: a module owning parameters directly (a LoRA wrapper counts as owning its base layer's).
+        name: its qualified name, for error messages.
+
+    Returns:
+        ``{param_name: tensor}`` in fp32 (non-float parameters keep their dtype), detached, never aliasing
+        ``layer``'s storage.
+
+    Raises:
+        ValueError: a LoRA variant (DoRA) or a peft wrapper other than LoRA (``modules_to_save``, LoHa, ...).
+    """
+    kind = _tuner_kind(layer)
+    if kind == "other":
+        raise ValueError(
+            f"module {name!r} is a {type(layer).__name__}; the quantized copy folds only plain LoRA layers "
+            "(no modules_to_save, LoHa, LoKr, ...)"
+        )
+
+    def fresh(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to(dtype=torch.float32 if t.is_floating_point() else t.dtype, copy=True)
+
+    if kind is None:
+        return {n: fresh(p) for n, p in layer.named_parameters(recurse=False)}
+    base = layer.get_base_layer()
+    params = {n: fresh(p) for n, p in base.named_parameters(recurse=False)}
+    for adapter in _lora_delta_adapters(layer, name):
+        # peft's delta is scaling * B @ A laid out like the base weight (transposed for fan_in_fan_out).
+        params["weight"] += layer.get_delta_weight(adapter).detach().float()
+        if layer.lora_bias.get(adapter, False):
+            params["bias"] += layer.lora_B[adapter].bias.detach().float() * layer.scaling[adapter]
+    return params
+
+
+def _needs_refresh(layer: nn.Module) -> bool:
+    """After a training step: a LoRA layer with an update in use, or any layer with trainable parameters."""
+    if _tuner_kind(layer) == "lora" and _lora_delta_adapters(layer, ""):
+        return True
+    own = layer.get_base_layer() if _tuner_kind(layer) == "lora" else layer
+    return any(p.requires_grad for p in own.parameters(recurse=False))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The explorer
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class QuantizedCopy:
+    """A quantized rollout copy of a training module.
+
+    Attributes:
+        module: the copy, in eval mode, no parameter requires grad; call it like the training module.
+        scheme: the quantization scheme of its Linear layers.
+        compute_dtype: dtype of activations and of every unquantized parameter.
+        quantized: names of the Linear layers stored in ``scheme``.
+        skipped: names of Linear layers left in ``compute_dtype`` (skip patterns, or shapes ``scheme`` rejects).
+        blocksize: bitsandbytes 4-bit block size (weights per absmax scale).
+        double_quant: whether bitsandbytes 4-bit absmax scales are themselves 8-bit quantized.
+    """
+
+    module: nn.Module
+    scheme: Scheme
+    compute_dtype: torch.dtype
+    quantized: tuple[str, ...]
+    skipped: tuple[str, ...]
+    blocksize: int = 64
+    double_quant: bool = True
+
+    def sync(self, trained: nn.Module) -> int:
+        """Same as :func:`sync_lora` ``(self, trained)``."""
+        return sync_lora(self, trained)
+
+
+def _first_float_param(module: nn.Module) -> torch.Tensor:
+    for p in module.parameters():
+        if p.is_floating_point():
+            return p
+    raise ValueError(f"{type(module).__name__} has no floating-point parameter to quantize")
+
+
+def _lora_wrappers(base: nn.Module) -> list[str]:
+    return [name for name, sub in base.named_modules() if _tuner_kind(sub) == "lora"]
+
+
+def _write(explorer: QuantizedCopy, base: nn.Module, names: Iterable[str]) -> int:
+    """Write the effective parameters of ``base``'s modules ``names`` into the explorer; count rebuilt layers.
+
+    Quantized layers are rebuilt from the fresh full-precision weight; other parameters are copied in place
+    into the explorer's tensors (in place keeps tied parameters tied).
+    """
+    opts = _Options(explorer.blocksize, explorer.double_quant)
+    quantized = set(explorer.quantized)
+    rebuilt = 0
+    with torch.no_grad():
+        for name in names:
+            try:
+                target = explorer.module.get_submodule(name)
+            except AttributeError as err:
+                raise ValueError(
+                    f"the explorer has no module {name!r}: build it with quantize_copy() of this training module"
+                ) from err
+            params = effective_params(base.get_submodule(name), name)
+            if name in quantized:
+                layer = _build_layer(
+                    explorer.scheme, params["weight"], params.get("bias"), explorer.compute_dtype, opts
+                )
+                explorer.module.set_submodule(name, layer)
+                rebuilt += 1
+                continue
+            for param_name, value in params.items():
+                getattr(target, param_name).copy_(value)
+    return rebuilt
+
+
+def quantize_copy(
+    module: nn.Module,
+    scheme: Scheme,
+    *,
+    skip: Iterable[str] = DEFAULT_SKIP,
+    compute_dtype: torch.dtype | None = None,
+    blocksize: int = 64,
+    double_quant: bool = True,
+) -> QuantizedCopy:
+    """Build a quantized copy of ``module`` for rollouts, with its current LoRA (if any) merged in.
+
+    Every ``nn.Linear`` (exact class) whose name matches no ``skip`` pattern becomes a ``scheme`` layer holding
+    ``Q(W_eff)``, ``W_eff`` as in :func:`effective_params`; the rest of the copy holds ``compute_dtype`` copies.
+    peft LoRA wrappers are folded away, so the copy is a plain model of the base architecture (a ``PeftModel``
+    yields a copy of its base model). The copy lives on the device of ``module``.
+
+    The weights are never deep-copied in full precision: the structure is copied with meta placeholders and
+    each layer is then written once from the training module, so the peak extra memory is the finished copy
+    plus one full-precision layer.
+
+    Args:
+        module: the training policy: a diffusers / transformers / any torch model, optionally with a peft LoRA
+            adapter (diffusers ``add_adapter``, or a peft ``PeftModel``). Only read.
+        scheme: one of :data:`SCHEMES` (see the module docstring for format and hardware).
+        skip: ``fnmatch`` patterns of module names kept unquantized (a match on an ancestor counts);
+            :data:`DEFAULT_SKIP` covers diffusers embedders / output layers and LM ``lm_head`` / ``embed_tokens``.
+        compute_dtype: activation dtype and dtype of unquantized parameters; default the dtype of ``module``'s
+            first floating parameter (bf16 is the usual choice on GPU).
+        blocksize: bitsandbytes 4-bit block size (64 is bitsandbytes' and QLoRA's default).
+        double_quant: quantize the 4-bit absmax scales to 8 bit (QLoRA's "double quantization": 32/64 ->
+            ~8.1/64 bit of scale per weight).
+
+    Returns:
+        The :class:`QuantizedCopy`.
+
+    Raises:
+        ValueError: unknown scheme, unsupported hardware (fp8: sm90+, nvfp4: sm100+), a training module whose
+            Linear weights are already quantized, or an unsupported peft wrapper.
+        ImportError: torchao scheme without torchao.
+    """
+    base = _unwrap_peft(module)
+    reference = _first_float_param(base)
+    check_scheme(scheme, reference.device)
+    for name, sub in base.named_modules():
+        if isinstance(sub, nn.Linear) and type(sub.weight) is not nn.Parameter:
+            raise ValueError(
+                f"layer {name!r} of the training module holds a {type(sub.weight).__name__} weight; the explorer is "
+                "built from full-precision weights, so pass the float (bf16/fp32) training module"
+            )
+    dtype = compute_dtype or reference.dtype
+    device = reference.device
+    # 1. copy the structure without weight data: each parameter is replaced by a meta placeholder through the
+    #    deepcopy memo (tied parameters share one placeholder, so ties survive).
+    memo: dict[int, object] = {
+        id(p): nn.Parameter(
+            torch.empty_like(p, device="meta", dtype=dtype if p.is_floating_point() else p.dtype),
+            requires_grad=False,
+        )
+        for p in base.parameters()
+    }
+    copied = copy.deepcopy(base, memo)
+    # 2. fold LoRA wrappers into their base layers: the copy computes with merged weights
+    for name in _lora_wrappers(copied):
+        copied.set_submodule(name, copied.get_submodule(name).get_base_layer())
+    for name, sub in copied.named_modules():
+        if _tuner_kind(sub) == "other":
+            raise ValueError(
+                f"module {name!r} is a {type(sub).__name__}; the quantized copy folds only plain LoRA layers "
+                "(no modules_to_save, LoHa, LoKr, ...)"
+            )
+        # The copy has no adapters; a stale flag would make diffusers/transformers adapter methods look for them.
+        if getattr(sub, "_hf_peft_config_loaded", False):
+            sub._hf_peft_config_loaded = False
+        if "peft_config" in vars(sub):
+            del sub.peft_config
+    # 3. choose the layers to quantize
+    quantized, skipped = [], []
+    for name, sub in copied.named_modules():
+        if type(sub) is nn.Linear:
+            (skipped if _is_skipped(name, skip) or not _eligible(scheme, sub) else quantized).append(name)
+    # 4. allocate the unquantized parameters (one tensor per placeholder, so ties stay ties); buffers
+    #    (positional tables, ...) are cast like module.to(dtype) would
+    real: dict[int, nn.Parameter] = {}
+    owners = []
+    for name, sub in copied.named_modules():
+        if sub._parameters:
+            owners.append(name)
+        for buffer_name, buffer in sub._buffers.items():
+            if buffer is not None and buffer.is_floating_point():
+                sub._buffers[buffer_name] = buffer.to(dtype)
+        if name in quantized:
+            continue
+        for param_name, placeholder in sub._parameters.items():
+            if placeholder is not None:
+                if id(placeholder) not in real:
+                    real[id(placeholder)] = nn.Parameter(
+                        torch.empty_like(placeholder, device=device), requires_grad=False
+                    )
+                sub._parameters[param_name] = real[id(placeholder)]
+    explorer = QuantizedCopy(
+        module=copied.eval(),
+        scheme=scheme,
+        compute_dtype=dtype,
+        quantized=tuple(quantized),
+        skipped=tuple(skipped),
+        blocksize=blocksize,
+        double_quant=double_quant,
+    )
+    # 5. write every parameter from the training module: LoRA merged, quantized where chosen
+    _write(explorer, base, owners)
+    logger.info(
+        "quantized copy (%s): %d Linear layers quantized, %d kept in %s; weights %.2f MB -> %.2f MB",
+        scheme,
+        len(quantized),
+        len(skipped),
+        dtype,
+        weight_bytes(base) / 1e6,
+        weight_bytes(copied) / 1e6,
+    )
+    return explorer
+
+
+def sync_lora(explorer: QuantizedCopy, trained: nn.Module) -> int:
+    """Refresh ``explorer`` from the training module after an optimizer step, without modifying ``trained``.
+
+    Each LoRA layer with an active, unmerged adapter is re-quantized from ``W_base + sum_a s_a B_a @ A_a``
+    computed from ``trained``'s full-precision base weight (never from the explorer's quantized weight, so
+    error does not build up across steps); every other module with trainable parameters (full fine-tuning,
+    trainable norms) is refreshed the same way. Frozen, non-LoRA parameters are assumed unchanged since
+    :func:`quantize_copy`.
+
+    Args:
+        explorer: from :func:`quantize_copy` of ``trained`` (same architecture and adapter layout).
+        trained: the training module, peft-wrapped or with injected LoRA layers.
+
+    Returns:
+        Number of quantized layers rebuilt.
+
+    Raises:
+        ValueError: ``trained`` has a LoRA layer or trainable module the explorer does not have.
+    """
+    base = _unwrap_peft(trained)
+    wrappers = _lora_wrappers(base)
+    names = [
+        name
+        for name, sub in base.named_modules()
+        # base_layer / lora_A / lora_B inside a LoRA wrapper are handled through the wrapper
+        if not any(name.startswith(w + ".") for w in wrappers) and _needs_refresh(sub)
+    ]
+    return _write(explorer, base, names)
+
+
+def _tensor_bytes(t: torch.Tensor, seen: set[tuple[int, int]]) -> int:
+    """Bytes of ``t``'s data; a tensor subclass (torchao) counts its inner tensors; shared storage counts once."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(t):
+        inner, _ = t.__tensor_flatten__()
+        return sum(_tensor_bytes(getattr(t, n), seen) for n in inner if getattr(t, n) is not None)
+    key = (t.data_ptr(), t.numel() * t.element_size())
+    if t.is_meta or key in seen:
+        return 0
+    seen.add(key)
+    return key[1]
+
+
+def _quant_state_tensors(param: torch.Tensor, owner: nn.Module) -> list[torch.Tensor]:
+    """Scales that bitsandbytes keeps beside a quantized weight rather than as parameters."""
+    state = getattr(param, "quant_state", None)  # Params4bit
+    if state is not None:
+        tensors = [state.absmax, state.code]
+        if state.nested:
+            tensors += [state.state2.absmax, state.state2.code]
+        return tensors
+    scales = getattr(param, "SCB", None)  # Int8Params before the first forward
+    if scales is None and hasattr(owner, "state"):
+        scales = getattr(
+            owner.state, "SCB", None
+        )  # Linear8bitLt moves it to its matmul state at the first forward
+    return [scales] if isinstance(scales, torch.Tensor) else []
+
+
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes held by ``module``'s parameters, counting quantized storage as stored.
+
+    bitsandbytes 4-bit: packed codes (``numel/2`` bytes) + absmax (fp32 per block, or uint8 per block + fp32 per
+    256 blocks with double quantization) + code tables; int8: codes + fp32 row scales; torchao tensors: their
+    inner data and scale tensors. Tensors sharing storage (tied weights) count once. Buffers are not weights
+    and are not counted.
+    """
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for owner in module.modules():
+        for param in owner._parameters.values():
+            if param is None:
+                continue
+            total += _tensor_bytes(param, seen)
+            total += sum(_tensor_bytes(t, seen) for t in _quant_state_tensors(param, owner))
+    return total

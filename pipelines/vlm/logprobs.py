@@ -1,0 +1,288 @@
+"""Recompute completion-token log-probs and entropies in the trainer, chunked over the sequence.
+
+For a batch of (prompt with images, completion) pairs, one forward of the model's backbone gives the hidden
+states; the language-model head and the ``log_softmax`` are then applied to ``chunk_size`` sequence positions at
+a time, so the ``[B, T, V]`` logits tensor never exists: peak memory is ``B x chunk_size x V`` floats however
+long the completions or large the vocabulary (Qwen's is 151,936). With gradients enabled each chunk is
+activation-checkpointed, so the backward pass also holds one chunk of logits at a time.
+
+Per completion token t with tempered, vision-token-suppressed distribution
+``pi_t = softmax(logits_t / temperature)`` this returns:
+
+* ``logprobs``: ``log pi_t(y_t)`` (differentiable);
+* ``entropy``: the full-vocabulary entropy ``H_t = -sum_v pi_t(v) log pi_t(v)`` (detached), the default
+  ``H_t`` of entropy-shaped advantages (Cheng et al., arXiv 2506.14758);
+* ``sampled_entropy``: the sampled-token term ``-pi_t(y_t) log pi_t(y_t)`` (detached), the variant the MSSR code
+  uses.
+
+With the same ``temperature`` and ``suppressed_token_ids`` as the rollout and ``top_p = 1``, ``logprobs`` equals
+the transformers backend's behaviour log-probs (to ~1e-5 in fp32).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from PIL import Image
+from torch.utils.checkpoint import checkpoint
+
+from pipelines.vlm.inputs import mm_token_type_ids
+
+
+@dataclass
+class ScoringBatch:
+    """Prompt + completion rows ready for one scoring forward.
+
+    Layout: each row is ``[left-padded prompt | right-padded completion]`` (width ``P + T``), the layout
+    ``generate`` produces, so completion token ``j`` of every row sits in column ``P + j``.
+
+    Attributes:
+        model_inputs: ``input_ids`` / ``attention_mask`` / ``mm_token_type_ids`` ``[B, P + T]`` plus the vision
+            tensors (``pixel_values``, ``image_grid_thw``) of all rows' images in order.
+        completion_ids: ``[B, T]`` completion token ids (pad where the completion is shorter).
+        completion_mask: ``[B, T]`` bool, True on real completion tokens.
+        prompt_width: ``P``, the padded prompt width.
+    """
+
+    model_inputs: dict[str, torch.Tensor]
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    prompt_width: int
+
+
+@dataclass
+class TokenStats:
+    """Per-completion-token statistics, ``[B, T]`` float32, zero where ``mask`` is False."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    sampled_entropy: torch.Tensor
+    mask: torch.Tensor
+
+
+def build_scoring_batch(
+    processor: Any,
+    prompt_token_ids: Sequence[Sequence[int]],
+    completion_token_ids: Sequence[Sequence[int]],
+    images: Sequence[Sequence[Image.Image]],
+    *,
+    pad_token_id: int | None = None,
+) -> ScoringBatch:
+    """Assemble a :class:`ScoringBatch` from token ids (as a backend returned them) and the prompts' images.
+
+    The images go through ``processor.image_processor`` again (deterministic), so a result from any backend
+    can be scored without shipping pixel tensors around. ``mm_token_type_ids`` is rebuilt from the ids and is
+    0 over the completion, which the Qwen-VL models need to place the 3-D rotary positions as ``generate`` did.
+
+    Args:
+        processor: the Qwen-VL-family processor the prompts were built with.
+        prompt_token_ids: per row, the prompt ids with image tokens expanded.
+        completion_token_ids: per row, the completion ids.
+        images: per row, the prompt's images in order.
+        pad_token_id: filler id for padding (masked out); defaults to the tokenizer's pad (or eos) id.
+
+    Returns:
+        The batch.
+
+    Raises:
+        ValueError: lengths differ, a completion is empty, or a row's image-token count does not match its
+            images (e.g. a completion sampled ``<|image_pad|>``: suppress vision tokens during generation).
+    """
+    B = len(prompt_token_ids)
+    if not B or len(completion_token_ids) != B or len(images) != B:
+        raise ValueError(
+            f"need as many prompts ({B}), completions ({len(completion_token_ids)}) and image lists "
+            f"({len(images)}), at least one"
+        )
+    tokenizer = processor.tokenizer
+    if pad_token_id is None:
+        pad_token_id = (
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        )
+    P = max(len(ids) for ids in prompt_token_ids)
+    T = max(len(ids) for ids in completion_token_ids)
+    if min(len(ids) for ids in completion_token_ids) == 0:
+        raise ValueError("every completion needs at least one token to score")
+    input_ids = torch.full((B, P + T), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, P + T), dtype=torch.long)
+    for row, (prompt, completion) in enumerate(zip(prompt_token_ids, completion_token_ids, strict=True)):
+        input_ids[row, P - len(prompt) : P] = torch.tensor(prompt, dtype=torch.long)
+        input_ids[row, P : P + len(completion)] = torch.tensor(completion, dtype=torch.long)
+        attention_mask[row, P - len(prompt) : P + len(completion)] = 1
+    image_token_id = processor.image_token_id
+    video_token_id = getattr(processor, "video_token_id", None)
+    model_inputs = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "mm_token_type_ids": mm_token_type_ids(input_ids, image_token_id, video_token_id) * attention_mask,
+    }
+    flat_images = [image for row_images in images for image in row_images]
+    if flat_images:
+        vision = processor.image_processor(images=flat_images, return_tensors="pt")
+        model_inputs["pixel_values"] = vision["pixel_values"]
+        model_inputs["image_grid_thw"] = vision["image_grid_thw"]
+        tokens_per_image = (
+            vision["image_grid_thw"].prod(-1) // processor.image_processor.merge_size**2
+        ).tolist()
+    else:
+        tokens_per_image = []
+    # Each row must hold exactly as many image tokens as its images produce features, or the forward fails
+    # deep inside the model; say which row and why here instead.
+    start = 0
+    for row, row_images in enumerate(images):
+        expected = sum(tokens_per_image[start : start + len(row_images)])
+        start += len(row_images)
+        found = int(((input_ids[row] == image_token_id) & attention_mask[row].bool()).sum())
+        if found != expected:
+            raise ValueError(
+                f"row {row}: {found} image tokens in prompt+completion but its {len(row_images)} image(s) give "
+                f"{expected}; pass each prompt's images in order, and suppress vision tokens when generating"
+            )
+    completion_mask = attention_mask[:, P:].bool()
+    return ScoringBatch(
+        model_inputs=model_inputs,
+        completion_ids=input_ids[:, P:].clone(),
+        completion_mask=completion_mask,
+        prompt_width=P,
+    )
+
+
+def _chunk_stats(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    head: torch.nn.Module,
+    temperature: float,
+    suppressed: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log-prob of ``targets`` and full entropy for one chunk: ``hidden [B, c, H]`` -> two ``[B, c]``."""
+    # fp32 softmax: bf16 log-probs are too coarse for importance ratios near 1.
+    logits = head(hidden).float() / temperature  # [B, c, V]
+    if suppressed is not None:
+        logits = logits.index_fill(-1, suppressed, float("-inf"))
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        # Suppressed tokens have p = 0 and log p = -inf; their term p log p is 0, not NaN.
+        p_logp = torch.special.xlogy(logp_all.exp(), logp_all.exp())
+        entropy = -p_logp.sum(-1)
+    return logp, entropy
+
+
+def chunked_token_stats(
+    hidden: torch.Tensor,
+    head: torch.nn.Module,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 128,
+    suppressed_token_ids: Sequence[int] = (),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Apply ``head`` + ``log_softmax`` to ``chunk_size`` positions at a time (the math of this module).
+
+    Args:
+        hidden: ``[B, T, H]`` hidden states; position t predicts ``targets[:, t]``.
+        head: the language-model head (``[.., H] -> [.., V]``).
+        targets: ``[B, T]`` token ids.
+        temperature: logits are divided by it (use the rollout's; 1.0 for greedy rollouts).
+        chunk_size: sequence positions per chunk; memory is ``B x chunk_size x V`` floats.
+        suppressed_token_ids: token ids whose logits are set to ``-inf`` (those the rollout suppressed).
+
+    Returns:
+        ``(logprobs, entropy, sampled_entropy)``, each ``[B, T]`` float32; only ``logprobs`` carries gradients.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 to score (use 1.0 for greedy rollouts), got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    suppressed = (
+        torch.tensor(sorted(set(suppressed_token_ids)), dtype=torch.long, device=hidden.device)
+        if suppressed_token_ids
+        else None
+    )
+    # Checkpoint chunks only when a backward will follow; otherwise it would only cost time.
+    use_checkpoint = torch.is_grad_enabled() and hidden.requires_grad
+    logps, entropies = [], []
+    for start in range(0, hidden.shape[1], chunk_size):
+        h = hidden[:, start : start + chunk_size]
+        t = targets[:, start : start + chunk_size]
+        if use_checkpoint:
+            logp, entropy = checkpoint(_chunk_stats, h, t, head, temperature, suppressed, use_reentrant=False)
+        else:
+            logp, entropy = _chunk_stats(h, t, head, temperature, suppressed)
+        logps.append(logp)
+        entropies.append(entropy)
+    logprobs = torch.cat(logps, dim=1)
+    p = logprobs.detach().exp()
+    sampled_entropy = -torch.special.xlogy(p, p)
+    return logprobs, torch.cat(entropies, dim=1), sampled_entropy
+
+
+def _backbone_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The module producing hidden states (vision tower + language model) and the LM head.
+
+    Unwraps a peft model to the transformers model with LoRA layers injected (so LoRA, and
+    ``disable_adapter()`` for the reference policy, still apply).
+    """
+    if hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None)):
+        model = model.get_base_model()
+    backbone = getattr(model, model.base_model_prefix)
+    head = model.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(model).__name__} has no output embeddings (LM head) to score with")
+    return backbone, head
+
+
+def completion_token_stats(
+    model: torch.nn.Module,
+    batch: ScoringBatch,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 128,
+    suppressed_token_ids: Sequence[int] = (),
+) -> TokenStats:
+    """Log-probs and entropies of the completion tokens of ``batch`` under ``model``.
+
+    Args:
+        model: the policy (transformers Qwen-VL-family model or a peft model around one).
+        batch: from :func:`build_scoring_batch`.
+        temperature: the rollout temperature (1.0 for greedy rollouts).
+        chunk_size: sequence positions per head/softmax chunk.
+        suppressed_token_ids: the ids the rollout suppressed (``backend.suppressed_token_ids``), so both score
+            the same distribution.
+
+    Returns:
+        :class:`TokenStats` with ``[B, T]`` tensors on the model's device.
+    """
+    backbone, head = _backbone_and_head(model)
+    device = next(model.parameters()).device
+    inputs = {k: v.to(device) for k, v in batch.model_inputs.items()}
+    if "image_grid_thw" not in inputs:
+        # Text-only rows: the model would number positions 0..L-1 ignoring left padding, while generate()
+        # numbers them from the attention mask; give it generate()'s positions.
+        mask = inputs["attention_mask"]
+        inputs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+    P = batch.prompt_width
+    T = batch.completion_ids.shape[1]
+    hidden = backbone(**inputs, use_cache=False).last_hidden_state  # [B, P + T, H]
+    hidden = hidden[:, P - 1 : P - 1 + T]  # [B, T, H]: the state before token j predicts token j
+    targets = batch.completion_ids.to(device)
+    logprobs, entropy, sampled_entropy = chunked_token_stats(
+        hidden,
+        head,
+        targets,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        suppressed_token_ids=suppressed_token_ids,
+    )
+    mask = batch.completion_mask.to(device)
+    zero = torch.zeros((), device=device)
+    return TokenStats(
+        # where(), not a product: a padded position may hold -inf, and -inf * 0 is NaN.
+        logprobs=torch.where(mask, logprobs, zero),
+        entropy=torch.where(mask, entropy, zero),
+        sampled_entropy=torch.where(mask, sampled_entropy, zero),
+        mask=mask,
+    )
