@@ -492,8 +492,9 @@ def perturb(scene: Scene, kind: str, seed: int) -> Image.Image:
 
 def near_miss_prompts(prompt: str) -> list[str]:
     """Prompts one edit away from ``prompt``: another colour or shape for one object, another count, another
-    relation. Hard negatives: a render of ``prompt`` satisfies none of them except where the edit describes
-    the same scene (``A left of B`` -> ``B right of A`` is not an edit here; pair prompts keep their order).
+    relation. Hard negatives: a scene of :func:`scene_for_prompt` for ``prompt`` satisfies none of them (each
+    edit changes the objects asked for, or asks for a relation the scene clearly lacks; rewordings of the same
+    scene, ``B right of A`` for ``A left of B``, are not edits).
 
     Raises:
         ValueError: the prompt is outside the grammar.

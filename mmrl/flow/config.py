@@ -16,6 +16,7 @@ __all__ = [
     "FlowTrainerConfig",
     "LoraSettings",
     "RewardSpec",
+    "TreeSettings",
 ]
 
 
@@ -69,6 +70,22 @@ class FlowSamplingConfig(Config):
     shared_noise: bool = Field(False, description="One initial noise per prompt group.")
     negative_prompt: str = Field("", description="Unconditional prompt for CFG.")
     max_batch_size: int | None = Field(None, ge=1, description="Largest transformer batch per forward.")
+    rollout: Literal["flat", "branch"] = Field(
+        "flat", description="flat: independent groups; branch: trees with shared prefixes (see the tree section)."
+    )
+
+
+class TreeSettings(Config):
+    split_steps: list[int] = Field(
+        default_factory=lambda: [0, 2, 4, 6],
+        description="Steps (counted from the SDE window's start) whose draw branches into children.",
+    )
+    branch_factor: int | list[int] = Field(2, description="Children per split: one int or one per split (>= 2).")
+    fusion: Literal["mean", "path_prob"] = Field(
+        "mean", description="Node reward: mean of its leaves, or path-probability weighted (BranchGRPO)."
+    )
+    train_depths: list[int] | None = Field(None, description="Depth pruning: train only these node depths.")
+    width: int | None = Field(None, ge=1, description="Width pruning: train the k nodes of largest |A| per depth.")
 
 
 class FlowAllocationConfig(Config):
@@ -139,6 +156,7 @@ class FlowGRPOConfig(Config):
     )
     sampling: FlowSamplingConfig = Field(default_factory=FlowSamplingConfig)
     allocation: FlowAllocationConfig = Field(default_factory=FlowAllocationConfig)
+    tree: TreeSettings = Field(default_factory=TreeSettings, description="Branching settings (sampling.rollout=branch).")
     trainer: FlowTrainerConfig = Field(default_factory=FlowTrainerConfig)
 
     @model_validator(mode="after")
@@ -148,6 +166,11 @@ class FlowGRPOConfig(Config):
         w = self.sampling.sde_window
         if w is not None and w > self.sampling.num_steps:
             raise ValueError(f"sampling.sde_window ({w}) exceeds sampling.num_steps ({self.sampling.num_steps})")
+        if self.sampling.rollout == "branch":
+            span = w if w is not None else self.sampling.num_steps
+            bad = [s for s in self.tree.split_steps if not 0 <= s < span]
+            if not self.tree.split_steps or bad:
+                raise ValueError(f"tree.split_steps must be non-empty and inside 0..{span - 1} (the SDE steps), got {bad}")
         if self.trainer.objective == "grpo" and self.sampling.sde_kind == "cps" and w is None:
             raise ValueError("sde_kind=cps adds no noise at the last step: set sampling.sde_window < num_steps")
         return self

@@ -21,6 +21,7 @@ import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,8 @@ from mmrl.images import make_grid, tensor_to_pil
 from mmrl.progress import TrainProgress
 from mmrl.run import MetricAccumulator, Run
 from mmrl.seeding import get_rng_state, seed_everything, set_rng_state
-from pipelines.flow.adapters import FlowAdapter, load_adapter
+from pipelines.flow.adapters import Conditioning, FlowAdapter, load_adapter
+from pipelines.flow.branch import TreeConfig, prune_transitions, tree_rollout
 from pipelines.flow.rollout import Rollout, SamplingConfig, TransitionBatch, rescore, rollout
 
 __all__ = ["FlowGRPOTrainer", "evaluate", "main"]
@@ -58,6 +60,30 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"model.device={name!r} but no CUDA device is available; use 'cpu' or 'auto'")
     return device
+
+
+@dataclass
+class StepBatch:
+    """What one rollout step hands to the update, whatever the rollout mode.
+
+    Attributes:
+        transitions: the SDE transitions to train on (after timestep subsampling / pruning).
+        adv: ``[N]`` advantage of each transition (its sample's, or its tree node's).
+        images, prompts: the final samples and their prompts.
+        final_latents: ``[B, ...]`` clean latents (DiffusionNFT trains on these).
+        cond: conditioning of the ``B`` final samples.
+        sample_adv: ``[B]`` per-sample advantages.
+        nfe: transformer evaluations the rollout spent.
+    """
+
+    transitions: TransitionBatch
+    adv: torch.Tensor
+    images: torch.Tensor
+    prompts: list[str]
+    final_latents: torch.Tensor
+    cond: Conditioning
+    sample_adv: torch.Tensor
+    nfe: int
 
 
 class FlowGRPOTrainer:
@@ -235,39 +261,82 @@ class FlowGRPOTrainer:
             max_batch_size=s.max_batch_size,
         )
 
-    def collect(self) -> tuple[Rollout, torch.Tensor]:
-        """Steps 1-4: returns ``(rollout, advantages [B])``."""
-        a = self.cfg.allocation
-        prompts = alloc_lib.sample_prompts(
-            self.stats, self.train_pool, a.prompts_per_step, method=a.selection, generator=self.generator
-        )
-        counts = alloc_lib.allocate(self.stats, prompts, a.rollouts_per_step, method=a.method, n_min=a.n_min,
-                                    n_max=a.n_max)
-        start = time.perf_counter()
-        self.adapter.transformer.eval()
-        ro = rollout(self.adapter, prompts, counts.tolist(), self.sampling_config(), generator=self.generator)
-        self.metrics.add("time/rollout_s", time.perf_counter() - start)
-        raw, components = self.score(ro.images, ro.prompts)
-        total = self.combine(raw)
-        self.stats.update_distributed(ro.prompts, total, step=self.step)
-        adv = self.advantages(raw, ro.group_index)
-        groups = make_groups(ro.group_index)
+    def _log_rewards(self, total: torch.Tensor, raw: torch.Tensor, components: dict[str, torch.Tensor],
+                     group_index: torch.Tensor) -> None:
+        groups = make_groups(group_index)
         self.metrics.add("reward/mean", total.mean(), count=total.numel())
         for k, spec in enumerate(self.cfg.rewards):
             self.metrics.add(f"reward/{spec.name}/mean", raw[:, k].mean(), count=total.numel())
         for name, value in components.items():
             self.metrics.add(name, value.mean(), count=total.numel())
-        self.metrics.add("train/effective_ratio", effective_ratio(total, ro.group_index))
+        self.metrics.add("train/effective_ratio", effective_ratio(total, group_index))
         self.metrics.add("train/zero_std_frac", float((groups.std(total.double()) == 0).double().mean()))
+
+    def collect(self) -> StepBatch:
+        """Steps 1-4 for the configured rollout mode."""
+        a = self.cfg.allocation
+        prompts = alloc_lib.sample_prompts(
+            self.stats, self.train_pool, a.prompts_per_step, method=a.selection, generator=self.generator
+        )
+        self.adapter.transformer.eval()
+        start = time.perf_counter()
+        batch = self._collect_branch(prompts) if self.cfg.sampling.rollout == "branch" else self._collect_flat(prompts)
+        self.metrics.add("time/rollout_s", time.perf_counter() - start)
+        self.metrics.add("nfe/rollout", float(batch.nfe))
+        self.nfe_total += batch.nfe
+        return batch
+
+    def _collect_flat(self, prompts: list[str]) -> StepBatch:
+        a = self.cfg.allocation
+        counts = alloc_lib.allocate(self.stats, prompts, a.rollouts_per_step, method=a.method, n_min=a.n_min,
+                                    n_max=a.n_max)
+        ro = rollout(self.adapter, prompts, counts.tolist(), self.sampling_config(), generator=self.generator)
+        raw, components = self.score(ro.images, ro.prompts)
+        total = self.combine(raw)
+        self.stats.update_distributed(ro.prompts, total, step=self.step)
+        adv = self.advantages(raw, ro.group_index)
+        self._log_rewards(total, raw, components, ro.group_index)
         self.metrics.add("rollouts/per_prompt_min", counts.min().float())
         self.metrics.add("rollouts/per_prompt_max", counts.max().float())
-        self.metrics.add("nfe/rollout", float(ro.nfe))
-        self.nfe_total += ro.nfe
-        return ro, adv
+        trans = ro.transitions(self._train_steps(ro.sde_steps))
+        return StepBatch(trans, adv[trans.sample_index], ro.images, ro.prompts, ro.latents[:, -1], ro.cond, adv, ro.nfe)
 
-    def _train_steps(self, ro: Rollout) -> torch.Tensor:
+    def _collect_branch(self, prompts: list[str]) -> StepBatch:
+        """One tree per prompt; node advantages by depth (BranchGRPO), pruned transitions."""
+        t = self.cfg.tree
+        config = self.sampling_config()
+        offset = config.sde_window[0] if config.sde_window is not None else 0
+        factors = tuple(t.branch_factor) if isinstance(t.branch_factor, list) else t.branch_factor
+        tree_cfg = TreeConfig(split_steps=tuple(offset + s for s in t.split_steps), branch_factor=factors)
+        tr = tree_rollout(self.adapter, prompts, config, tree_cfg, generator=self.generator)
+        raw, components = self.score(tr.images, tr.leaf_prompts)
+        total = self.combine(raw)
+        self.stats.update_distributed(tr.leaf_prompts, total, step=self.step)
+        self._log_rewards(total, raw, components, tr.leaf_tree)
+        edge_logprob = None
+        if t.fusion == "path_prob":
+            # the log-prob of the draw that created each node = its first transition
+            first = torch.full((tr.parent.numel(),), tr.transitions.log_probs.numel(), dtype=torch.long)
+            first = first.scatter_reduce(0, tr.transitions.sample_index, torch.arange(len(tr.transitions)), reduce="amin")
+            edge_logprob = torch.where(first < len(tr.transitions),
+                                       tr.transitions.log_probs[first.clamp(max=len(tr.transitions) - 1)],
+                                       torch.zeros(()))
+        node_adv, _ = adv_lib.tree_depthwise(tr.node_rewards(total), tr.parent, fusion=t.fusion,
+                                             edge_logprob=edge_logprob)
+        node_adv = adv_lib.clip_advantages(node_adv, self.cfg.trainer.adv_clip_max)
+        keep = prune_transitions(tr, node_adv, depths=t.train_depths, width=t.width)
+        steps = self._train_steps(config.sde_steps())
+        keep = keep[torch.isin(tr.transitions.step_index[keep], steps)]
+        trans = tr.transitions.select(keep)
+        leaf_adv = self.advantages(raw, tr.leaf_tree)  # for the NFT objective, which trains on final images
+        self.metrics.add("tree/nodes", float(tr.parent.numel()))
+        self.metrics.add("tree/trained_transitions", float(len(trans)))
+        return StepBatch(trans, node_adv[trans.sample_index], tr.images, tr.leaf_prompts, tr.final_latents,
+                         tr.cond.select(tr.leaf_tree), leaf_adv, tr.nfe)
+
+    def _train_steps(self, sde_steps: torch.Tensor) -> torch.Tensor:
         """SDE steps whose transitions are trained this step (timestep subsampling)."""
-        sde = torch.nonzero(ro.sde_steps).flatten()
+        sde = torch.nonzero(sde_steps).flatten()
         keep = max(1, math.ceil(self.cfg.trainer.timestep_fraction * sde.numel()))
         order = torch.randperm(sde.numel(), generator=self.generator)[:keep]
         return sde[order.sort().values]
@@ -281,10 +350,9 @@ class FlowGRPOTrainer:
         if self.ema is not None:
             self.ema.update()
 
-    def grpo_update(self, ro: Rollout, adv: torch.Tensor) -> None:
+    def grpo_update(self, trans: TransitionBatch, adv_t: torch.Tensor) -> None:
+        """Clipped-ratio loss on re-scored transitions + KL on SDE means, one optimizer step per accumulation."""
         t = self.cfg.trainer
-        trans: TransitionBatch = ro.transitions(self._train_steps(ro))
-        adv_t = adv[trans.sample_index]
         if t.drop_zero_advantage:
             keep = torch.nonzero(adv_t != 0).flatten()
             if keep.numel() == 0:
@@ -329,10 +397,10 @@ class FlowGRPOTrainer:
                 if (i + 1) % accum == 0 or i + 1 == len(batches):
                     self._optimizer_step()
 
-    def nft_update(self, ro: Rollout, adv: torch.Tensor) -> None:
-        """DiffusionNFT on the final samples: ``r = clip(0.5 + 0.5 A / A_max, 0, 1)`` is each image's optimality."""
+    def nft_update(self, x0: torch.Tensor, cond: Conditioning, adv: torch.Tensor) -> None:
+        """DiffusionNFT on the final samples ``x0 [B, ...]``: ``r = clip(0.5 + 0.5 A / A_max, 0, 1)`` is each
+        image's optimality probability."""
         t = self.cfg.trainer
-        x0 = ro.latents[:, -1]  # [B, ...] clean samples
         optimality = (0.5 + 0.5 * adv / t.adv_clip_max).clamp(0, 1)
         batch = x0.shape[0]
         rows = torch.arange(batch).repeat(t.nft_timesteps)  # [B*T]
@@ -341,7 +409,7 @@ class FlowGRPOTrainer:
         s = sigma.view(-1, *([1] * (x0.ndim - 1)))
         x_t = (1 - s) * x0[rows] + s * eps
         target = eps - x0[rows]
-        cond = ro.cond.select(rows)
+        cond = cond.select(rows)
         with torch.no_grad():
             self.adapter.transformer.eval()
             v_old = torch.cat([
@@ -364,15 +432,15 @@ class FlowGRPOTrainer:
         self.nfe_total += 2 * rows.numel()
 
     def train_step(self) -> dict[str, float]:
-        ro, adv = self.collect()
+        batch = self.collect()
         start = time.perf_counter()
         if self.cfg.trainer.objective == "grpo":
-            self.grpo_update(ro, adv)
+            self.grpo_update(batch.transitions, batch.adv)
         else:
-            self.nft_update(ro, adv)
+            self.nft_update(batch.final_latents, batch.cond, batch.sample_adv)
         self.metrics.add("time/train_s", time.perf_counter() - start)
         if self.run is not None and (self.step + 1) % self.cfg.trainer.sample_every == 0:
-            self.run.save_image_grid(self.step + 1, ro.images[:16], ro.prompts[:16], tag="train")
+            self.run.save_image_grid(self.step + 1, batch.images[:16], batch.prompts[:16], tag="train")
         metrics = self.metrics.reduce()
         metrics["nfe/total"] = float(self.nfe_total)
         return metrics

@@ -79,6 +79,7 @@ class TreeRollout:
         images: ``[L, 3, H, W]`` (video ``[L, T, 3, H, W]``) in [0, 1].
         final_latents: ``[L, ...]`` the clean latents.
         transitions: every SDE transition; ``sample_index`` holds the node the transition belongs to.
+        cond: conditioning of the ``P`` trees (``cond.select(leaf_tree)`` gives the leaves').
         nfe: transformer evaluations spent.
         sigmas: ``[S+1]`` schedule.
         config, tree: the settings used.
@@ -93,6 +94,7 @@ class TreeRollout:
     images: torch.Tensor
     final_latents: torch.Tensor
     transitions: TransitionBatch
+    cond: Conditioning
     nfe: int
     sigmas: torch.Tensor
     config: SamplingConfig = field(repr=False)
@@ -225,6 +227,7 @@ def tree_rollout(
         images=images,
         final_latents=x.cpu(),
         transitions=transitions,
+        cond=cond_trees,
         nfe=nfe,
         sigmas=sigmas,
         config=config,

@@ -25,7 +25,10 @@ CFG = SamplingConfig(num_steps=4, height=32, width=32, noise_level=0.7)
 PROMPTS = ["a photo of a red circle", "a photo of two squares"]
 
 
-def grow(adapter, tree=TreeConfig(split_steps=(1, 2)), seed=0, config=CFG):
+TWO_SPLITS = TreeConfig(split_steps=(1, 2))
+
+
+def grow(adapter, tree=TWO_SPLITS, seed=0, config=CFG):
     return tree_rollout(adapter, PROMPTS, config, tree, generator=torch.Generator().manual_seed(seed))
 
 
@@ -78,7 +81,7 @@ def test_deterministic_under_seed_and_children_differ(adapter):
 def test_pruning_and_depthwise_advantages(adapter):
     tr = grow(adapter)
     rewards = torch.arange(8, dtype=torch.float32) % 3
-    adv, node_reward = tree_depthwise(tr.node_rewards(rewards), tr.parent)
+    adv, _ = tree_depthwise(tr.node_rewards(rewards), tr.parent)
     assert torch.isfinite(adv).all() and (adv[tr.parent < 0] == 0).all()
     deep = prune_transitions(tr, adv, depths=[2])
     assert (tr.node_depth[tr.transitions.sample_index[deep]] == 2).all()

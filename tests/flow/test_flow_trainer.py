@@ -119,3 +119,17 @@ def test_eval_writes_scores_and_grid(model_dir, tmp_path):
     empty.write_text("\n")
     with pytest.raises(ValueError, match="holds no prompt"):
         evaluate(cfg, str(empty), tmp_path / "eval2", None, images_per_prompt=1)
+
+
+@pytest.mark.parametrize("objective", ["grpo", "nft"])
+def test_branch_rollout_mode_trains(model_dir, tmp_path, objective):
+    cfg = make_cfg(model_dir, tmp_path, "br" + objective, "sampling.rollout=branch", "tree.split_steps=[0, 1]",
+                   "tree.fusion=path_prob", "tree.width=2", f"trainer.objective={objective}")
+    trainer = FlowGRPOTrainer(cfg, None)
+    trainer.setup()
+    before = [p.detach().clone() for p in trainer.trainable]
+    metrics = trainer.train_step()
+    # 2 trees x 4 leaves; window of 2 SDE steps starting somewhere in 4 steps, splits at its first two steps
+    assert metrics["tree/nodes"] == 2 * (1 + 2 + 4)
+    assert metrics["nfe/rollout"] < 8 * 4  # shared prefixes: fewer evaluations than 8 flat samples
+    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.trainable, strict=True))
