@@ -57,7 +57,7 @@ COLOURS: tuple[str, ...] = ("red", "green", "blue", "yellow", "purple", "orange"
 RELATIONS: tuple[str, ...] = ("left of", "right of", "above", "below")
 COUNT_WORDS: tuple[str, ...] = ("one", "two", "three", "four")
 
-#: The renderer's RGB colours: saturated, and about 25 degrees of hue or more apart, so that a slightly
+#: The renderer's RGB colours: saturated, and at least 23 degrees of hue apart, so that a slightly
 #: different drawing of "orange" (CSS orange is hue 39) is still nearer orange than yellow.
 PALETTE: dict[str, tuple[int, int, int]] = {
     "red": (220, 40, 40),
@@ -271,7 +271,7 @@ class ParseConfig:
             with noise of sigma 10 stay below ~45; the palette colours are 130..230.
         bg_margin: a pixel must also exceed the median chroma of the image border by this much, so a lightly
             tinted background is not foreground.
-        min_area_frac: components smaller than this fraction of the image are speckles (8 px at 32x32).
+        min_area_frac: components smaller than this fraction of the image are speckles (8.2 px at 32x32).
         split_frac: a component whose second colour covers this fraction of it (and at least the speckle area)
             is two touching objects and is split by colour.
         skirt: pixels around a component (blurred edges) that count towards its moments.
@@ -301,9 +301,10 @@ class ShapeFeatures:
     """Moment features of the parts of a batch, each ``[P]``. Mass ``A`` is the soft area (sum of coverage).
 
     ``t = sqrt(|E z^3|^2 + |E z^2 conj(z)|^2) / A^1.5`` (z = x + iy about the centroid): the third cumulants,
-    unchanged by any symmetric blur, zero for a centrally symmetric shape. ``q = |k40 - 6 k22 + k04 +
-    4i (k31 - k13)| / A^2``: the part of the fourth cumulants that turns with 4 theta, also blur-invariant,
-    zero for a disc. ``ecc`` and ``compact`` come from the second moments.
+    zero for a centrally symmetric shape. ``q = |k40 - 6 k22 + k04 + 4i (k31 - k13)| / A^2``: the part of the
+    fourth cumulants that turns with 4 theta, zero for a disc. Both are unchanged by a Gaussian blur (its
+    cumulants above order 2 are zero) and by rotation and scale. ``ecc`` and ``compact`` come from the second
+    moments.
     """
 
     area: np.ndarray

@@ -9,6 +9,7 @@ from pydantic import model_validator
 from mmrl.config import Config, Field, RunConfig
 
 __all__ = [
+    "ExploreSettings",
     "FlowAllocationConfig",
     "FlowGRPOConfig",
     "FlowModelConfig",
@@ -88,6 +89,19 @@ class TreeSettings(Config):
     width: int | None = Field(None, ge=1, description="Width pruning: train the k nodes of largest |A| per depth.")
 
 
+class ExploreSettings(Config):
+    enabled: bool = Field(False, description="Two-stage explore/train (Sol-RL): preview seeds with a quantized copy.")
+    scheme: Literal["nf4", "fp4", "int8", "fp8_weight_only", "fp8", "nvfp4", "none"] = Field(
+        "nf4", description="Explorer quantization: nf4/fp4/int8 (bitsandbytes, CPU+GPU), fp8 (Hopper), nvfp4 (Blackwell)."
+    )
+    candidates: int = Field(16, ge=2, description="Seeds previewed per prompt (K).")
+    preview_steps: int = Field(4, ge=1, description="Euler (ODE) steps of a preview.")
+    keep_best: int = Field(2, ge=0, description="Best previews regenerated per prompt.")
+    keep_worst: int = Field(2, ge=0, description="Worst previews regenerated per prompt.")
+    selection: Literal["extremes", "random", "extremes_random"] = Field("extremes", description="Selection rule.")
+    extra_random: int = Field(0, ge=0, description="Middle seeds added by extremes_random.")
+
+
 class FlowAllocationConfig(Config):
     selection: Literal["uniform", "thompson", "priority"] = Field("uniform", description="Prompt selection.")
     method: Literal["uniform", "knapsack", "sqrt"] = Field("uniform", description="Rollout allocation.")
@@ -157,6 +171,7 @@ class FlowGRPOConfig(Config):
     sampling: FlowSamplingConfig = Field(default_factory=FlowSamplingConfig)
     allocation: FlowAllocationConfig = Field(default_factory=FlowAllocationConfig)
     tree: TreeSettings = Field(default_factory=TreeSettings, description="Branching settings (sampling.rollout=branch).")
+    explore: ExploreSettings = Field(default_factory=ExploreSettings, description="Two-stage explore/train settings.")
     trainer: FlowTrainerConfig = Field(default_factory=FlowTrainerConfig)
 
     @model_validator(mode="after")
@@ -171,6 +186,13 @@ class FlowGRPOConfig(Config):
             bad = [s for s in self.tree.split_steps if not 0 <= s < span]
             if not self.tree.split_steps or bad:
                 raise ValueError(f"tree.split_steps must be non-empty and inside 0..{span - 1} (the SDE steps), got {bad}")
+        if self.explore.enabled:
+            e = self.explore
+            keep = e.keep_best + e.keep_worst + (e.extra_random if e.selection == "extremes_random" else 0)
+            if not 1 <= keep <= e.candidates:
+                raise ValueError(f"explore keeps {keep} of {e.candidates} candidates per prompt; need 1..candidates")
+            if self.allocation.method != "uniform":
+                raise ValueError("explore decides the group sizes (kept seeds per prompt): use allocation.method=uniform")
         if self.trainer.objective == "grpo" and self.sampling.sde_kind == "cps" and w is None:
             raise ValueError("sde_kind=cps adds no noise at the last step: set sampling.sde_window < num_steps")
         return self

@@ -43,6 +43,7 @@ from mmrl.run import MetricAccumulator, Run
 from mmrl.seeding import get_rng_state, seed_everything, set_rng_state
 from pipelines.flow.adapters import Conditioning, FlowAdapter, load_adapter
 from pipelines.flow.branch import TreeConfig, prune_transitions, tree_rollout
+from pipelines.flow.explore import ExploreConfig, ExploreResult, explore, spearman
 from pipelines.flow.rollout import Rollout, SamplingConfig, TransitionBatch, rescore, rollout
 
 __all__ = ["FlowGRPOTrainer", "evaluate", "main"]
@@ -153,8 +154,17 @@ class FlowGRPOTrainer:
                 f"allocation.prompts_per_step ({cfg.allocation.prompts_per_step}) exceeds the "
                 f"{len(self.train_pool)} train prompts of {cfg.train_prompts}"
             )
-        # 4. optimizer, statistics store, EMA
+        # 4. optimizer, statistics store, EMA, explorer
         self.optimizer = self._make_optimizer()
+        self.explorer = None
+        if cfg.explore.enabled:
+            from pipelines.quant import quantize_copy, weight_bytes
+
+            self.explorer = quantize_copy(transformer, cfg.explore.scheme)
+            full, small = weight_bytes(transformer), weight_bytes(self.explorer.module)
+            logger.info("explorer (%s): %.2f MB of weights vs %.2f MB (%.2fx smaller)", cfg.explore.scheme,
+                        small / 1e6, full / 1e6, full / max(small, 1))
+            self.explore_memory = {"explore/weight_mb_policy": full / 1e6, "explore/weight_mb_explorer": small / 1e6}
         self.stats = PromptStats(rho=cfg.allocation.rho)
         self.ema = EMA(transformer, cfg.trainer.ema_decay) if cfg.trainer.ema_decay else None
         # 5. resume
@@ -280,19 +290,43 @@ class FlowGRPOTrainer:
         )
         self.adapter.transformer.eval()
         start = time.perf_counter()
-        batch = self._collect_branch(prompts) if self.cfg.sampling.rollout == "branch" else self._collect_flat(prompts)
+        explored = self._explore(prompts) if self.explorer is not None else None
+        if self.cfg.sampling.rollout == "branch":
+            batch = self._collect_branch(prompts, explored)
+        else:
+            batch = self._collect_flat(prompts, explored)
         self.metrics.add("time/rollout_s", time.perf_counter() - start)
         self.metrics.add("nfe/rollout", float(batch.nfe))
         self.nfe_total += batch.nfe
         return batch
 
-    def _collect_flat(self, prompts: list[str]) -> StepBatch:
+    def _explore(self, prompts: list[str]) -> ExploreResult:
+        """Preview candidates with the quantized copy (synced with the current LoRA) and pick seeds to train on."""
+        e = self.cfg.explore
+        self.explorer.sync(self.adapter.transformer)
+        config = ExploreConfig(candidates=e.candidates, preview_steps=e.preview_steps, keep_best=e.keep_best,
+                               keep_worst=e.keep_worst, selection=e.selection, extra_random=e.extra_random)
+        result = explore(self.adapter, self.explorer.module, prompts, self.sampling_config(), config,
+                         lambda images, p: self.combine(self.score(images, p)[0]), generator=self.generator)
+        self.metrics.add("nfe/preview", float(result.nfe))
+        self.metrics.add("explore/preview_reward_mean", result.preview_rewards.mean())
+        self.metrics.add_dict(self.explore_memory)
+        self.nfe_total += result.nfe
+        return result
+
+    def _collect_flat(self, prompts: list[str], explored: ExploreResult | None) -> StepBatch:
         a = self.cfg.allocation
-        counts = alloc_lib.allocate(self.stats, prompts, a.rollouts_per_step, method=a.method, n_min=a.n_min,
-                                    n_max=a.n_max)
-        ro = rollout(self.adapter, prompts, counts.tolist(), self.sampling_config(), generator=self.generator)
+        if explored is None:
+            counts = alloc_lib.allocate(self.stats, prompts, a.rollouts_per_step, method=a.method, n_min=a.n_min,
+                                        n_max=a.n_max)
+        else:
+            counts = torch.full((len(prompts),), explored.chosen.shape[1], dtype=torch.long)
+        ro = rollout(self.adapter, prompts, counts.tolist(), self.sampling_config(), generator=self.generator,
+                     noise=None if explored is None else explored.noise)
         raw, components = self.score(ro.images, ro.prompts)
         total = self.combine(raw)
+        if explored is not None:
+            self.metrics.add("explore/spearman", spearman(explored.chosen_preview_rewards, total))
         self.stats.update_distributed(ro.prompts, total, step=self.step)
         adv = self.advantages(raw, ro.group_index)
         self._log_rewards(total, raw, components, ro.group_index)
@@ -301,16 +335,22 @@ class FlowGRPOTrainer:
         trans = ro.transitions(self._train_steps(ro.sde_steps))
         return StepBatch(trans, adv[trans.sample_index], ro.images, ro.prompts, ro.latents[:, -1], ro.cond, adv, ro.nfe)
 
-    def _collect_branch(self, prompts: list[str]) -> StepBatch:
-        """One tree per prompt; node advantages by depth (BranchGRPO), pruned transitions."""
+    def _collect_branch(self, prompts: list[str], explored: ExploreResult | None) -> StepBatch:
+        """One tree per prompt (per kept seed when exploring); node advantages by depth (BranchGRPO), pruned."""
         t = self.cfg.tree
         config = self.sampling_config()
         offset = config.sde_window[0] if config.sde_window is not None else 0
         factors = tuple(t.branch_factor) if isinstance(t.branch_factor, list) else t.branch_factor
         tree_cfg = TreeConfig(split_steps=tuple(offset + s for s in t.split_steps), branch_factor=factors)
-        tr = tree_rollout(self.adapter, prompts, config, tree_cfg, generator=self.generator)
+        if explored is not None:
+            prompts = [p for p in prompts for _ in range(explored.chosen.shape[1])]  # a tree per kept seed
+        tr = tree_rollout(self.adapter, prompts, config, tree_cfg, generator=self.generator,
+                          noise=None if explored is None else explored.noise)
         raw, components = self.score(tr.images, tr.leaf_prompts)
         total = self.combine(raw)
+        if explored is not None:
+            per_tree = torch.zeros(len(prompts)).index_add_(0, tr.leaf_tree, total) / tr.tree.leaves_per_tree()
+            self.metrics.add("explore/spearman", spearman(explored.chosen_preview_rewards, per_tree))
         self.stats.update_distributed(tr.leaf_prompts, total, step=self.step)
         self._log_rewards(total, raw, components, tr.leaf_tree)
         edge_logprob = None
