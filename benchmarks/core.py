@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     for name, (fn, target) in cases.items():
         ms = median_ms(fn, args.repeats)
         results[name] = ms
-        verdict = "" if target is None else ("  (target < %.0f ms: %s)" % (target, "met" if ms < target else "MISSED"))
+        verdict = "" if target is None else f"  (target < {target:.0f} ms: {'met' if ms < target else 'MISSED'})"
         print(f"{name:50s} {ms:8.1f} ms{verdict}")
     return results
 

@@ -26,7 +26,7 @@ from mmrl.core import allocation as alloc_lib
 from mmrl.core import losses as loss_lib
 from mmrl.core.groups import effective_ratio
 from mmrl.core.stats import PromptStats
-from mmrl.progress import TrainProgress
+from mmrl.loop import run_recipe, train_loop
 from mmrl.run import MetricAccumulator, Run
 from mmrl.seeding import get_rng_state, seed_everything, set_rng_state
 
@@ -205,31 +205,7 @@ class BanditTrainer:
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict[str, float]:
-        cfg = self.cfg
-        total = cfg.trainer.steps
-        latest: dict[str, float] = {}
-        if self.step == 0 and self.run is not None:
-            first = self.evaluate()
-            self.run.log_metrics(0, first)
-        with TrainProgress(total, start=self.step, show=("reward/mean", "eval/heldout_success"),
-                           enabled=cfg.run.progress) as bar:
-            while self.step < total:
-                metrics = self.train_step()
-                self.step += 1
-                if self.step % cfg.trainer.eval_every == 0 or self.step == total:
-                    metrics.update(self.evaluate())
-                latest.update(metrics)
-                if self.run is not None:
-                    if self.step % cfg.run.log_every == 0 or self.step == total:
-                        self.run.log_metrics(self.step, metrics)
-                    if cfg.run.save_every and self.step % cfg.run.save_every == 0:
-                        self.save_checkpoint()
-                bar.update(self.step, latest)
-        if self.run is not None:
-            if not (cfg.run.save_every and self.step % cfg.run.save_every == 0):
-                self.save_checkpoint()
-            self.run.write_summary({"step": self.step, **latest})
-        return latest
+        return train_loop(self, self.cfg.trainer.steps, self.cfg.trainer.eval_every, self.cfg.run, self.run, show=("reward/mean", "eval/heldout_success"))
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -259,11 +235,5 @@ class BanditTrainer:
 
 
 def main(cfg: BanditRecipeConfig) -> dict[str, float]:
-    """Run the recipe end to end; returns the final metrics."""
-    run = Run(cfg.run, cfg)
-    trainer = BanditTrainer(cfg, run)
-    try:
-        trainer.setup()
-        return trainer.train()
-    finally:
-        trainer.cleanup()
+    """Train end to end; returns the final metrics."""
+    return run_recipe(cfg, BanditTrainer)

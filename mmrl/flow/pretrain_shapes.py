@@ -68,10 +68,14 @@ class PretrainConfig:
         renders_per_kind: training images rendered per template kind before training (drawn from train prompts).
         eval_prompts: held-out prompts sampled (balanced over templates) for the final score.
         eval_reserve_s: seconds of the budget kept for evaluation and saving.
-        threads: torch CPU threads (the machine is shared; 2 is the budget this recipe was tuned with).
+        threads: torch CPU threads. 1 by default: on the shared 2-core machine this was tuned on, two OpenMP
+            threads spin-waiting for each other under load ran about 10x slower per step than one thread.
         log_every: steps between loss log lines.
         num_layers, num_attention_heads, patch_size: transformer size (heads of 32 dimensions; patch 4 = 64
             image tokens at 32x32).
+        shift: time shift ``t -> shift t / (1 + (shift - 1) t)`` applied to the training times and saved in the
+            sampler's scheduler (SD3's 3: more weight and more sampling steps at high noise, where the layout of
+            the scene is decided).
     """
 
     out: str = "checkpoints/shapes_flow"
@@ -86,11 +90,12 @@ class PretrainConfig:
     renders_per_kind: int = 4000
     eval_prompts: int = 200
     eval_reserve_s: float = 75.0
-    threads: int = 2
+    threads: int = 1
     log_every: int = 25
     num_layers: int = 6
     num_attention_heads: int = 3
     patch_size: int = 4
+    shift: float = 3.0
 
     def __post_init__(self) -> None:
         if self.minutes <= 0:
@@ -178,7 +183,11 @@ class ShapesPretrainer:
         torch.manual_seed(cfg.seed)
         # 1. model: random weights, tokenizer trained on the prompt vocabulary
         self.pipe = build_shapes_pipeline(
-            shapes.all_prompts(), cfg.num_layers, cfg.num_attention_heads, patch_size=cfg.patch_size
+            shapes.all_prompts(),
+            cfg.num_layers,
+            cfg.num_attention_heads,
+            patch_size=cfg.patch_size,
+            shift=cfg.shift,
         )
         self.modules = [self.pipe.transformer, self.pipe.text_encoder, self.pipe.text_encoder_2]
         self.params = [p for m in self.modules for p in m.parameters()]
@@ -229,7 +238,8 @@ class ShapesPretrainer:
             # 1. data and noise
             prompts, x0 = self._batch()  # x0: [B, 3, 32, 32]
             eps = torch.randn(x0.shape, generator=self.rng)
-            t = torch.sigmoid(torch.randn(cfg.batch_size, generator=self.rng))  # logit-normal(0, 1)
+            u = torch.sigmoid(torch.randn(cfg.batch_size, generator=self.rng))  # logit-normal(0, 1)
+            t = cfg.shift * u / (1 + (cfg.shift - 1) * u)  # the sampler's shifted schedule
             t_ = t.view(-1, 1, 1, 1)
             x_t = (1 - t_) * x0 + t_ * eps
             # 2. text through the pipeline's own encoder code (the path sampling uses), with gradients
@@ -371,6 +381,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=defaults.num_layers)
     parser.add_argument("--heads", type=int, default=defaults.num_attention_heads)
     parser.add_argument("--patch", type=int, default=defaults.patch_size)
+    parser.add_argument("--shift", type=float, default=defaults.shift)
+    parser.add_argument("--ema-decay", type=float, default=defaults.ema_decay)
     parser.add_argument("--threads", type=int, default=defaults.threads)
     parser.add_argument("--eval-prompts", type=int, default=defaults.eval_prompts)
     parser.add_argument(
@@ -400,6 +412,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         num_layers=args.layers,
         num_attention_heads=args.heads,
         patch_size=args.patch,
+        shift=args.shift,
+        ema_decay=args.ema_decay,
         eval_prompts=args.eval_prompts,
     )
     command = "python -m mmrl.flow.pretrain_shapes " + " ".join(sys.argv[1:] if argv is None else argv)

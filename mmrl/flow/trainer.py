@@ -38,7 +38,7 @@ from mmrl.data.prompts import load_prompts
 from mmrl.ema import EMA
 from mmrl.flow.config import FlowGRPOConfig
 from mmrl.images import make_grid, tensor_to_pil
-from mmrl.progress import TrainProgress
+from mmrl.loop import run_recipe, train_loop
 from mmrl.run import MetricAccumulator, Run
 from mmrl.seeding import get_rng_state, seed_everything, set_rng_state
 from pipelines.flow.adapters import Conditioning, FlowAdapter, load_adapter
@@ -515,34 +515,7 @@ class FlowGRPOTrainer:
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict[str, float]:
-        cfg = self.cfg
-        total = cfg.trainer.steps
-        latest: dict[str, float] = {}
-        main_process = self.rank == 0 and self.run is not None
-        if self.step == 0:
-            first = self.evaluate()
-            latest.update(first)
-            if main_process:
-                self.run.log_metrics(0, first)
-        with TrainProgress(total, start=self.step, show=("reward/mean", "eval/reward_mean"),
-                           enabled=cfg.run.progress and self.rank == 0) as bar:
-            while self.step < total:
-                metrics = self.train_step()
-                self.step += 1
-                if self.step % cfg.trainer.eval_every == 0 or self.step == total:
-                    metrics.update(self.evaluate())
-                latest.update(metrics)
-                if main_process:
-                    if self.step % cfg.run.log_every == 0 or self.step == total:
-                        self.run.log_metrics(self.step, metrics)
-                    if cfg.run.save_every and self.step % cfg.run.save_every == 0:
-                        self.save_checkpoint()
-                bar.update(self.step, latest)
-        if main_process:
-            if not (cfg.run.save_every and self.step % cfg.run.save_every == 0):
-                self.save_checkpoint()
-            self.run.write_summary({"step": self.step, **latest})
-        return latest
+        return train_loop(self, self.cfg.trainer.steps, self.cfg.trainer.eval_every, self.cfg.run, self.run, show=("reward/mean", "eval/reward_mean"), main_process=self.rank == 0)
 
     # ------------------------------------------------------------------ state
     def trainable_state(self) -> dict[str, torch.Tensor]:
@@ -639,13 +612,7 @@ def _all_reduce_grads(params: list[torch.nn.Parameter], world_size: int) -> None
 
 def main(cfg: FlowGRPOConfig) -> dict[str, float]:
     """Train end to end; returns the final metrics."""
-    run = Run(cfg.run, cfg)
-    trainer = FlowGRPOTrainer(cfg, run)
-    try:
-        trainer.setup()
-        return trainer.train()
-    finally:
-        trainer.cleanup()
+    return run_recipe(cfg, FlowGRPOTrainer)
 
 
 def evaluate(cfg: FlowGRPOConfig, prompts_file: str | None, out_dir: Path, checkpoint: Path | None,

@@ -33,7 +33,7 @@ from mmrl.core.groups import effective_ratio
 from mmrl.core.stats import PromptStats
 from mmrl.data.vqa import VQAExample, load_vqa
 from mmrl.flow.trainer import resolve_device
-from mmrl.progress import TrainProgress
+from mmrl.loop import run_recipe, train_loop
 from mmrl.run import MetricAccumulator, Run
 from mmrl.seeding import get_rng_state, seed_everything, set_rng_state
 from mmrl.vlm.config import VLMRLVRConfig
@@ -349,33 +349,7 @@ class VLMRLVRTrainer:
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict[str, float]:
-        cfg = self.cfg
-        total = cfg.trainer.steps
-        latest: dict[str, float] = {}
-        if self.step == 0:
-            first = self.evaluate()
-            latest.update(first)
-            if self.run is not None:
-                self.run.log_metrics(0, first)
-        with TrainProgress(total, start=self.step, show=("reward/mean", "eval/accuracy"),
-                           enabled=cfg.run.progress) as bar:
-            while self.step < total:
-                metrics = self.train_step()
-                self.step += 1
-                if self.step % cfg.trainer.eval_every == 0 or self.step == total:
-                    metrics.update(self.evaluate())
-                latest.update(metrics)
-                if self.run is not None:
-                    if self.step % cfg.run.log_every == 0 or self.step == total:
-                        self.run.log_metrics(self.step, metrics)
-                    if cfg.run.save_every and self.step % cfg.run.save_every == 0:
-                        self.save_checkpoint()
-                bar.update(self.step, latest)
-        if self.run is not None:
-            if not (cfg.run.save_every and self.step % cfg.run.save_every == 0):
-                self.save_checkpoint()
-            self.run.write_summary({"step": self.step, **latest})
-        return latest
+        return train_loop(self, self.cfg.trainer.steps, self.cfg.trainer.eval_every, self.cfg.run, self.run, show=("reward/mean", "eval/accuracy"))
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -435,13 +409,8 @@ def _stats_with(model: torch.nn.Module, trainer: VLMRLVRTrainer, pairs, temperat
 
 
 def main(cfg: VLMRLVRConfig) -> dict[str, float]:
-    run = Run(cfg.run, cfg)
-    trainer = VLMRLVRTrainer(cfg, run)
-    try:
-        trainer.setup()
-        return trainer.train()
-    finally:
-        trainer.cleanup()
+    """Train end to end; returns the final metrics."""
+    return run_recipe(cfg, VLMRLVRTrainer)
 
 
 def evaluate(cfg: VLMRLVRConfig, prompts_file: str | None, out_dir: Path, checkpoint: Path | None,
