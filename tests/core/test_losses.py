@@ -119,3 +119,20 @@ def test_diffusion_nft_loss_reduces_to_flow_matching_at_beta_one_positive():
     out = L.diffusion_nft_loss(v, v.clone(), target, torch.tensor([1.0, 0.0]), beta=1.0)
     fm = ((v - target) ** 2).mean(1)
     torch.testing.assert_close(out, fm)  # v+ = v- = v when v_theta == v_old
+
+
+@pytest.mark.gpu
+def test_core_functions_match_on_cuda():
+    from mmrl.core import advantages as A
+    from mmrl.core import allocation as alloc
+
+    g = torch.Generator().manual_seed(0)
+    r = torch.rand(1000, generator=g)
+    ids = torch.randint(0, 50, (1000,), generator=g)
+    torch.testing.assert_close(A.group_normalized(r.cuda(), ids.cuda()).cpu(), A.group_normalized(r, ids))
+    torch.testing.assert_close(A.rloo(r.cuda(), ids.cuda()).cpu(), A.rloo(r, ids))
+    p = torch.rand(200, generator=g)
+    assert torch.equal(alloc.knapsack(p.cuda(), 1600, n_max=32).cpu(), alloc.knapsack(p, 1600, n_max=32))
+    logp, old, adv = torch.randn(8, 5), torch.randn(8, 5), torch.randn(8, 1)
+    torch.testing.assert_close(L.clipped_surrogate(logp.cuda(), old.cuda(), adv.cuda()).cpu(),
+                               L.clipped_surrogate(logp, old, adv))
