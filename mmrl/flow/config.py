@@ -45,6 +45,10 @@ class FlowModelConfig(Config):
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (less memory).")
     init_lora: str | None = Field(None, description="Start from a saved LoRA (a checkpoint's adapter folder).")
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="More from_pretrained / adapter options (revision, variant, max_sequence_length, ...).",
+    )
 
 
 class RewardSpec(Config):

@@ -108,7 +108,8 @@ class FlowGRPOTrainer:
             self.device = torch.device("cuda", torch.cuda.current_device())
         # 2. model
         self.adapter: FlowAdapter = load_adapter(
-            cfg.model.family, cfg.model.path, torch_dtype=_DTYPES[cfg.model.dtype], device=self.device
+            cfg.model.family, cfg.model.path, torch_dtype=_DTYPES[cfg.model.dtype], device=self.device,
+            **cfg.model.options,
         )
         transformer = self.adapter.transformer
         transformer.requires_grad_(False)
