@@ -42,6 +42,8 @@ from typing import Literal, get_args
 import torch
 from torch import nn
 
+from pipelines.lora import lora_delta_adapters, merged_lora_params, unwrap_peft
+
 logger = logging.getLogger(__name__)
 
 Scheme = Literal["none", "int8", "nf4", "fp4", "fp8_weight_only", "fp8", "nvfp4"]
@@ -267,14 +269,6 @@ def _build_layer(
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _unwrap_peft(module: nn.Module) -> nn.Module:
-    """The model inside a peft ``PeftModel`` (LoRA layers still injected); other modules unchanged."""
-    get_base_model = getattr(module, "get_base_model", None)
-    if callable(get_base_model) and hasattr(module, "peft_config"):
-        return get_base_model()
-    return module
-
-
 def _tuner_kind(module: nn.Module) -> Literal["lora", "other", None]:
     """``"lora"`` for a peft LoRA layer, ``"other"`` for another peft wrapper, None for a plain module."""
     # imported here, not at module level: peft pulls in transformers (seconds), which plain callers never need
@@ -287,21 +281,6 @@ def _tuner_kind(module: nn.Module) -> Literal["lora", "other", None]:
     if isinstance(module, (BaseTunerLayer, AuxiliaryTrainingWrapper)):
         return "other"
     return None
-
-
-def _lora_delta_adapters(layer: nn.Module, name: str) -> list[str]:
-    """Adapters of a LoRA layer whose update is not already in its base weight."""
-    if getattr(layer, "disable_adapters", False):
-        return []
-    merged = set(getattr(layer, "merged_adapters", []))
-    adapters = [a for a in layer.active_adapters if a in layer.lora_A and a not in merged]
-    for adapter in adapters:
-        if adapter in getattr(layer, "lora_variant", {}):
-            raise ValueError(
-                f"layer {name!r}: adapter {adapter!r} uses a LoRA variant (e.g. DoRA) that the quantized copy "
-                "does not merge; train with plain LoRA (use_dora=False)"
-            )
-    return adapters
 
 
 def effective_params(layer: nn.Module, name: str = "") -> dict[str, torch.Tensor]:
@@ -333,24 +312,17 @@ def effective_params(layer: nn.Module, name: str = "") -> dict[str, torch.Tensor
             "(no modules_to_save, LoHa, LoKr, ...)"
         )
 
-    def fresh(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to(dtype=torch.float32 if t.is_floating_point() else t.dtype, copy=True)
-
     if kind is None:
-        return {n: fresh(p) for n, p in layer.named_parameters(recurse=False)}
-    base = layer.get_base_layer()
-    params = {n: fresh(p) for n, p in base.named_parameters(recurse=False)}
-    for adapter in _lora_delta_adapters(layer, name):
-        # peft's delta is scaling * B @ A laid out like the base weight (transposed for fan_in_fan_out).
-        params["weight"] += layer.get_delta_weight(adapter).detach().float()
-        if layer.lora_bias.get(adapter, False):
-            params["bias"] += layer.lora_B[adapter].bias.detach().float() * layer.scaling[adapter]
-    return params
+        return {
+            n: p.detach().to(dtype=torch.float32 if p.is_floating_point() else p.dtype, copy=True)
+            for n, p in layer.named_parameters(recurse=False)
+        }
+    return merged_lora_params(layer, name)
 
 
 def _needs_refresh(layer: nn.Module) -> bool:
     """After a training step: a LoRA layer with an update in use, or any layer with trainable parameters."""
-    if _tuner_kind(layer) == "lora" and _lora_delta_adapters(layer, ""):
+    if _tuner_kind(layer) == "lora" and lora_delta_adapters(layer, ""):
         return True
     own = layer.get_base_layer() if _tuner_kind(layer) == "lora" else layer
     return any(p.requires_grad for p in own.parameters(recurse=False))
@@ -476,7 +448,7 @@ def quantize_copy(
         raise ValueError(
             f"skip must be a sequence of patterns, got the string {skip!r}; write skip=({skip!r},)"
         )
-    base = _unwrap_peft(module)
+    base, _ = unwrap_peft(module)
     reference = _first_float_param(base)
     check_scheme(scheme, reference.device)
     for name, sub in base.named_modules():
@@ -577,7 +549,7 @@ def sync_lora(explorer: QuantizedCopy, trained: nn.Module) -> int:
     Raises:
         ValueError: ``trained`` has a LoRA layer or trainable module the explorer does not have.
     """
-    base = _unwrap_peft(trained)
+    base, _ = unwrap_peft(trained)
     wrappers = _lora_wrappers(base)
     names = [
         name

@@ -16,40 +16,7 @@ from collections.abc import Iterator
 
 import torch
 
-_PEFT_PREFIX = "base_model.model."
-
-
-def _unwrap_peft(model: torch.nn.Module) -> tuple[torch.nn.Module, bool]:
-    """The transformers model inside a peft wrapper (LoRA layers still injected), and whether it was wrapped."""
-    get_base_model = getattr(model, "get_base_model", None)
-    if callable(get_base_model) and hasattr(model, "peft_config"):
-        return get_base_model(), True
-    return model, False
-
-
-def _merged_lora_param(module: torch.nn.Module, param: str) -> torch.Tensor:
-    """``W + sum_a s_a B_a A_a`` (``param="weight"``) or the LoRA-shifted bias of one peft LoRA layer, in fp32
-    arithmetic and returned in the base layer's dtype."""
-    base = module.get_base_layer()
-    original = getattr(base, param)
-    value = original.detach().float()
-    if getattr(module, "disable_adapters", False):
-        return original.detach()
-    already_merged = set(getattr(module, "merged_adapters", []))
-    for adapter in module.active_adapters:
-        if adapter not in module.lora_A or adapter in already_merged:
-            # The adapter targets other layers, or peft already folded it into the base weight.
-            continue
-        if adapter in getattr(module, "lora_variant", {}):
-            raise ValueError(
-                f"adapter {adapter!r} uses a LoRA variant (e.g. DoRA) that this out-of-place merge does not "
-                "implement; train with plain LoRA or call merge_and_unload() on a copy of the model"
-            )
-        if param == "weight":
-            value = value + module.get_delta_weight(adapter).float()
-        elif module.lora_bias.get(adapter, False):
-            value = value + module.lora_B[adapter].bias.detach().float() * module.scaling[adapter]
-    return value.to(original.dtype)
+from pipelines.lora import merged_lora_params, unwrap_peft
 
 
 def merged_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -68,7 +35,7 @@ def merged_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tenso
     Yields:
         ``(name, tensor)``: detached tensors on the model's device, in the model's dtype.
     """
-    base, is_peft = _unwrap_peft(model)
+    base, is_peft = unwrap_peft(model)
     if not is_peft:
         for name, tensor in base.state_dict().items():
             yield name, tensor.detach()
@@ -92,7 +59,8 @@ def merged_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tenso
         if ".base_layer." in name:
             owner, param = name.rsplit(".base_layer.", 1)
             if owner in lora_layers and param in ("weight", "bias"):
-                yield f"{owner}.{param}", _merged_lora_param(lora_layers[owner], param)
+                merged = merged_lora_params(lora_layers[owner], owner)[param]
+                yield f"{owner}.{param}", merged.to(tensor.dtype)
                 continue
             yield f"{owner}.{param}", tensor.detach()
             continue
