@@ -1,0 +1,219 @@
+"""Where pool members run: threads of the trainer process, or Ray actors. One small interface for both.
+
+An executor hosts ``n`` members, each built by calling a picklable factory where the member lives, and runs
+method calls on a member one at a time, in submission order (a weight load queued before a request is applied
+before it). Every call returns a :class:`concurrent.futures.Future`, so the pool waits on threads and actors
+alike. Ray is imported only when a :class:`RayExecutor` is built.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class Executor:
+    """Hosts pool members; see the module docstring."""
+
+    #: short name for logs
+    kind: str = ""
+
+    def start(self, index: int) -> Future:
+        """(Re)build member ``index`` from the factory; the future resolves when it is ready."""
+        raise NotImplementedError
+
+    def call(self, index: int, method: str, *args: Any) -> Future:
+        """``member.method(*args)`` on member ``index``, after every call submitted to it before."""
+        raise NotImplementedError
+
+    def broadcast(self, indices: list[int], method: str, arg: Any) -> dict[int, Future]:
+        """``call(i, method, arg)`` for every ``i``, moving ``arg`` once where the executor can share it."""
+        return {i: self.call(i, method, arg) for i in indices}
+
+    def kill(self, index: int) -> None:
+        """Stop member ``index`` (hung or unwanted); its pending futures fail or are abandoned."""
+        raise NotImplementedError
+
+    def is_death(self, error: BaseException) -> bool:
+        """Whether ``error`` means the member is gone (process died), not that the call itself failed."""
+        return False
+
+    def cause(self, error: BaseException) -> BaseException:
+        """The exception the member's code raised (unwraps the executor's own wrapper)."""
+        return error
+
+    def shutdown(self) -> None:
+        """Release every member."""
+        raise NotImplementedError
+
+
+class InProcessExecutor(Executor):
+    """Members in this process, one thread each (single GPU, no Ray).
+
+    The rollout thread runs while the trainer's thread trains (torch releases the GIL in its kernels), which is
+    what lets the asynchronous mode overlap generation with training even without Ray. A hung thread cannot be
+    killed in Python: :meth:`kill` abandons it (it exits when its call returns) and a restarted member is built
+    in a new thread.
+
+    Args:
+        factory: builds one member (called in the member's thread, so CUDA state is created there).
+        num_members: members to host.
+    """
+
+    kind = "in-process"
+
+    def __init__(self, factory: Callable[[], Any], num_members: int) -> None:
+        self.factory = factory
+        self.threads: list[ThreadPoolExecutor | None] = [None] * num_members
+        self.members: list[Any] = [None] * num_members
+
+    def start(self, index: int) -> Future:
+        thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pool-member-{index}")
+        self.threads[index] = thread
+
+        def build() -> None:
+            self.members[index] = self.factory()
+
+        return thread.submit(build)
+
+    def call(self, index: int, method: str, *args: Any) -> Future:
+        thread = self.threads[index]
+        if thread is None:
+            raise RuntimeError(f"member {index} is not running")
+        # resolved in the member thread, after build() (same FIFO thread), so the member exists by then
+        return thread.submit(lambda: getattr(self.members[index], method)(*args))
+
+    def kill(self, index: int) -> None:
+        thread = self.threads[index]
+        if thread is not None:
+            thread.shutdown(wait=False, cancel_futures=True)
+        self.threads[index] = None
+        self.members[index] = None
+
+    def shutdown(self) -> None:
+        for index in range(len(self.threads)):
+            self.kill(index)
+
+
+@dataclass
+class RayOptions:
+    """How the pool uses Ray.
+
+    Attributes:
+        address: cluster to join (``"auto"``, ``"ray://host:10001"``, ``"host:6379"``), used when Ray is not yet
+            initialised in this process; ``None`` is Ray's default (a cluster started on this machine by
+            ``ray start``, else a new local one, which is shut down with the pool).
+        num_cpus: CPUs reserved per actor.
+        num_gpus: GPUs per actor: 1 = one actor per GPU; a fraction (0.5, 0.25) packs several rollout actors on
+            one GPU (each must then fit in its share of memory); 0 for CPU actors.
+        resources: extra custom resources per actor (e.g. ``{"rollout_node": 1}`` to pin actors to tagged nodes).
+        runtime_env: Ray runtime environment for the actors (``{"env_vars": {...}}``).
+    """
+
+    address: str | None = None
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resources: dict[str, float] | None = None
+    runtime_env: dict[str, Any] | None = None
+
+
+def import_ray() -> Any:
+    """``import ray`` with an install hint.
+
+    Raises:
+        ImportError: Ray is not installed.
+    """
+    try:
+        import ray
+    except ImportError as err:
+        raise ImportError(
+            "the Ray executor needs Ray: pip install 'mmrl[ray]' (or use executor='inprocess')"
+        ) from err
+    return ray
+
+
+class _Host:
+    """The body of a Ray actor: builds its member from the factory and forwards calls to it."""
+
+    def __init__(self, factory: Callable[[], Any]) -> None:
+        self.member = factory()
+
+    def ready(self) -> bool:
+        return True
+
+    def call(self, method: str, *args: Any) -> Any:
+        return getattr(self.member, method)(*args)
+
+
+class RayExecutor(Executor):
+    """Members as Ray actors (one per GPU, fractional GPUs, or CPU actors).
+
+    Actors are created with ``max_restarts=0``: a dead actor is replaced by the pool, which also re-sends the
+    latest weights and re-queues the actor's request; Ray restarting it behind the pool's back would do neither.
+
+    Args:
+        factory: builds one member inside the actor (picklable: a ``functools.partial`` of a ``from_pretrained``).
+        num_members: actors to host.
+        options: resources and cluster address.
+    """
+
+    kind = "ray"
+
+    def __init__(self, factory: Callable[[], Any], num_members: int, options: RayOptions | None = None) -> None:
+        self.ray = import_ray()
+        self.options = options or RayOptions()
+        self.owns_ray = False
+        if not self.ray.is_initialized():
+            self.ray.init(address=self.options.address, include_dashboard=False)
+            # a cluster this executor started is stopped with it; a cluster the caller joined is left alone
+            self.owns_ray = self.options.address is None
+        self.factory = factory
+        self.actor_class = self.ray.remote(_Host).options(
+            num_cpus=self.options.num_cpus,
+            num_gpus=self.options.num_gpus,
+            resources=self.options.resources,
+            runtime_env=self.options.runtime_env,
+            max_restarts=0,
+            max_task_retries=0,
+        )
+        self.actors: list[Any] = [None] * num_members
+
+    def start(self, index: int) -> Future:
+        self.actors[index] = self.actor_class.remote(self.factory)
+        return self.actors[index].ready.remote().future()
+
+    def call(self, index: int, method: str, *args: Any) -> Future:
+        actor = self.actors[index]
+        if actor is None:
+            raise RuntimeError(f"member {index} is not running")
+        return actor.call.remote(method, *args).future()
+
+    def broadcast(self, indices: list[int], method: str, arg: Any) -> dict[int, Future]:
+        # one copy in the object store, read by every actor (a LoRA is small, full weights are not)
+        ref = self.ray.put(arg)
+        return {i: self.call(i, method, ref) for i in indices}
+
+    def kill(self, index: int) -> None:
+        actor = self.actors[index]
+        if actor is not None:
+            self.ray.kill(actor, no_restart=True)
+        self.actors[index] = None
+
+    def is_death(self, error: BaseException) -> bool:
+        return isinstance(error, self.ray.exceptions.RayActorError)
+
+    def cause(self, error: BaseException) -> BaseException:
+        if isinstance(error, self.ray.exceptions.RayTaskError) and error.cause is not None:
+            return error.cause
+        return error
+
+    def shutdown(self) -> None:
+        for index in range(len(self.actors)):
+            self.kill(index)
+        if self.owns_ray:
+            self.ray.shutdown()

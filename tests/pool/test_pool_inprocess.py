@@ -1,0 +1,269 @@
+"""The in-process pool: same samples as direct calls, weight broadcast, staleness, partial rollouts, faults."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import socket
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+
+import rewards
+from pipelines.flow.explore import explorer_weights
+from pipelines.flow.rollout import SamplingConfig, rollout
+from pipelines.pool.flow_worker import FlowRolloutWorker
+from pipelines.pool.pool import RolloutPool
+from pipelines.pool.protocol import PoolError, RewardError, RolloutRequest, WeightUpdate, WeightVersionError
+from pipelines.pool.weights import full_update, lora_update, make_update
+from pipelines.pool.workers import RewardWorker, RolloutWorker
+from pipelines.quant import quantize_copy
+
+
+def _sampling() -> SamplingConfig:
+    """The sampling of the conftest's worker factory."""
+    return SamplingConfig(num_steps=4, height=32, width=32)
+
+
+def _direct(adapter, request: RolloutRequest):
+    """The rollout a worker must reproduce for ``request``."""
+    return rollout(adapter, request.prompts, request.counts, _sampling(),
+                   torch.Generator().manual_seed(request.seed))
+
+
+def test_request_validation():
+    with pytest.raises(ValueError, match="one id and one count per prompt"):
+        RolloutRequest("r", ["a"], ["x", "y"], [1, 1], seed=0)
+    with pytest.raises(ValueError, match=">= 1"):
+        RolloutRequest("r", ["a"], ["x"], [0], seed=0)
+    with pytest.raises(ValueError, match="non-empty"):
+        RolloutRequest("", ["a"], ["x"], [1], seed=0)
+    with pytest.raises(ValueError, match="lora_config"):
+        WeightUpdate(1, "lora", {})
+    with pytest.raises(ValueError, match="max_staleness"):
+        RolloutPool(RolloutWorker, max_staleness=-1)
+
+
+def test_pool_samples_equal_direct_rollouts(flow_factory, shapes_dir, requests_factory):
+    from pipelines.flow.adapters import load_adapter
+
+    requests = requests_factory("r", 3, counts=(2, 1))
+    with RolloutPool(flow_factory) as pool:
+        batch = pool.run(requests, timeout=60)
+        with pytest.raises(ValueError, match="unique"):
+            pool.submit(requests[:1])
+    adapter = load_adapter("shapes", shapes_dir)
+    assert [r.request_id for r in batch.results] == ["r0", "r1", "r2"]
+    assert batch.lags == [0, 0, 0] and batch.num_samples == 9
+    for request, result in zip(requests, batch.results, strict=True):
+        direct = _direct(adapter, request)
+        assert torch.equal(result.output.latents, direct.latents)
+        assert torch.equal(result.output.log_probs, direct.log_probs)  # every step is an SDE step: no NaN
+        assert result.num_samples == 3 and result.weight_version == 0
+
+
+def test_lora_broadcast_versions_and_samples(flow_factory, trainer_adapter, requests_factory):
+    adapter, train = trainer_adapter
+    train(1)
+    update = make_update(adapter.transformer, version=1)
+    # frozen base: only the adapter's tensors travel
+    assert update.kind == "lora" and update.state and all(".lora_" in k for k in update.state)
+    full_bytes = sum(p.numel() * p.element_size() for p in adapter.transformer.parameters())
+    assert update.num_bytes < full_bytes / 5
+    (req0,) = requests_factory("v", 1)
+    with RolloutPool(flow_factory) as pool:
+        before = pool.run([req0]).results[0]
+        pool.broadcast(update)
+        with pytest.raises(ValueError, match="increase"):
+            pool.broadcast(update)
+        after = pool.run([replace(req0, request_id="v-again")]).results[0]
+        assert pool.worker_info()[0]["version"] == 1
+    assert before.weight_version == 0 and after.weight_version == 1
+    assert not torch.equal(before.output.latents, after.output.latents)
+    # the worker now samples exactly what the trainer's policy samples
+    assert torch.equal(after.output.latents, _direct(adapter, req0).latents)
+
+
+def test_full_weights_when_base_trains(shapes_dir, requests_factory):
+    from pipelines.flow.adapters import load_adapter
+
+    adapter = load_adapter("shapes", shapes_dir)
+    with torch.no_grad():
+        for p in adapter.transformer.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    update = make_update(adapter.transformer, version=3)
+    assert update.kind == "full" and update.state.keys() == adapter.transformer.state_dict().keys()
+    worker = FlowRolloutWorker.from_pretrained("shapes", shapes_dir, _sampling())
+    (request,) = requests_factory("f", 1)
+    with pytest.raises(WeightVersionError, match="holds 0"):
+        worker.run(replace(request, weight_version=3))
+    assert worker.load_weights(update) == 3
+    result = worker.run(replace(request, weight_version=3))
+    assert result.weight_version == 3
+    assert torch.equal(result.output.latents, _direct(adapter, request).latents)
+    with pytest.raises(ValueError, match="older"):
+        worker.load_weights(full_update(adapter.transformer, version=2))
+
+
+def test_quantized_worker_remerges_lora(shapes_dir, trainer_adapter, requests_factory):
+    adapter, train = trainer_adapter
+    worker = FlowRolloutWorker.from_pretrained("shapes", shapes_dir, _sampling(), explorer_scheme="int8")
+    (request,) = requests_factory("q", 1)
+    quantized = replace(request, precision="int8")
+    stale = worker.run(quantized).output
+    train(2)
+    worker.load_weights(lora_update(adapter.transformer, version=1))
+    fresh = worker.run(quantized).output
+    # the explorer equals a quantized copy built from the trainer's current weights (LoRA merged)
+    reference = quantize_copy(adapter.transformer, "int8")
+    with explorer_weights(adapter, reference.module):
+        expected = _direct(adapter, request)
+    assert not torch.equal(stale.latents, fresh.latents)
+    torch.testing.assert_close(fresh.latents, expected.latents, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="precision 'nf4'"):
+        worker.run(replace(request, precision="nf4"))
+
+
+def test_async_staleness_bound(flow_factory, trainer_adapter, requests_factory):
+    adapter, train = trainer_adapter
+    for max_staleness in (0, 2):
+        lags = []
+        with RolloutPool(flow_factory, max_staleness=max_staleness) as pool:
+            base = pool.version
+            with pytest.raises(ValueError, match="broadcast first"):
+                pool.collect(step=base + max_staleness + 1)
+            for step, batch in enumerate(
+                pool.stream(lambda s, m=max_staleness: requests_factory(f"s{m}-{s}-", 2, seed0=10 * s), 5)
+            ):
+                assert [r.request_id for r in batch.results] == [f"s{max_staleness}-{step}-0",
+                                                                 f"s{max_staleness}-{step}-1"]
+                lags.extend(batch.sample_lags().tolist())
+                train(step)
+                pool.broadcast(make_update(adapter.transformer, version=step + 1))
+        assert len(lags) == 5 * 2 * 2
+        assert max(lags) <= max_staleness
+        if max_staleness == 0:
+            assert set(lags) == {0}
+        else:
+            # requests run ahead of training: some samples really are off-policy, and reported as such
+            assert max(lags) > 0
+
+
+def test_partial_rollouts_carry_unfinished_requests(flow_factory, requests_factory):
+    requests = requests_factory("a", 8, counts=(4,))
+    with RolloutPool(flow_factory, max_staleness=1) as pool:
+        pool.submit(requests)  # over-provisioned: the step needs 4 samples, 32 are requested
+        first = pool.collect(min_samples=4, timeout=60)
+        assert 4 <= first.num_samples < 32
+        carried = pool.pending(step=1)
+        assert carried == 32 - first.num_samples  # nothing discarded
+        pool.submit(requests_factory("b", 1, counts=(4,), seed0=100), step=1)
+        second = pool.collect(step=1, timeout=60)
+    ids = [r.request_id for r in first.results + second.results]
+    assert sorted(ids) == sorted([f"a{i}" for i in range(8)] + ["b0"])  # each exactly once
+    # carried requests are delivered first, before the step's own
+    assert ids[-1] == "b0"
+
+
+def _hang_once(request: RolloutRequest, release: threading.Event, hung: list) -> int:
+    """A task whose first run of request ``"h1"`` hangs until released (a stuck GPU kernel, a deadlock)."""
+    if request.request_id == "h1" and not hung:
+        hung.append(threading.current_thread().name)
+        release.wait(30)
+    return request.seed
+
+
+def test_hung_worker_is_replaced_and_its_request_requeued(caplog, requests_factory):
+    release, hung = threading.Event(), []
+    factory = functools.partial(RolloutWorker, functools.partial(_hang_once, release=release, hung=hung))
+    try:
+        with caplog.at_level(logging.WARNING, logger="pipelines.pool.pool"), \
+                RolloutPool(factory, num_workers=2, request_timeout=0.5) as pool:
+            batch = pool.run(requests_factory("h", 4), timeout=30)
+            assert [r.output for r in batch.results] == [0, 1, 2, 3]
+            assert pool.stats["worker_lost"] == 1 and pool.stats["requeued"] >= 1
+            release.set()  # the hung call now returns late: its answer must not be delivered again
+            later = pool.run(requests_factory("k", 2), timeout=30)
+            assert [r.request_id for r in later.results] == ["k0", "k1"]
+        assert "exceeded request_timeout=0.5s on request 'h1'" in caplog.text
+    finally:
+        release.set()
+
+
+def test_no_worker_left_is_an_error_not_a_hang(requests_factory):
+    release, hung = threading.Event(), []
+    factory = functools.partial(RolloutWorker, functools.partial(_hang_once, release=release, hung=hung))
+    try:
+        with RolloutPool(factory, request_timeout=0.3, respawn=False) as pool:
+            pool.submit(requests_factory("h", 2))
+            with pytest.raises(PoolError, match="no rollout worker is left"):
+                pool.collect(timeout=30)
+    finally:
+        release.set()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_reward_workers_score_and_failures_surface(flow_factory, requests_factory, caplog):
+    requests = requests_factory("w", 2)
+    jpeg = functools.partial(RewardWorker.build, "jpeg_compressibility")
+    with RolloutPool(flow_factory, reward=jpeg) as pool:
+        batch = pool.run(requests, timeout=60)
+    for result in batch.results:
+        expected = rewards.build("jpeg_compressibility").score(images=result.output.images)
+        torch.testing.assert_close(result.reward.scores, expected.scores)
+        assert result.reward_inputs is None
+    # a reward server that is down: retried, then a clear error (never a zero reward)
+    down = functools.partial(RewardWorker.build, "remote", url=f"http://127.0.0.1:{_free_port()}",
+                             retries=0, timeout=5)
+    with caplog.at_level(logging.WARNING, logger="pipelines.pool.pool"), \
+            RolloutPool(flow_factory, reward=down, reward_retries=2) as pool:
+        with pytest.raises(RewardError, match="failed 3 times"):
+            pool.run(requests_factory("x", 1), timeout=60)
+        assert pool.stats["reward_retries"] == 2
+    assert "retry 2/2" in caplog.text
+
+
+class _SlowReward(rewards.Reward):
+    """A reward taking 0.15 s per call, recording when it ran (a heavy reward model)."""
+
+    def __init__(self, spans: list) -> None:
+        self.spans = spans
+
+    def score(self, **batch):
+        start = time.perf_counter()
+        time.sleep(0.15)
+        self.spans.append((start, time.perf_counter()))
+        return rewards.RewardOutput(scores=torch.zeros(len(batch["completions"])))
+
+
+def _slow_task(request: RolloutRequest, spans: list) -> list[str]:
+    start = time.perf_counter()
+    time.sleep(0.15)
+    spans.append((start, time.perf_counter()))
+    return ["x"] * request.num_samples
+
+
+class _TextWorker(RolloutWorker):
+    def reward_inputs(self, request, output):
+        return {"completions": output}
+
+
+def test_scoring_overlaps_generation(requests_factory):
+    gen, score = [], []
+    factory = functools.partial(_TextWorker, functools.partial(_slow_task, spans=gen))
+    reward = functools.partial(RewardWorker, _SlowReward(score))
+    start = time.perf_counter()
+    with RolloutPool(factory, reward=reward) as pool:
+        pool.run(requests_factory("o", 4), timeout=30)
+    elapsed = time.perf_counter() - start
+    # generation of request i+1 runs while request i is scored: 4 x 0.15 s each, ~0.75 s instead of 1.2 s
+    overlaps = sum(1 for g in gen for s in score if g[0] < s[1] and s[0] < g[1])
+    assert overlaps >= 2 and elapsed < 1.1
