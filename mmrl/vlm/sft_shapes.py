@@ -5,7 +5,8 @@
 1. generate a pool of training VQA items (``mmrl.data.shapes_vqa``, train split of scenes);
 2. train a tokenizer on their text and build the tiny Qwen2.5-VL (``pipelines.vlm.tiny``) with random weights;
 3. train all weights on ``prompt -> <answer>X</answer><|im_end|>`` with the loss on the completion only
-   (AdamW, linear warm-up then cosine decay over the time budget), for ``--minutes`` or ``--steps``;
+   (AdamW, linear warm-up then cosine decay over the time budget), for ``--minutes`` or ``--steps``; a share of
+   the batches is an auxiliary captioning task on the same scenes (:data:`CAPTION_QUESTION`);
 4. evaluate on held-out scenes by greedy generation through the transformers backend, scored by
    ``rewards.build("exact_match")``, next to two blind baselines (the most common training answer overall and
    per question kind);
@@ -25,11 +26,11 @@ import logging
 import math
 import platform
 import shutil
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -71,7 +72,7 @@ class SFTConfig:
         metadata={"help": "Seed of the data, the initialisation and the batch order."},
     )
     train_items: int = field(
-        default=16000,
+        default=12000,
         metadata={
             "help": "Size of the training pool (items cost ~2 ms each to render; the pool is reused over epochs)."
         },
@@ -81,39 +82,41 @@ class SFTConfig:
         metadata={"help": "Held-out items evaluated at the end (balanced over the 7 question kinds)."},
     )
     image_size: int = field(
-        default=64,
-        metadata={"help": "Scene side in pixels; 64 gives 16 image tokens, 32 gives 4."},
+        default=TinyVLMConfig.image_size,
+        metadata={
+            "help": "Scene side in pixels the model is trained on (64: 16 image tokens at the default patch and merge sizes)."
+        },
     )
     hidden_size: int = field(
-        default=128,
+        default=TinyVLMConfig.hidden_size,
         metadata={"help": "Language-model width of the tiny VLM (TinyVLMConfig.hidden_size)."},
     )
     num_layers: int = field(
-        default=4,
+        default=TinyVLMConfig.num_layers,
         metadata={"help": "Language-model decoder layers (TinyVLMConfig.num_layers)."},
     )
     intermediate_size: int = field(
-        default=384,
+        default=TinyVLMConfig.intermediate_size,
         metadata={"help": "Language-model MLP width (TinyVLMConfig.intermediate_size)."},
     )
     vision_depth: int = field(
-        default=2,
+        default=TinyVLMConfig.vision_depth,
         metadata={"help": "Vision-tower blocks (TinyVLMConfig.vision_depth)."},
     )
     caption_fraction: float = field(
-        default=0.5,
+        default=0.6,
         metadata={"help": "Share of training batches that are the auxiliary captioning task instead of VQA."},
     )
     batch_size: int = field(
-        default=64,
+        default=16,
         metadata={"help": "Items per optimizer step."},
     )
     lr: float = field(
-        default=2e-3,
+        default=5e-3,
         metadata={"help": "Peak learning rate of AdamW."},
     )
     warmup_steps: int = field(
-        default=100,
+        default=50,
         metadata={"help": "Linear warm-up steps before the cosine decay."},
     )
     weight_decay: float = field(
@@ -125,8 +128,11 @@ class SFTConfig:
         metadata={"help": "Seconds of the budget kept for the final evaluation and saving."},
     )
     threads: int = field(
-        default=2,
-        metadata={"help": "CPU threads for torch (the machine is shared)."},
+        default=1,
+        metadata={
+            "help": "CPU threads for torch. On a shared, oversubscribed CPU one thread is several times faster "
+            "than two: each parallel region waits for its slowest thread."
+        },
     )
 
 
@@ -161,7 +167,7 @@ class SFTBatcher:
     """Builds training batches: prompt ids cached per question (every scene has the same size, hence the same
     image-token count), completion ids per answer, pixels through the image processor."""
 
-    def __init__(self, processor, items: Sequence[VQAItem]) -> None:
+    def __init__(self, processor: Any, items: Sequence[VQAItem]) -> None:
         self.processor = processor
         self.items = items
         self.pad_id = processor.tokenizer.pad_token_id
@@ -180,10 +186,11 @@ class SFTBatcher:
             self._answer_ids[answer] = [*ids, self.end_id]
         return self._prompt_ids[question], self._answer_ids[answer]
 
-    def batch(self, indices: Sequence[int], as_caption: Sequence[bool]) -> dict[str, torch.Tensor]:
-        """Right-padded ``[B, L]`` inputs with ``labels`` = -100 everywhere but the completion; row ``i`` is
-        the caption task when ``as_caption[i]``, else the item's VQA question."""
-        rows = [self._ids(self.items[i], c) for i, c in zip(indices, as_caption, strict=True)]
+    def batch(self, indices: Sequence[int], as_caption: bool) -> dict[str, torch.Tensor]:
+        """Right-padded ``[B, L]`` inputs with ``labels`` = -100 everywhere but the completion: the items'
+        captions when ``as_caption``, else their VQA questions (one task per batch: caption prompts are ~40%
+        shorter, which padding to a mixed batch would waste)."""
+        rows = [self._ids(self.items[i], as_caption) for i in indices]
         B = len(rows)
         L = max(len(p) + len(a) for p, a in rows)
         input_ids = torch.full((B, L), self.pad_id, dtype=torch.long)
@@ -207,7 +214,9 @@ class SFTBatcher:
         }
 
 
-def evaluate(model, processor, items: Sequence[VQAItem], batch_size: int = 64) -> dict[str, float]:
+def evaluate(
+    model: torch.nn.Module, processor: Any, items: Sequence[VQAItem], batch_size: int = 64
+) -> dict[str, float]:
     """Held-out accuracy per kind and ``"overall"``: greedy generation, exact match on the answer span."""
     backend = HFBackend(model, processor, batch_size=batch_size)
     result = backend.generate(
@@ -294,9 +303,8 @@ def train(cfg: SFTConfig) -> dict:
         cursor += cfg.batch_size
         for group in optimizer.param_groups:
             group["lr"] = cfg.lr * _lr_factor(step, progress, cfg.warmup_steps)
-        # One task per batch: caption prompts are ~40% shorter, which padding to a mixed batch would waste.
         as_caption = bool(torch.rand((), generator=generator) < cfg.caption_fraction)
-        loss = model(**batcher.batch(indices, [as_caption] * len(indices))).loss
+        loss = model(**batcher.batch(indices, as_caption)).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -327,15 +335,30 @@ def train(cfg: SFTConfig) -> dict:
         "wall_seconds": wall_s,
         "heldout_accuracy": accuracy,
         "baselines": baselines,
-        "command": "python -m mmrl.vlm.sft_shapes " + " ".join(sys.argv[1:]),
-        "machine": f"{platform.machine()}, {cfg.threads} torch threads, torch {torch.__version__}",
+        "command": command_line(cfg),
+        "machine": f"{platform.machine()} CPU, torch {torch.__version__}, torch.set_num_threads({cfg.threads})",
     }
     (tmp / "sft_report.json").write_text(json.dumps(report, indent=2) + "\n")
     (tmp / "card.md").write_text(render_card(report))
+    # Swap by renames, so a crash leaves either the old or the new checkpoint complete on disk.
+    old = out.with_name(out.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
     if out.exists():
-        shutil.rmtree(out)
+        out.rename(old)
     tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
     return report
+
+
+def command_line(cfg: SFTConfig) -> str:
+    """The command that reproduces ``cfg``: ``--out``, ``--minutes``, ``--seed`` and every non-default option."""
+    defaults = SFTConfig()
+    parts = ["python -m mmrl.vlm.sft_shapes"]
+    for option in dataclasses.fields(SFTConfig):
+        value = getattr(cfg, option.name)
+        if option.name in ("out", "minutes", "seed") or value != getattr(defaults, option.name):
+            parts.append(f"--{option.name.replace('_', '-')} {value}")
+    return " ".join(parts)
 
 
 def render_card(report: dict) -> str:
@@ -369,7 +392,10 @@ model = AutoModelForImageTextToText.from_pretrained("{cfg["out"]}")
   {report["steps"]} steps of {cfg["batch_size"]} items, final training loss {report["final_loss"]:.3f})
 - machine: {report["machine"]}
 - data: {cfg["train_items"]} training items (train split of scenes), {cfg["image_size"]}x{cfg["image_size"]}
-  scenes = 16 image tokens at the default patch/merge sizes; completion `<answer>X</answer><|im_end|>`
+  scenes (16 image tokens), completion `<answer>X</answer><|im_end|>`; {cfg["caption_fraction"]:.0%} of the
+  batches are the auxiliary captioning task ("{CAPTION_QUESTION}" -> `<answer>red circle, blue square</answer>`)
+- scenes of another size are resized to {cfg["image_size"]}x{cfg["image_size"]} by the processor; for RL and
+  evaluation, render scenes at this size (`make_vqa_items(..., size={cfg["image_size"]})`)
 
 ## Held-out accuracy
 
@@ -387,14 +413,13 @@ above are in `sft_report.json`.
 """
 
 
-def evaluate_checkpoint(path: str, eval_items: int, seed: int, threads: int) -> dict[str, float]:
-    """Re-evaluate a saved checkpoint on the same held-out items the card reports."""
+def evaluate_checkpoint(path: str, threads: int = 1) -> dict[str, float]:
+    """Re-evaluate a saved checkpoint on the held-out items its card reports (same seed, count and size)."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     torch.set_num_threads(threads)
-    report = json.loads((Path(path) / "sft_report.json").read_text())
-    size = report["config"]["image_size"]
-    heldout = make_vqa_items(eval_items, seed=seed + 1, size=size, split="heldout")
+    cfg = json.loads((Path(path) / "sft_report.json").read_text())["config"]
+    heldout = make_vqa_items(cfg["eval_items"], seed=cfg["seed"] + 1, size=cfg["image_size"], split="heldout")
     processor = AutoProcessor.from_pretrained(path)
     model = AutoModelForImageTextToText.from_pretrained(path).eval()
     return evaluate(model, processor, heldout)
@@ -413,11 +438,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             default=default,
             help=f"{option.metadata['help']} (default: {default})",
         )
-    parser.add_argument("--eval-only", action="store_true", help="evaluate the checkpoint in --out and exit")
+    parser.add_argument(
+        "--eval-only",
+        action="store_true",
+        help="re-evaluate the checkpoint in --out on its card's held-out items and exit",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.eval_only:
-        accuracy = evaluate_checkpoint(args.out, args.eval_items, args.seed, args.threads)
+        accuracy = evaluate_checkpoint(args.out, args.threads)
         print(json.dumps(accuracy, indent=2))
         return
     cfg = SFTConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SFTConfig)})

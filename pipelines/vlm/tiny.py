@@ -13,8 +13,8 @@ so every code path the real model takes (processor, image-token expansion, mRoPE
 
 Image tokens: the vision tower cuts an image into ``patch_size`` pixel patches and merges
 ``merge_size x merge_size`` of them into one LLM token, so a 64x64 scene with the defaults (8-pixel patches,
-2x2 merge) becomes 8x8 patches and 16 image tokens, and a 32x32 scene 4 tokens. Larger inputs are resized down
-to at most ``image_size**2`` pixels by the image processor.
+2x2 merge) becomes 8x8 patches and 16 image tokens. The image processor resizes every square input to
+``image_size x image_size`` (a 32x32 scene is upsampled), so the token count never changes.
 """
 
 from __future__ import annotations
@@ -69,10 +69,10 @@ CHAT_TEMPLATE = (
 
 @dataclass(frozen=True)
 class TinyVLMConfig:
-    """Sizes of the tiny VLM. Defaults: ~1.2 M parameters, ~5 MB in fp32.
+    """Sizes of the tiny VLM. Defaults: ~0.5 M parameters, ~2 MB in fp32.
 
     Attributes:
-        image_size: side of the (square) scenes in pixels; the image processor caps inputs at this area.
+        image_size: side of the (square) scenes in pixels; the image processor resizes inputs to this area.
         patch_size: vision patch side in pixels.
         merge_size: patches merged per LLM token along each side (image tokens = (image_size/patch/merge)^2).
         hidden_size: language-model width.
@@ -93,13 +93,13 @@ class TinyVLMConfig:
     image_size: int = 64
     patch_size: int = 8
     merge_size: int = 2
-    hidden_size: int = 128
-    num_layers: int = 4
+    hidden_size: int = 96
+    num_layers: int = 3
     num_heads: int = 4
     num_kv_heads: int = 2
-    intermediate_size: int = 384
+    intermediate_size: int = 256
     vision_hidden_size: int = 64
-    vision_depth: int = 2
+    vision_depth: int = 1
     vision_heads: int = 2
     vision_intermediate_size: int = 128
     vocab_size: int = 512
@@ -167,8 +167,9 @@ def build_processor(tokenizer: Qwen2Tokenizer, config: TinyVLMConfig) -> Qwen2_5
         "patch_size": config.patch_size,
         "merge_size": config.merge_size,
         "temporal_patch_size": 2,
-        # At least one merged token, at most image_size^2 pixels (bigger inputs are resized down).
-        "min_pixels": (config.patch_size * config.merge_size) ** 2,
+        # Exactly image_size^2 pixels: a square scene of any size is resized to image_size x image_size, so it
+        # always gives the token count the model was trained on.
+        "min_pixels": config.image_size**2,
         "max_pixels": config.image_size**2,
     }
     return Qwen2_5_VLProcessor(

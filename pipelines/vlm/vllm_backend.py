@@ -219,9 +219,19 @@ class VLLMBackend(GenerationBackend):
             **(engine_kwargs or {}),
         )
         self._asleep = False
+        # False after a level-2 sleep discarded the weights, until the next sync writes them again.
+        self._weights_valid = True
 
     def generate(self, prompts: Sequence[VLMPrompt], params: SamplingParams) -> GenerationResult:
-        """Sample ``params.n`` completions per prompt with the engine (waking it if asleep)."""
+        """Sample ``params.n`` completions per prompt with the engine (waking it if asleep).
+
+        Raises:
+            RuntimeError: the engine slept at level 2 (weights discarded) and no ``sync_weights`` followed.
+        """
+        if not self._weights_valid:
+            raise RuntimeError(
+                "the engine slept with sleep_level=2, which discards its weights; sync_weights first"
+            )
         if self._asleep:
             self.wake_up()
         prepared, skipped = prepare_prompts(
@@ -244,6 +254,7 @@ class VLLMBackend(GenerationBackend):
         weights = merged_state_dict(model)
         # apply_model runs the function on the engine's nn.Module (in-process, see __init__).
         self.llm.apply_model(lambda engine_model: engine_model.load_weights(weights))
+        self._weights_valid = True
         if self._asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self._asleep = False
@@ -253,6 +264,7 @@ class VLLMBackend(GenerationBackend):
         if self.enable_sleep_mode and not self._asleep:
             self.llm.sleep(level=self.sleep_level)
             self._asleep = True
+            self._weights_valid = self.sleep_level == 1
 
     def wake_up(self) -> None:
         """Bring back weights and KV cache after :meth:`sleep`."""

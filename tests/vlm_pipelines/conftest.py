@@ -42,13 +42,14 @@ def corpus() -> list[str]:
 @pytest.fixture(scope="session")
 def tiny():
     """(model, processor): the tiny Qwen2.5-VL with random weights, fp32, eval mode."""
-    torch.set_num_threads(2)
+    # One thread: on a shared, oversubscribed CPU a second thread makes every parallel region wait for it.
+    torch.set_num_threads(1)
     return build_tiny_vlm(CORPUS, TinyVLMConfig(seed=0))
 
 
 @pytest.fixture(scope="session")
 def prompts() -> list[VLMPrompt]:
-    """Three prompts: a 64x64 scene, a 32x32 scene, and a text-only question."""
+    """Three prompts: a 64x64 scene, a 32x32 scene (upsampled by the processor), and a text-only question."""
     return [
         VLMPrompt.from_question("how many red circles are there?", [_scene((220, 20, 20))], prompt_id="a"),
         VLMPrompt.from_question(

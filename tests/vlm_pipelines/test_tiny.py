@@ -30,14 +30,14 @@ def test_special_tokens_are_single_ids(tiny):
     assert tokenizer.pad_token == "<|endoftext|>"
 
 
-@pytest.mark.parametrize(("size", "expected"), [(64, 16), (32, 4), (128, 16)])
-def test_image_tokens_per_scene(tiny, scene, size, expected):
-    # (size / 8-px patches / 2x2 merge)^2 tokens; larger inputs are resized down to 64x64.
+@pytest.mark.parametrize("size", [32, 64, 128])
+def test_every_square_scene_gives_16_image_tokens(tiny, scene, size):
+    # resized to 64x64: (64 / 8-px patches / 2x2 merge)^2 = 16 tokens, whatever the input size
     processor = tiny[1]
-    prepared, _ = prepare_prompts(
-        processor, [VLMPrompt.from_question("what colour?", [scene((1, 2, 3), size)])]
-    )
-    assert prepared[0].input_ids.count(processor.image_token_id) == expected
+    prompt = VLMPrompt.from_question("what colour?", [scene((1, 2, 3), size)])
+    prepared, _ = prepare_prompts(processor, [prompt])
+    assert prepared[0].input_ids.count(processor.image_token_id) == 16
+    assert prepared[0].features["image_grid_thw"].tolist() == [[1, 8, 8]]
 
 
 def test_config_rejects_bad_sizes():
