@@ -73,29 +73,31 @@ class PretrainConfig:
         log_every: steps between loss log lines.
         num_layers, num_attention_heads, patch_size: transformer size (heads of 32 dimensions; patch 4 = 64
             image tokens at 32x32).
-        shift: time shift ``t -> shift t / (1 + (shift - 1) t)`` applied to the training times and saved in the
-            sampler's scheduler (SD3's 3: more weight and more sampling steps at high noise, where the layout of
-            the scene is decided).
+        shift: the sampler's time shift ``t -> shift t / (1 + (shift - 1) t)``, saved in the scheduler (SD3's 3:
+            more sampling steps at high noise, where the layout of the scene is decided).
+        train_shift: the same shift applied to the logit-normal training times (measured: 3 scored 11.5% held-out
+            where 1, SD3's unshifted logit-normal, scored 7.5%; the layout decided at high noise is the hard part).
     """
 
     out: str = "checkpoints/shapes_flow"
     minutes: float = 15.0
     seed: int = 0
     max_steps: int | None = None
-    batch_size: int = 64
+    batch_size: int = 32
     lr: float = 1e-3
     warmup_steps: int = 100
-    ema_decay: float = 0.999
+    ema_decay: float = 0.995
     cond_dropout: float = 0.1
     renders_per_kind: int = 4000
     eval_prompts: int = 200
-    eval_reserve_s: float = 75.0
+    eval_reserve_s: float = 45.0
     threads: int = 1
     log_every: int = 25
-    num_layers: int = 6
-    num_attention_heads: int = 3
+    num_layers: int = 4
+    num_attention_heads: int = 4
     patch_size: int = 4
     shift: float = 3.0
+    train_shift: float = 3.0
 
     def __post_init__(self) -> None:
         if self.minutes <= 0:
@@ -194,7 +196,7 @@ class ShapesPretrainer:
         for m in self.modules:
             m.train()
         self.ema = [p.detach().clone() for p in self.params]
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=0.0)
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=0.0, foreach=True)
         # 2. data
         t0 = time.time()
         self.pool = render_pool(cfg.renders_per_kind, cfg.seed)
@@ -239,7 +241,7 @@ class ShapesPretrainer:
             prompts, x0 = self._batch()  # x0: [B, 3, 32, 32]
             eps = torch.randn(x0.shape, generator=self.rng)
             u = torch.sigmoid(torch.randn(cfg.batch_size, generator=self.rng))  # logit-normal(0, 1)
-            t = cfg.shift * u / (1 + (cfg.shift - 1) * u)  # the sampler's shifted schedule
+            t = cfg.train_shift * u / (1 + (cfg.train_shift - 1) * u)
             t_ = t.view(-1, 1, 1, 1)
             x_t = (1 - t_) * x0 + t_ * eps
             # 2. text through the pipeline's own encoder code (the path sampling uses), with gradients
@@ -269,8 +271,7 @@ class ShapesPretrainer:
             self.optimizer.step()
             decay = min(cfg.ema_decay, (1 + self.step) / (10 + self.step))
             with torch.no_grad():
-                for e, p in zip(self.ema, self.params, strict=True):
-                    e.lerp_(p.detach(), 1 - decay)
+                torch._foreach_lerp_(self.ema, [p.detach() for p in self.params], 1 - decay)
             self.step += 1
             running.append(loss.item())
             if self.step % cfg.log_every == 0:
@@ -336,13 +337,13 @@ Pretrained from random weights by flow matching on renders of the shapes world's
 (`mmrl/flow/pretrain_shapes.py`). Loads with `StableDiffusion3Pipeline.from_pretrained` or
 `pipelines.flow.adapters.ShapesAdapter.from_pretrained` (the path RL uses).
 
-- architecture: `SD3Transformer2DModel` ({params / 1e6:.2f} M parameters, patch 4, RGB 32x32, no VAE), two
+- architecture: `SD3Transformer2DModel` ({params / 1e6:.2f} M parameters, width {cfg.num_attention_heads * 32}, {cfg.num_layers} layers, patch {cfg.patch_size}, RGB 32x32, no VAE), two
   `CLIPTextModelWithProjection` encoders, CLIP tokenizer trained on the shapes prompts, no T5
 - command: `{command}`
 - seed: {cfg.seed}
 - training: {steps} steps of batch {cfg.batch_size}, {train_minutes:.1f} min; AdamW lr {cfg.lr}, EMA {cfg.ema_decay},
   prompt dropout {cfg.cond_dropout}, {cfg.threads} CPU threads
-- wall time of the whole command (rendering, training, saving, evaluation): {wall_s / 60:.1f} min
+- wall time (model setup, rendering, training, saving, evaluation; Python imports excluded): {wall_s / 60:.1f} min
 - size on disk: {size_mb:.1f} MB
 
 ## Held-out score
@@ -382,6 +383,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=defaults.num_attention_heads)
     parser.add_argument("--patch", type=int, default=defaults.patch_size)
     parser.add_argument("--shift", type=float, default=defaults.shift)
+    parser.add_argument("--train-shift", type=float, default=defaults.train_shift)
     parser.add_argument("--ema-decay", type=float, default=defaults.ema_decay)
     parser.add_argument("--threads", type=int, default=defaults.threads)
     parser.add_argument("--eval-prompts", type=int, default=defaults.eval_prompts)
@@ -413,6 +415,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         num_attention_heads=args.heads,
         patch_size=args.patch,
         shift=args.shift,
+        train_shift=args.train_shift,
         ema_decay=args.ema_decay,
         eval_prompts=args.eval_prompts,
     )

@@ -41,7 +41,11 @@ class TreeConfig:
     branch_factor: int | tuple[int, ...] = 2
 
     def factors(self) -> tuple[int, ...]:
-        f = (self.branch_factor,) * len(self.split_steps) if isinstance(self.branch_factor, int) else self.branch_factor
+        f = (
+            (self.branch_factor,) * len(self.split_steps)
+            if isinstance(self.branch_factor, int)
+            else self.branch_factor
+        )
         if len(f) != len(self.split_steps):
             raise ValueError(f"branch_factor has {len(f)} entries for {len(self.split_steps)} split steps")
         if any(b < 2 for b in f):
@@ -191,8 +195,9 @@ def tree_rollout(
             row_tree = trees
             x, v = x.repeat_interleave(b, 0), v.repeat_interleave(b, 0)
         step_noise = torch.randn(x.shape, generator=generator).to(device)
-        x_next, lp, _, _ = sde_step(x, v, sigmas[i], sigmas[i + 1], config.noise_level, config.sde_kind,
-                                    noise=step_noise)
+        x_next, lp, _, _ = sde_step(
+            x, v, sigmas[i], sigmas[i + 1], config.noise_level, config.sde_kind, noise=step_noise
+        )
         rec["lat"].append(x.cpu())
         rec["nxt"].append(x_next.cpu())
         rec["step"].append(torch.full((x.shape[0],), i, dtype=torch.long))
@@ -259,7 +264,9 @@ def prune_transitions(
     if width is not None:
         if width < 1:
             raise ValueError(f"width must be >= 1, got {width}")
-        key = tree.node_tree * (int(tree.node_depth.max()) + 1) + tree.node_depth  # [M] one group per (tree, depth)
+        key = (
+            tree.node_tree * (int(tree.node_depth.max()) + 1) + tree.node_depth
+        )  # [M] one group per (tree, depth)
         # rank nodes by -|A| within their group (stable: node index breaks ties)
         order = torch.sort(-node_adv.abs(), stable=True).indices
         order = order[torch.sort(key[order], stable=True).indices]

@@ -147,9 +147,15 @@ def explore(
     shape = adapter.latent_shape(sampling.height, sampling.width, sampling.num_frames)
     noise = torch.randn((len(prompts) * k, *shape), generator=generator)  # [P*K, ...], prompt-major
     preview = SamplingConfig(
-        num_steps=config.preview_steps, guidance_scale=sampling.guidance_scale, noise_level=sampling.noise_level,
-        sde_kind=sampling.sde_kind, sde_window=(0, 0), height=sampling.height, width=sampling.width,
-        num_frames=sampling.num_frames, negative_prompt=sampling.negative_prompt,
+        num_steps=config.preview_steps,
+        guidance_scale=sampling.guidance_scale,
+        noise_level=sampling.noise_level,
+        sde_kind=sampling.sde_kind,
+        sde_window=(0, 0),
+        height=sampling.height,
+        width=sampling.width,
+        num_frames=sampling.num_frames,
+        negative_prompt=sampling.negative_prompt,
         max_batch_size=sampling.max_batch_size,
     )
     with explorer_weights(adapter, explorer):

@@ -380,13 +380,13 @@ def build_tiny_wan(corpus: Sequence[str] = DEFAULT_CORPUS) -> WanPipeline:
 
 def build_shapes_pipeline(
     prompts: Sequence[str],
-    num_layers: int = 6,
-    num_attention_heads: int = 3,
+    num_layers: int = 4,
+    num_attention_heads: int = 4,
     attention_head_dim: int = 32,
     patch_size: int = 4,
     text_hidden_size: int = 32,
     resolution: int = 32,
-    shift: float = 1.0,
+    shift: float = 3.0,
 ) -> StableDiffusion3Pipeline:
     """The shapes world's text-to-image model, random-initialised: a pixel-space SD3 pipeline.
 
@@ -394,8 +394,7 @@ def build_shapes_pipeline(
     at 32x32), two ``CLIPTextModelWithProjection`` encoders (``text_hidden_size`` wide, 2 layers) sharing a CLIP
     tokenizer trained on ``prompts``, no T5. Dimensions follow SD3's wiring: ``joint_attention_dim`` = the two
     CLIP widths concatenated, ``pooled_projection_dim`` = the two projections concatenated. ``shift`` is the
-    Euler scheduler's shift (SD3 uses 3 at 1024 px; 1 suits 32 px, where there is little low-frequency content
-    to hold back).
+    Euler scheduler's shift (SD3's 3: more sampling steps at high noise, where the scene's layout is decided).
 
     Args:
         prompts: the prompt vocabulary (e.g. ``mmrl.data.shapes.all_prompts()``) the tokenizer is trained on.

@@ -11,8 +11,9 @@ from pipelines.flow.tiny import TINY_LOAD_KWARGS, build_tiny_pipeline
 
 @pytest.fixture(scope="session", autouse=True)
 def _few_threads():
-    # The CPU is shared; tiny models gain nothing from more threads.
-    torch.set_num_threads(2)
+    # The CPU is shared: tiny models gain nothing from a second thread, and two OpenMP threads spin-waiting
+    # on a loaded machine are much slower than one.
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

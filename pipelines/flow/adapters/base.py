@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
+from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler, SchedulerMixin
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
 
 @dataclass
@@ -104,20 +105,25 @@ def load_pipeline(
 
 
 def flow_match_sigmas(
-    scheduler_config: dict, num_steps: int, image_seq_len: int | None = None, explicit_linspace: bool = False
+    scheduler: SchedulerMixin,
+    num_steps: int,
+    image_seq_len: int | None = None,
+    explicit_linspace: bool = False,
 ) -> torch.Tensor:
-    """The Euler sigma schedule ``[S+1]`` (last entry 0) a flow scheduler config implies, computed by diffusers.
+    """The Euler sigma schedule ``[S+1]`` (last entry 0) of a pipeline's flow scheduler, computed by diffusers.
 
     Static shift (SD3, SANA, Wan): ``sigma = shift t / (1 + (shift - 1) t)``. Dynamic shift (FLUX, SD3.5 option):
     ``mu`` from the image token count by diffusers' ``calculate_shift`` (linear between ``base_shift`` at
     ``base_image_seq_len`` and ``max_shift`` at ``max_image_seq_len``), then ``sigma = e^mu / (e^mu + 1/t - 1)``.
-    Schedulers that are not Euler (SANA's DPM-Solver, Wan's UniPC, both with ``use_flow_sigmas``) carry
-    ``flow_shift``; their sigmas are those of the Euler scheduler with ``shift = flow_shift``.
+    A ``FlowMatchEulerDiscreteScheduler`` is copied from its config (so every option it carries applies and the
+    pipeline's own scheduler state is untouched). Multistep flow solvers (SANA's DPM-Solver, Wan's UniPC, both
+    with ``use_flow_sigmas``) carry ``flow_shift``; their sigmas are those of the Euler scheduler with
+    ``shift = flow_shift`` and the same dynamic-shifting options.
 
     Args:
-        scheduler_config: the pipeline scheduler's ``config``.
+        scheduler: the pipeline's scheduler.
         num_steps: number of denoising steps ``S``.
-        image_seq_len: transformer image tokens, needed when the config uses dynamic shifting.
+        image_seq_len: transformer image tokens, needed when the scheduler uses dynamic shifting.
         explicit_linspace: pass ``sigmas = linspace(1, 1/S, S)`` as ``FluxPipeline`` does, instead of letting
             the scheduler space timesteps between its ``sigma_max`` and ``sigma_min``.
 
@@ -126,17 +132,18 @@ def flow_match_sigmas(
     """
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-    shift = scheduler_config.get("shift", scheduler_config.get("flow_shift", 1.0))
-    keys = ("use_dynamic_shifting", "base_shift", "max_shift", "base_image_seq_len", "max_image_seq_len")
-    euler = FlowMatchEulerDiscreteScheduler(
-        shift=shift, **{k: scheduler_config[k] for k in keys if scheduler_config.get(k) is not None}
-    )
+    config = dict(scheduler.config)
+    if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
+        euler = FlowMatchEulerDiscreteScheduler.from_config(config)
+    else:
+        keys = ("use_dynamic_shifting", "time_shift_type", "shift_terminal")
+        euler = FlowMatchEulerDiscreteScheduler(
+            shift=config.get("flow_shift", 1.0), **{k: config[k] for k in keys if config.get(k) is not None}
+        )
     kwargs: dict = {}
     if euler.config.use_dynamic_shifting:
         if image_seq_len is None:
             raise ValueError("this scheduler uses dynamic shifting: pass image_seq_len")
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
         kwargs["mu"] = calculate_shift(
             image_seq_len,
             euler.config.base_image_seq_len,

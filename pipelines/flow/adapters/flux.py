@@ -74,7 +74,7 @@ class FluxAdapter(FlowAdapter):
     def sigmas(self, num_steps: int, height: int, width: int, num_frames: int | None = None) -> torch.Tensor:
         _, h, w = self.latent_shape(height, width)
         return flow_match_sigmas(
-            dict(self.pipe.scheduler.config),
+            self.pipe.scheduler,
             num_steps,
             image_seq_len=(h // 2) * (w // 2),
             explicit_linspace=True,

@@ -86,9 +86,7 @@ class SanaAdapter(FlowAdapter):
     def sigmas(self, num_steps: int, height: int, width: int, num_frames: int | None = None) -> torch.Tensor:
         _, h, w = self.latent_shape(height, width)
         patch = self.transformer.config.patch_size
-        return flow_match_sigmas(
-            dict(self.pipe.scheduler.config), num_steps, image_seq_len=(h // patch) * (w // patch)
-        )
+        return flow_match_sigmas(self.pipe.scheduler, num_steps, image_seq_len=(h // patch) * (w // patch))
 
     def _forward(
         self, x: torch.Tensor, sigma: torch.Tensor, cond: dict[str, torch.Tensor], guidance_scale: float

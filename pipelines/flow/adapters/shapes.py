@@ -18,7 +18,7 @@ from pipelines.flow.adapters.sd3 import SD3Adapter
 #: default sampling settings of the shapes model (the pretraining card's evaluation uses these)
 SHAPES_RESOLUTION = 32
 SHAPES_NUM_STEPS = 10
-SHAPES_GUIDANCE_SCALE = 1.0
+SHAPES_GUIDANCE_SCALE = 3.0
 
 
 class ShapesAdapter(SD3Adapter):

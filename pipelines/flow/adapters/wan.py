@@ -83,7 +83,7 @@ class WanAdapter(FlowAdapter):
         _, f, h, w = self.latent_shape(height, width, num_frames)
         pt, ph, pw = self.transformer.config.patch_size
         seq_len = (f // pt) * (h // ph) * (w // pw)
-        return flow_match_sigmas(dict(self.pipe.scheduler.config), num_steps, image_seq_len=seq_len)
+        return flow_match_sigmas(self.pipe.scheduler, num_steps, image_seq_len=seq_len)
 
     def _expert_forward(
         self, model: torch.nn.Module, x: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor
