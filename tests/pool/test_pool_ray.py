@@ -39,7 +39,8 @@ def ray_pool(flow_factory):
         ray.shutdown()
 
 
-def _wait_workers(pool: RolloutPool, n: int, timeout: float = 120) -> None:
+def _wait_workers(pool: RolloutPool, n: int, timeout: float = 300) -> None:
+    # generous: each actor imports torch + diffusers and builds a model, minutes on a loaded 2-core machine
     deadline = time.monotonic() + timeout
     while pool.num_workers < n:
         assert time.monotonic() < deadline, f"only {pool.num_workers} of {n} Ray workers started"
