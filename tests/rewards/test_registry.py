@@ -112,3 +112,17 @@ def test_every_reward_shape_determinism_batch_split(name: str, request: pytest.F
 def test_unknown_name_lists_the_available_ones() -> None:
     with pytest.raises(KeyError, match=r"Available: .*clip_score"):
         rewards.build("clip_scroe")
+
+
+def test_shipped_server_configs_validate(monkeypatch):
+    from pathlib import Path
+
+    import yaml
+
+    from rewards.server import ServerConfig
+
+    monkeypatch.setenv("MMRL_REWARD_TOKEN", "secret")
+    paths = sorted((Path(__file__).resolve().parents[2] / "configs/reward_server").glob("*.yaml"))
+    assert paths
+    for path in paths:
+        ServerConfig.model_validate(yaml.safe_load(path.read_text()))
