@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["atomic_write_text", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = ["atomic_write_text", "latest_checkpoint", "load_checkpoint", "load_trainable", "save_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,3 +108,18 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         raise FileNotFoundError(f"no checkpoint state at {file}")
     # Our own files: python objects (prompt ids, RNG tuples) are part of the state, so weights_only is off.
     return torch.load(file, map_location=map_location, weights_only=False)
+
+
+def load_trainable(module: torch.nn.Module, trainable: dict[str, torch.Tensor]) -> None:
+    """Copy a checkpoint's ``trainable`` tensors into ``module``'s parameters of the same names.
+
+    Raises:
+        ValueError: the checkpoint names parameters the module lacks (a different model or LoRA layout).
+    """
+    params = dict(module.named_parameters())
+    missing = sorted(set(trainable) - set(params))
+    if missing:
+        raise ValueError(f"checkpoint has parameters this model lacks, e.g. {missing[:3]}")
+    with torch.no_grad():
+        for name, value in trainable.items():
+            params[name].copy_(value)

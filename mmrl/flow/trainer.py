@@ -28,13 +28,14 @@ from typing import Any
 import torch
 
 import rewards as reward_registry
-from mmrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from mmrl.checkpoint import load_checkpoint, load_trainable, save_checkpoint
 from mmrl.core import advantages as adv_lib
 from mmrl.core import allocation as alloc_lib
 from mmrl.core import losses as loss_lib
 from mmrl.core.groups import effective_ratio, make_groups
 from mmrl.core.stats import PromptStats
 from mmrl.data.prompts import load_prompts
+from mmrl.device import DTYPES, resolve_device
 from mmrl.ema import EMA
 from mmrl.flow.config import FlowGRPOConfig
 from mmrl.images import make_grid, tensor_to_pil
@@ -50,17 +51,7 @@ __all__ = ["FlowGRPOTrainer", "evaluate", "main"]
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EVAL_SEED = 1234  # evaluation noise is the same at every evaluation, so scores are comparable across steps
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"model.device={name!r} but no CUDA device is available; use 'cpu' or 'auto'")
-    return device
 
 
 @dataclass
@@ -108,7 +99,7 @@ class FlowGRPOTrainer:
             self.device = torch.device("cuda", torch.cuda.current_device())
         # 2. model
         self.adapter: FlowAdapter = load_adapter(
-            cfg.model.family, cfg.model.path, torch_dtype=_DTYPES[cfg.model.dtype], device=self.device,
+            cfg.model.family, cfg.model.path, torch_dtype=DTYPES[cfg.model.dtype], device=self.device,
             **cfg.model.options,
         )
         transformer = self.adapter.transformer
@@ -534,13 +525,7 @@ class FlowGRPOTrainer:
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
-        params = dict(self.adapter.transformer.named_parameters())
-        missing = set(state["trainable"]) - set(params)
-        if missing:
-            raise ValueError(f"checkpoint has parameters this model lacks, e.g. {sorted(missing)[:3]}")
-        with torch.no_grad():
-            for name, value in state["trainable"].items():
-                params[name].copy_(value)
+        load_trainable(self.adapter.transformer, state["trainable"])
         self.step = int(state["step"])
         self.nfe_total = int(state["nfe_total"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -629,11 +614,7 @@ def evaluate(cfg: FlowGRPOConfig, prompts_file: str | None, out_dir: Path, check
     trainer.setup(for_training=False)
     if checkpoint is not None:
         if cfg.model.lora is None:
-            state = load_checkpoint(checkpoint)
-            with torch.no_grad():
-                params = dict(trainer.adapter.transformer.named_parameters())
-                for name, value in state["trainable"].items():
-                    params[name].copy_(value)
+            load_trainable(trainer.adapter.transformer, load_checkpoint(checkpoint)["trainable"])
         else:
             trainer._load_lora(checkpoint / "adapter")
     prompts = trainer.eval_pool
@@ -654,6 +635,3 @@ def evaluate(cfg: FlowGRPOConfig, prompts_file: str | None, out_dir: Path, check
     make_grid(ro.images[:256]).save(out_dir / "grid.png")
     return summary
 
-
-def find_checkpoint(run_dir: Path) -> Path | None:
-    return latest_checkpoint(run_dir / "checkpoints")

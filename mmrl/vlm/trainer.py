@@ -25,14 +25,14 @@ from typing import Any
 import torch
 
 import rewards as reward_registry
-from mmrl.checkpoint import load_checkpoint, save_checkpoint
+from mmrl.checkpoint import load_checkpoint, load_trainable, save_checkpoint
 from mmrl.core import advantages as adv_lib
 from mmrl.core import allocation as alloc_lib
 from mmrl.core import losses as loss_lib
 from mmrl.core.groups import effective_ratio
 from mmrl.core.stats import PromptStats
 from mmrl.data.vqa import VQAExample, load_vqa
-from mmrl.flow.trainer import resolve_device
+from mmrl.device import DTYPES, resolve_device
 from mmrl.loop import run_recipe, train_loop
 from mmrl.run import MetricAccumulator, Run
 from mmrl.seeding import get_rng_state, seed_everything, set_rng_state
@@ -44,9 +44,6 @@ from pipelines.vlm.logprobs import build_scoring_batch, completion_token_stats
 __all__ = ["VLMRLVRTrainer", "evaluate", "main"]
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def _lora_targets(names: list[str], train_vision: bool) -> str | list[str]:
     """peft ``target_modules``: the names anywhere, or (vision frozen) only outside the vision tower."""
@@ -73,12 +70,12 @@ class VLMRLVRTrainer:
         self.generator = seed_everything(cfg.run.seed)
         self.device = resolve_device(m.device)
         # 1. model and processor, loaded as users load Qwen2.5-VL
-        kwargs: dict[str, Any] = {"dtype": _DTYPES[m.dtype]}
+        kwargs: dict[str, Any] = {"dtype": DTYPES[m.dtype]}
         if m.load_in_4bit:
             from transformers import BitsAndBytesConfig
 
             kwargs["quantization_config"] = BitsAndBytesConfig(
-                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=_DTYPES[m.dtype]
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=DTYPES[m.dtype]
             )
         self.processor = AutoProcessor.from_pretrained(m.path)
         model = AutoModelForImageTextToText.from_pretrained(m.path, **kwargs)
@@ -197,7 +194,9 @@ class VLMRLVRTrainer:
         raw = torch.stack(columns, dim=1)
         return raw @ self.reward_weights, raw
 
-    def token_stats(self, pairs: list[tuple[VQAExample, GenerationSample]], temperature: float):
+    def token_stats(self, pairs: list[tuple[VQAExample, GenerationSample]], temperature: float,
+                    model: torch.nn.Module | None = None):
+        """Token log-probs and entropies of ``pairs`` under ``model`` (default: the policy)."""
         batch = build_scoring_batch(
             self.processor,
             [s.prompt_token_ids for _, s in pairs],
@@ -205,7 +204,7 @@ class VLMRLVRTrainer:
             [ex.images for ex, _ in pairs],
         )
         suppressed = getattr(self.backend, "suppressed_token_ids", ())
-        return completion_token_stats(self.model, batch, temperature=temperature or 1.0,
+        return completion_token_stats(model or self.model, batch, temperature=temperature or 1.0,
                                       chunk_size=self.cfg.trainer.logprob_chunk_size, suppressed_token_ids=suppressed)
 
     def reference_context(self):
@@ -300,8 +299,7 @@ class VLMRLVRTrainer:
                     self.metrics.add("tis/weight_mean", (w * mask).sum() / mask.sum())
                 if t.beta > 0:
                     with torch.no_grad(), self.reference_context():
-                        ref = (self.token_stats(mb, temp) if self.reference is None
-                               else _stats_with(self.reference, self, mb, temp))
+                        ref = self.token_stats(mb, temp, model=self.reference)
                     kl = loss_lib.kl_estimate(new.logprobs, ref.logprobs, kind="k3")
                     per_token = per_token + t.beta * kl
                     self.metrics.add("policy/kl", (kl * mask).sum() / mask.sum())
@@ -362,12 +360,7 @@ class VLMRLVRTrainer:
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
-        params = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for name, value in state["trainable"].items():
-                if name not in params:
-                    raise ValueError(f"checkpoint parameter {name!r} is not in this model")
-                params[name].copy_(value)
+        load_trainable(self.model, state["trainable"])
         self.step = int(state["step"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.stats.load_state_dict(state["stats"])
@@ -399,15 +392,6 @@ def _pad_logprobs(rows: list[torch.Tensor], width: int) -> torch.Tensor:
     return out
 
 
-def _stats_with(model: torch.nn.Module, trainer: VLMRLVRTrainer, pairs, temperature: float):
-    live = trainer.model
-    trainer.model = model
-    try:
-        return trainer.token_stats(pairs, temperature)
-    finally:
-        trainer.model = live
-
-
 def main(cfg: VLMRLVRConfig) -> dict[str, float]:
     """Train end to end; returns the final metrics."""
     return run_recipe(cfg, VLMRLVRTrainer)
@@ -421,11 +405,7 @@ def evaluate(cfg: VLMRLVRConfig, prompts_file: str | None, out_dir: Path, checkp
     trainer = VLMRLVRTrainer(cfg, run=None)
     trainer.setup(for_training=False)
     if checkpoint is not None:
-        state = load_checkpoint(checkpoint)
-        params = dict(trainer.model.named_parameters())
-        with torch.no_grad():
-            for name, value in state["trainable"].items():
-                params[name].copy_(value)
+        load_trainable(trainer.model, load_checkpoint(checkpoint)["trainable"])
     summary = trainer.evaluate()
     pairs, total = trainer._last_eval
     out_dir.mkdir(parents=True, exist_ok=True)
