@@ -497,10 +497,13 @@ class ShapesReward(Reward):
 
     Args:
         config: parser thresholds (:class:`ParseConfig`); the defaults are the measured ones in docs/shapes.md.
+        partial: score the share of the constrained criteria that hold instead of the strict product (for
+            training; the components and reasons are the same in both modes).
     """
 
-    def __init__(self, config: ParseConfig | None = None) -> None:
+    def __init__(self, config: ParseConfig | None = None, partial: bool = False) -> None:
         self.config = config or ParseConfig()
+        self.partial = partial
 
     def score(  # type: ignore[override]
         self, images: ImageBatch | None = None, prompts: Sequence[str] | None = None, **_: Any
@@ -524,12 +527,19 @@ class ShapesReward(Reward):
         detected = detect_objects(images, self.config)
         names = ("object", "count", "colour", "position")
         table = np.zeros((len(specs), len(names)), dtype=np.float32)
+        constrained = np.ones_like(table)
         reasons: list[str | None] = []
         for i, (spec, objs) in enumerate(zip(specs, detected, strict=True)):
             crit = score_objects(spec, objs)
             table[i] = [crit[k] for k in names]
+            constrained[i] = [1.0, 1.0, float(spec.kind != "count"), float(spec.kind == "relation")]
             failed = [k for k in names if crit[k] == 0.0]
             reasons.append(f"failed {', '.join(failed)}; found {describe(objs)}" if failed else None)
         components = {k: torch.from_numpy(table[:, j].copy()) for j, k in enumerate(names)}
-        scores = torch.from_numpy(table.prod(1))
+        strict = table.prod(1)
+        if self.partial:
+            scores = torch.from_numpy((table * constrained).sum(1) / constrained.sum(1))
+            components["strict"] = torch.from_numpy(strict)
+        else:
+            scores = torch.from_numpy(strict)
         return RewardOutput(scores=scores, components=components, reasons=reasons)

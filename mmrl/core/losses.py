@@ -22,6 +22,7 @@ __all__ = [
     "gaussian_mean_kl",
     "gspo_token_logp",
     "kl_estimate",
+    "reward_weighted_fm_loss",
     "truncated_is_weights",
 ]
 
@@ -254,3 +255,25 @@ def diffusion_nft_loss(
     neg_err = ((negative - v_target) ** 2).flatten(1).mean(1)
     r = optimality.to(pos_err.dtype)
     return r * pos_err + (1.0 - r) * neg_err
+
+
+def reward_weighted_fm_loss(v_theta: torch.Tensor, v_target: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Reward-weighted flow matching, per sample: ``w ||v_theta - v*||^2`` (mean over non-batch dims).
+
+    With ``w = max(A, 0)`` this is advantage-weighted regression on the policy's own samples (RWR, Peters &
+    Schaal 2007; for diffusion models RAFT, Dong et al. 2304.06767, when ``w`` is a 0/1 filter of the best
+    samples). Unlike :func:`diffusion_nft_loss` it never pushes away from negatives, so it cannot diverge
+    from the data it regresses on; it only sharpens the policy toward what the reward prefers.
+
+    Args:
+        v_theta: ``[B, ...]`` current velocity prediction.
+        v_target: ``[B, ...]`` flow-matching target ``eps - x0`` at the noised point.
+        weights: ``[B]`` non-negative sample weights.
+    """
+    check_same_shape(v_theta=v_theta, v_target=v_target)
+    if weights.shape != v_theta.shape[:1]:
+        raise ValueError(f"weights must have shape [{v_theta.shape[0]}], got {tuple(weights.shape)}")
+    if bool((weights < 0).any()):
+        raise ValueError("reward-weighted regression needs non-negative weights")
+    return weights.to(v_theta.dtype) * ((v_theta - v_target) ** 2).flatten(1).mean(1)
+

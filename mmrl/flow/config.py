@@ -16,6 +16,7 @@ __all__ = [
     "FlowSamplingConfig",
     "FlowTrainerConfig",
     "LoraSettings",
+    "PoolSettings",
     "RewardSpec",
     "TreeSettings",
 ]
@@ -125,9 +126,41 @@ class FlowAllocationConfig(Config):
         return self
 
 
+class PoolSettings(Config):
+    enabled: bool = Field(
+        False, description="Take the flat rollouts from a rollout pool (pipelines/pool, mmrl/flow/pooled.py) "
+        "instead of generating them in the training loop.",
+    )
+    executor: Literal["inprocess", "ray"] = Field(
+        "inprocess", description="inprocess: worker threads in the trainer process (one GPU); ray: Ray actors."
+    )
+    num_workers: int = Field(
+        1, ge=1, description="Rollout workers; a step's prompts are split into one request per worker.",
+    )
+    max_staleness: int = Field(
+        0, ge=0, description="Most weight versions a sample may lag behind the trainer: 0 synchronous on-policy, "
+        "1 generates step k+1 while step k trains (AReaL, arXiv 2505.24298).",
+    )
+    request_timeout: float | None = Field(
+        None, gt=0, description="Seconds a request may run before its worker is replaced (null: wait forever).",
+    )
+    tis_cap: float = Field(
+        2.0, ge=1.0, description="Cap C of the truncated importance weight min(pi_current / pi_behaviour, C) of "
+        "stale samples (TIS); >= 1 so that on-policy samples keep weight 1.",
+    )
+    device: str | None = Field(
+        None, description="Device of the rollout workers (null: the trainer's; a Ray actor sees its own GPU as cuda).",
+    )
+    ray: dict[str, Any] = Field(
+        default_factory=dict,
+        description="RayOptions of the actors (address, num_cpus, num_gpus, resources, runtime_env).",
+    )
+
+
 class FlowTrainerConfig(Config):
-    objective: Literal["grpo", "nft"] = Field(
-        "grpo", description="grpo: clipped ratio on SDE log-probs; nft: DiffusionNFT (likelihood-free)."
+    objective: Literal["grpo", "nft", "rwr"] = Field(
+        "grpo", description="grpo: clipped ratio on SDE log-probs; nft: DiffusionNFT (likelihood-free); rwr: "
+        "advantage-weighted flow matching on the preferred samples (RAFT-style, likelihood-free).",
     )
     steps: int = Field(100, ge=1, description="Training steps (one rollout batch each).")
     lr: float = Field(3e-4, gt=0, description="AdamW learning rate.")
@@ -146,7 +179,8 @@ class FlowTrainerConfig(Config):
         1.0, gt=0, le=1, description="Share of SDE steps trained per sample (Flow-GRPO-Fast subsampling)."
     )
     train_cfg: bool = Field(
-        True, description="Log-probs with CFG as sampled (true) or CFG-free (false, one forward per transition)."
+        True, description="Log-probs (grpo) or the regressed velocity (nft, rwr) with CFG as sampled (true), or "
+        "CFG-free (false, one forward per transition).",
     )
     minibatch_size: int = Field(32, ge=1, description="Transitions per forward/backward.")
     gradient_accumulation: int = Field(
@@ -155,7 +189,7 @@ class FlowTrainerConfig(Config):
     ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
     drop_zero_advantage: bool = Field(True, description="Skip samples whose advantage is exactly 0.")
     nft_beta: float = Field(1.0, gt=0, description="DiffusionNFT implicit-policy strength.")
-    nft_timesteps: int = Field(2, ge=1, description="DiffusionNFT noise levels sampled per image.")
+    nft_timesteps: int = Field(2, ge=1, description="Noise levels sampled per image by the likelihood-free objectives (nft, rwr).")
     ema_decay: float | None = Field(None, gt=0, lt=1, description="EMA of trainable weights for eval (null: off).")
     eval_every: int = Field(10, ge=1, description="Evaluate on held-out prompts every this many steps.")
     eval_prompts: int = Field(64, ge=1, description="Held-out prompts scored per evaluation.")
@@ -172,16 +206,23 @@ class FlowGRPOConfig(Config):
     rewards: list[RewardSpec] = Field(
         default_factory=lambda: [RewardSpec(name="shapes")], description="Rewards and their weights."
     )
+    eval_rewards: list[RewardSpec] | None = Field(
+        None, description="Rewards of evaluation and `mmrl eval` (null: the training rewards), e.g. a strict "
+        "verifier while training on its partial-credit form.",
+    )
     sampling: FlowSamplingConfig = Field(default_factory=FlowSamplingConfig)
     allocation: FlowAllocationConfig = Field(default_factory=FlowAllocationConfig)
     tree: TreeSettings = Field(default_factory=TreeSettings, description="Branching settings (sampling.rollout=branch).")
     explore: ExploreSettings = Field(default_factory=ExploreSettings, description="Two-stage explore/train settings.")
     trainer: FlowTrainerConfig = Field(default_factory=FlowTrainerConfig)
+    pool: PoolSettings = Field(default_factory=PoolSettings, description="Rollouts from a rollout pool (sync or async).")
 
     @model_validator(mode="after")
     def _check(self) -> FlowGRPOConfig:
         if not self.rewards:
             raise ValueError("rewards: at least one reward is needed")
+        if self.eval_rewards is not None and not self.eval_rewards:
+            raise ValueError("eval_rewards: give at least one reward, or null to evaluate with the training rewards")
         w = self.sampling.sde_window
         if w is not None and w > self.sampling.num_steps:
             raise ValueError(f"sampling.sde_window ({w}) exceeds sampling.num_steps ({self.sampling.num_steps})")
@@ -197,6 +238,11 @@ class FlowGRPOConfig(Config):
                 raise ValueError(f"explore keeps {keep} of {e.candidates} candidates per prompt; need 1..candidates")
             if self.allocation.method != "uniform":
                 raise ValueError("explore decides the group sizes (kept seeds per prompt): use allocation.method=uniform")
+        if self.pool.enabled and (self.sampling.rollout != "flat" or self.explore.enabled):
+            raise ValueError(
+                "pool.enabled takes flat rollouts from the pool: set sampling.rollout=flat and explore.enabled=false "
+                f"(got sampling.rollout={self.sampling.rollout}, explore.enabled={self.explore.enabled})"
+            )
         if self.trainer.objective == "grpo" and self.sampling.sde_kind == "cps" and w is None:
             raise ValueError("sde_kind=cps adds no noise at the last step: set sampling.sde_window < num_steps")
         return self

@@ -19,7 +19,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +87,7 @@ class FlowGRPOTrainer:
         self.step = 0
         self.nfe_total = 0
         self.metrics = MetricAccumulator()
+        self.rollout_pool = None  # a mmrl.flow.pooled.PooledRollouts when cfg.pool.enabled (set up last in setup())
 
     # ------------------------------------------------------------------ setup
     def setup(self, for_training: bool = True) -> None:
@@ -134,6 +135,12 @@ class FlowGRPOTrainer:
         # 3. rewards and prompts
         self.rewards = [reward_registry.build(spec.name, **spec.options) for spec in cfg.rewards]
         self.reward_weights = torch.tensor([spec.weight for spec in cfg.rewards], dtype=torch.float32)
+        self.eval_specs = cfg.eval_rewards if cfg.eval_rewards is not None else cfg.rewards
+        self.eval_rewards = (
+            [reward_registry.build(spec.name, **spec.options) for spec in cfg.eval_rewards]
+            if cfg.eval_rewards is not None else self.rewards
+        )
+        self.eval_weights = torch.tensor([spec.weight for spec in self.eval_specs], dtype=torch.float32)
         self.eval_pool = load_prompts(cfg.eval_prompts)
         if not for_training:
             return
@@ -166,6 +173,12 @@ class FlowGRPOTrainer:
                 self.load_state(load_checkpoint(ckpt, map_location="cpu"))
                 self.run.truncate_metrics(self.step)
                 logger.info("resumed from %s at step %d", ckpt, self.step)
+        # 6. rollout pool, started from the weights held now (so after a resume)
+        if cfg.pool.enabled:
+            # imported here: mmrl.flow.pooled imports StepBatch from this module
+            from mmrl.flow.pooled import PooledRollouts
+
+            self.rollout_pool = PooledRollouts(self)
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         t = self.cfg.trainer
@@ -201,11 +214,15 @@ class FlowGRPOTrainer:
                 self.adapter.pipe.transformer = live
 
     # ------------------------------------------------------------------ rewards
-    def score(self, images: torch.Tensor, prompts: list[str]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """``([B, K] raw rewards, components for logging)``; a reward that raises stops the run with its name."""
+    def score(
+        self, images: torch.Tensor, prompts: list[str], evaluation: bool = False
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``([B, K] raw rewards, components for logging)`` of the training rewards (or, with ``evaluation``,
+        of the evaluation rewards); a reward that raises stops the run with its name."""
         pil = tensor_to_pil(images) if images.ndim == 4 else None
         columns, components = [], {}
-        for spec, reward in zip(self.cfg.rewards, self.rewards, strict=True):
+        specs, rewards = (self.eval_specs, self.eval_rewards) if evaluation else (self.cfg.rewards, self.rewards)
+        for spec, reward in zip(specs, rewards, strict=True):
             batch = {"images": pil, "prompts": prompts} if pil is not None else {"videos": images, "prompts": prompts}
             try:
                 out = reward.score(**batch)
@@ -237,18 +254,27 @@ class FlowGRPOTrainer:
         return adv_lib.clip_advantages(adv, t.adv_clip_max)
 
     # ------------------------------------------------------------------ one step
+    def sde_window(self, step: int) -> tuple[int, int] | None:
+        """SDE steps ``(start, stop)`` of training step ``step``'s rollouts (``None``: every step is SDE)."""
+        s = self.cfg.sampling
+        if self.cfg.trainer.objective != "grpo" and s.rollout == "flat":
+            # the likelihood-free objectives regress on the final images, so these must be clean ODE samples:
+            # SDE noise left in them by a late window is learned back and compounds step after step
+            return (0, 0)
+        if s.sde_window is None:
+            return None
+        span = s.num_steps - s.sde_window
+        if s.window_schedule == "fixed":
+            start = 0
+        elif s.window_schedule == "sliding":
+            start = step % (span + 1)
+        else:
+            start = int(torch.randint(0, span + 1, (1,), generator=self.generator))
+        return start, start + s.sde_window
+
     def sampling_config(self) -> SamplingConfig:
         s = self.cfg.sampling
-        window = None
-        if s.sde_window is not None:
-            span = s.num_steps - s.sde_window
-            if s.window_schedule == "fixed":
-                start = 0
-            elif s.window_schedule == "sliding":
-                start = self.step % (span + 1)
-            else:
-                start = int(torch.randint(0, span + 1, (1,), generator=self.generator))
-            window = (start, start + s.sde_window)
+        window = self.sde_window(self.step)
         return SamplingConfig(
             num_steps=s.num_steps,
             guidance_scale=s.guidance_scale,
@@ -276,6 +302,8 @@ class FlowGRPOTrainer:
 
     def collect(self) -> StepBatch:
         """Steps 1-4 for the configured rollout mode."""
+        if self.rollout_pool is not None:
+            return self.rollout_pool.collect()  # the same steps on rollouts from the pool (mmrl/flow/pooled.py)
         a = self.cfg.allocation
         prompts = alloc_lib.sample_prompts(
             self.stats, self.train_pool, a.prompts_per_step, method=a.selection, generator=self.generator
@@ -429,47 +457,97 @@ class FlowGRPOTrainer:
                 if (i + 1) % accum == 0 or i + 1 == len(batches):
                     self._optimizer_step()
 
+    def _noised(self, x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Forward-process points for the likelihood-free objectives: ``nft_timesteps`` noise levels per image,
+        drawn from the sigmas the sampler visits. (Uniform sigmas put most of the loss where the model was never
+        trained or used: near sigma = 0 the target ``eps - x0`` is unpredictable noise, and its gradients wrecked
+        the shapes model in a few dozen steps.)
+
+        Returns ``(rows [B*T] image index, sigma [B*T], x_t, v* = eps - x0)``.
+        """
+        s = self.cfg.sampling
+        schedule = self.adapter.sigmas(s.num_steps, s.height, s.width, s.num_frames).float().cpu()
+        schedule = schedule[schedule > 0]
+        rows = torch.arange(x0.shape[0]).repeat(self.cfg.trainer.nft_timesteps)
+        sigma = schedule[torch.randint(schedule.numel(), (rows.numel(),), generator=self.generator)]
+        eps = torch.randn((rows.numel(), *x0.shape[1:]), generator=self.generator)
+        sig = sigma.view(-1, *([1] * (x0.ndim - 1)))
+        return rows, sigma, (1 - sig) * x0[rows] + sig * eps, eps - x0[rows]
+
     def nft_update(self, x0: torch.Tensor, cond: Conditioning, adv: torch.Tensor) -> None:
         """DiffusionNFT on the final samples ``x0 [B, ...]``: ``r = clip(0.5 + 0.5 A / A_max, 0, 1)`` is each
         image's optimality probability."""
         t = self.cfg.trainer
         optimality = (0.5 + 0.5 * adv / t.adv_clip_max).clamp(0, 1)
-        batch = x0.shape[0]
-        rows = torch.arange(batch).repeat(t.nft_timesteps)  # [B*T]
-        sigma = torch.rand(rows.numel(), generator=self.generator) * 0.98 + 0.01
-        eps = torch.randn((rows.numel(), *x0.shape[1:]), generator=self.generator)
-        s = sigma.view(-1, *([1] * (x0.ndim - 1)))
-        x_t = (1 - s) * x0[rows] + s * eps
-        target = eps - x0[rows]
+        rows, sigma, x_t, target = self._noised(x0)
         cond = cond.select(rows)
         with torch.no_grad():
             self.adapter.transformer.eval()
             v_old = torch.cat([
-                self.adapter.velocity(x_t[idx].to(self.device), sigma[idx].to(self.device), cond.select(idx), 1.0).cpu()
+                self.adapter.velocity(x_t[idx].to(self.device), sigma[idx].to(self.device), cond.select(idx),
+                                      self._regression_guidance(cond)).cpu()
                 for idx in torch.arange(rows.numel()).split(t.minibatch_size)
             ])
+        self.nfe_total += rows.numel()
+
+        def loss_fn(v: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+            return loss_lib.diffusion_nft_loss(v, v_old[idx].to(v.device), target[idx].to(v.device),
+                                               optimality[rows[idx]].to(v.device), t.nft_beta)
+
+        self._regress(x_t, sigma, cond, loss_fn)
+
+    def rwr_update(self, x0: torch.Tensor, cond: Conditioning, adv: torch.Tensor) -> None:
+        """Advantage-weighted flow matching on the final samples (weights ``max(A, 0)``): only the images the
+        reward prefers to their group are regressed on."""
+        weights = adv.clamp(min=0)
+        keep = torch.nonzero(weights > 0).flatten()
+        if keep.numel() == 0:
+            self.metrics.add("train/skipped_no_signal", 1.0)
+            return
+        rows, sigma, x_t, target = self._noised(x0[keep])
+        cond = cond.select(keep).select(rows)
+        w = weights[keep][rows]
+
+        def loss_fn(v: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+            return loss_lib.reward_weighted_fm_loss(v, target[idx].to(v.device), w[idx].to(v.device))
+
+        self._regress(x_t, sigma, cond, loss_fn)
+
+    def _regression_guidance(self, cond: Conditioning) -> float:
+        """Guidance of the regressed velocity. With ``train_cfg`` it is the guided velocity the images were sampled
+        with: regressing the conditional velocity alone on CFG samples teaches it the guidance, which sampling
+        then applies again (w * w), and the shapes model collapsed to 0% within 50 steps that way."""
+        w = self.cfg.sampling.guidance_scale
+        return w if self.cfg.trainer.train_cfg and cond.uncond is not None else 1.0
+
+    def _regress(self, x_t: torch.Tensor, sigma: torch.Tensor, cond: Conditioning,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        """Minibatched velocity regression ``loss_fn(v [b, ...], idx [b]) -> [b]``, one optimizer step per
+        ``gradient_accumulation`` minibatches (0: per call)."""
+        t = self.cfg.trainer
+        guidance = self._regression_guidance(cond)
         self.adapter.transformer.train()
-        order = torch.randperm(rows.numel(), generator=self.generator)
-        batches = list(order.split(t.minibatch_size))
+        batches = list(torch.randperm(x_t.shape[0], generator=self.generator).split(t.minibatch_size))
         accum = t.gradient_accumulation or len(batches)
         for i, idx in enumerate(batches):
-            v = self.adapter.velocity(x_t[idx].to(self.device), sigma[idx].to(self.device), cond.select(idx), 1.0)
-            loss = loss_lib.diffusion_nft_loss(
-                v, v_old[idx].to(v.device), target[idx].to(v.device), optimality[rows[idx]].to(v.device), t.nft_beta
-            ).mean()
+            v = self.adapter.velocity(x_t[idx].to(self.device), sigma[idx].to(self.device), cond.select(idx), guidance)
+            loss = loss_fn(v, idx).mean()
             (loss / accum).backward()
             self.metrics.add("loss", loss, count=len(idx))
             if (i + 1) % accum == 0 or i + 1 == len(batches):
                 self._optimizer_step()
-        self.nfe_total += 2 * rows.numel()
+        self.nfe_total += x_t.shape[0]
 
     def train_step(self) -> dict[str, float]:
         batch = self.collect()
         start = time.perf_counter()
-        if self.cfg.trainer.objective == "grpo":
+        objective = self.cfg.trainer.objective
+        if objective == "grpo":
             self.grpo_update(batch.transitions, batch.adv)
-        else:
+        elif objective == "nft":
             self.nft_update(batch.final_latents, batch.cond, batch.sample_adv)
+        else:
+            self.rwr_update(batch.final_latents, batch.cond, batch.sample_adv)
         self.metrics.add("time/train_s", time.perf_counter() - start)
         if self.run is not None and (self.step + 1) % self.cfg.trainer.sample_every == 0:
             self.run.save_image_grid(self.step + 1, batch.images[:16], batch.prompts[:16], tag="train")
@@ -495,9 +573,9 @@ class FlowGRPOTrainer:
         prompts = self.eval_pool[: t.eval_prompts]
         with self.ema.swapped() if self.ema is not None else nullcontext():
             ro = self.generate(prompts, t.eval_images_per_prompt)
-        raw, components = self.score(ro.images, ro.prompts)
-        out = {"eval/reward_mean": float(self.combine(raw).mean())}
-        for k, spec in enumerate(self.cfg.rewards):
+        raw, components = self.score(ro.images, ro.prompts, evaluation=True)
+        out = {"eval/reward_mean": float((raw @ self.eval_weights).mean())}
+        for k, spec in enumerate(self.eval_specs):
             out[f"eval/{spec.name}/mean"] = float(raw[:, k].mean())
         for name, value in components.items():
             out["eval/" + name.removeprefix("reward/")] = float(value.mean())
@@ -564,6 +642,8 @@ class FlowGRPOTrainer:
                         keep_last=self.cfg.run.keep_last)
 
     def cleanup(self) -> None:
+        if self.rollout_pool is not None:
+            self.rollout_pool.close()
         if self.run is not None:
             self.run.close()
 
@@ -619,18 +699,18 @@ def evaluate(cfg: FlowGRPOConfig, prompts_file: str | None, out_dir: Path, check
             trainer._load_lora(checkpoint / "adapter")
     prompts = trainer.eval_pool
     ro = trainer.generate(prompts, images_per_prompt)
-    raw, components = trainer.score(ro.images, ro.prompts)
-    total = trainer.combine(raw)
+    raw, components = trainer.score(ro.images, ro.prompts, evaluation=True)
+    total = raw @ trainer.eval_weights
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "scores.jsonl", "w") as f:
         for i, prompt in enumerate(ro.prompts):
             record = {"prompt": prompt, "image": i, "reward": float(total[i])}
-            record.update({spec.name: float(raw[i, k]) for k, spec in enumerate(cfg.rewards)})
+            record.update({spec.name: float(raw[i, k]) for k, spec in enumerate(trainer.eval_specs)})
             record.update({name: float(v[i]) for name, v in components.items()})
             f.write(json.dumps(record) + "\n")
     summary = {"checkpoint": str(checkpoint) if checkpoint else None, "prompts": len(prompts),
                "images": len(ro.prompts), "reward_mean": float(total.mean())}
-    summary.update({f"{spec.name}_mean": float(raw[:, k].mean()) for k, spec in enumerate(cfg.rewards)})
+    summary.update({f"{spec.name}_mean": float(raw[:, k].mean()) for k, spec in enumerate(trainer.eval_specs)})
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     make_grid(ro.images[:256]).save(out_dir / "grid.png")
     return summary

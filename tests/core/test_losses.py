@@ -136,3 +136,14 @@ def test_core_functions_match_on_cuda():
     logp, old, adv = torch.randn(8, 5), torch.randn(8, 5), torch.randn(8, 1)
     torch.testing.assert_close(L.clipped_surrogate(logp.cuda(), old.cuda(), adv.cuda()).cpu(),
                                L.clipped_surrogate(logp, old, adv))
+
+
+def test_reward_weighted_fm_loss_hand_values():
+    v = torch.tensor([[1.0, 3.0], [0.0, 0.0]])
+    target = torch.tensor([[0.0, 1.0], [2.0, 0.0]])
+    out = L.reward_weighted_fm_loss(v, target, torch.tensor([0.5, 2.0]))
+    # per-sample mean squared error (1 + 4) / 2 = 2.5 and (4 + 0) / 2 = 2, times the weights
+    torch.testing.assert_close(out, torch.tensor([1.25, 4.0]))
+    with pytest.raises(ValueError, match="non-negative"):
+        L.reward_weighted_fm_loss(v, target, torch.tensor([1.0, -1.0]))
+

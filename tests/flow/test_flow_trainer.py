@@ -86,6 +86,39 @@ def test_nft_objective_and_cfg_free_logprobs(model_dir, tmp_path):
         assert any(not torch.equal(b, p) for b, p in zip(before, trainer.trainable, strict=True))
 
 
+def test_rwr_objective_trains_on_clean_ode_samples_with_guided_regression(model_dir, tmp_path):
+    cfg = make_cfg(model_dir, tmp_path, "rwr", "trainer.steps=1", "trainer.objective=rwr",
+                   "sampling.guidance_scale=2.0")
+    trainer = FlowGRPOTrainer(cfg, None)
+    trainer.setup()
+    # the likelihood-free objectives sample without SDE noise; GRPO keeps its window
+    assert trainer.sampling_config().sde_window == (0, 0)
+    batch = trainer.collect()
+    assert trainer._regression_guidance(batch.cond) == 2.0
+    assert trainer._regression_guidance(batch.cond.select([0])) == 2.0
+    before = [p.detach().clone() for p in trainer.trainable]
+    trainer.rwr_update(batch.final_latents, batch.cond, batch.sample_adv)
+    moved = any(not torch.equal(b, p) for b, p in zip(before, trainer.trainable, strict=True))
+    assert moved == bool((batch.sample_adv > 0).any())
+    # nothing preferred in any group: no update at all
+    before = [p.detach().clone() for p in trainer.trainable]
+    trainer.rwr_update(batch.final_latents, batch.cond, torch.zeros_like(batch.sample_adv))
+    assert all(torch.equal(b, p) for b, p in zip(before, trainer.trainable, strict=True))
+    grpo = FlowGRPOTrainer(make_cfg(model_dir, tmp_path, "g", "sampling.window_schedule=fixed"), None)
+    assert grpo.sde_window(0) == (0, 2)
+
+
+def test_eval_rewards_replace_the_training_rewards_in_evaluation(model_dir, tmp_path):
+    cfg = make_cfg(model_dir, tmp_path, "ev", "eval_rewards=[{name: shapes}]")
+    trainer = FlowGRPOTrainer(cfg, None)
+    trainer.setup()
+    out = trainer.evaluate()
+    assert "eval/shapes/mean" in out and "eval/jpeg_incompressibility/mean" not in out
+    assert out["eval/reward_mean"] == pytest.approx(out["eval/shapes/mean"])
+    with pytest.raises(ValueError, match="eval_rewards"):
+        make_cfg(model_dir, tmp_path, "ev2", "eval_rewards=[]")
+
+
 def test_resume_is_exact(model_dir, tmp_path, monkeypatch):
     args = ("trainer.steps=3", "run.save_every=1", "trainer.eval_every=3")
     straight = main(make_cfg(model_dir, tmp_path, "a", *args))

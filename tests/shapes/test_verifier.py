@@ -167,6 +167,26 @@ def test_strict_on_every_criterion(reward):
     assert out.reasons[0] is None and "position" in out.reasons[3] and "red circle" in out.reasons[3]
 
 
+def test_partial_credit_is_the_share_of_constrained_criteria():
+    red_circle = SceneObject("circle", "red", 9.0, 16.0, 9.0)
+    blue_square = SceneObject("square", "blue", 23.0, 16.0, 9.0)
+    image = render(_scene(red_circle, blue_square))
+    # (prompt, partial score): relation prompts constrain 4 criteria, pair/single 3 (no position), count 2
+    cases = {
+        "a photo of a red circle left of a blue square": 1.0,
+        "a photo of a red circle right of a blue square": 3 / 4,
+        "a photo of a green circle left of a blue square": 2 / 4,
+        "a photo of a red circle": 2 / 3,  # object and colour hold, the extra square fails count
+        "a photo of a red triangle and a blue square": 0.0,
+        "a photo of two circles": 1 / 2,  # object holds, count fails
+    }
+    out = ShapesReward(partial=True).score(images=[image] * len(cases), prompts=list(cases))
+    torch.testing.assert_close(out.scores, torch.tensor(list(cases.values()), dtype=torch.float32))
+    strict = ShapesReward().score(images=[image] * len(cases), prompts=list(cases)).scores
+    torch.testing.assert_close(out.components["strict"], strict)
+    assert rewards.build("shapes", partial=True).partial
+
+
 def test_empty_and_blob_images_score_zero(reward):
     blank = Image.new("RGB", (32, 32), (220, 220, 220))
     blob = render(
