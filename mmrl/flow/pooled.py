@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import threading
 import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -51,12 +50,6 @@ if TYPE_CHECKING:
 
 __all__ = ["FlowStepRequest", "PoolStepInfo", "PooledFlowWorker", "PooledRollouts", "concat_rollouts",
            "importance_weights", "step_seed"]
-
-# Loading a diffusers model (and injecting a LoRA) creates modules under accelerate's init_empty_weights, which
-# patches torch.nn.Module process-wide: two in-process workers built at once in their threads get each other's
-# meta tensors ("Cannot copy out of meta tensor"). Builds in one process take turns; Ray actors are processes.
-_BUILD_LOCK = threading.Lock()
-
 
 @dataclass(frozen=True)
 class FlowStepRequest(RolloutRequest):
@@ -84,10 +77,9 @@ class PooledFlowWorker(FlowRolloutWorker):
     ) -> PooledFlowWorker:
         """``from_pretrained(family, path, sampling, **kwargs)``, then ``initial`` (the trainer's LoRA or resumed
         weights) applied as version 0: the pool's version 0 is whatever the trainer held when the pool started."""
-        with _BUILD_LOCK:
-            worker = cls.from_pretrained(family, path, sampling, **kwargs)
-            if initial is not None:
-                worker.load_weights(initial)
+        worker = cls.from_pretrained(family, path, sampling, **kwargs)
+        if initial is not None:
+            worker.load_weights(initial)
         return worker
 
     def generate(self, request: RolloutRequest) -> Rollout:

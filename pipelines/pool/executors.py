@@ -9,6 +9,7 @@ alike. Ray is imported only when a :class:`RayExecutor` is built.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -52,6 +53,9 @@ class Executor:
         raise NotImplementedError
 
 
+_BUILD_LOCK = threading.Lock()
+
+
 class InProcessExecutor(Executor):
     """Members in this process, one thread each (single GPU, no Ray).
 
@@ -77,7 +81,11 @@ class InProcessExecutor(Executor):
         self.threads[index] = thread
 
         def build() -> None:
-            self.members[index] = self.factory()
+            # Loading a diffusers/transformers model creates modules under accelerate's init_empty_weights, which
+            # patches torch.nn.Module process-wide: two members built at once in their threads get each other's
+            # meta tensors ("Cannot copy out of meta tensor"). Builds in one process take turns.
+            with _BUILD_LOCK:
+                self.members[index] = self.factory()
 
         return thread.submit(build)
 
