@@ -16,6 +16,10 @@ Everything runs on the tiny shapes flow model (a random 2-layer pixel-space SD3,
    steps' samples while the trainer trains. Reported: samples/s, the ratio to synchronous, and the distribution
    of per-sample version lags (the staleness the trainer's importance correction sees).
 
+4. **The flow trainer on a pool** (``--trainer``): ``configs/demo/flow_shapes_async.yaml`` (the committed shapes
+   checkpoint, in-process pool of 1 worker) for ``--trainer-steps`` steps at ``max_staleness`` 0 and 1, no
+   evaluation: steps/s and the ratio, with the trainer's own lag metrics.
+
 Actor start-up (importing torch/diffusers, loading the model) is excluded: pools are warmed up first.
 """
 
@@ -182,6 +186,34 @@ def sync_vs_async(model_dir: str, factory, steps: int, per_step: int) -> dict:
     return out
 
 
+def trainer_sync_vs_async(steps: int) -> dict:
+    """Steps/s of ``FlowGRPOTrainer`` on its in-process pool at ``max_staleness`` 0 and 1 (the demo config)."""
+    from mmrl.config import load_config
+    from mmrl.flow.config import FlowGRPOConfig
+    from mmrl.flow.trainer import FlowGRPOTrainer
+
+    out = {}
+    for staleness in (0, 1):
+        cfg = load_config(FlowGRPOConfig, "configs/demo/flow_shapes_async.yaml", [
+            f"pool.max_staleness={staleness}", f"trainer.steps={steps}", "run.progress=false",
+        ])
+        trainer = FlowGRPOTrainer(cfg, None)
+        trainer.setup()
+        trainer.train_step()  # warm-up: the worker's first request and the first backward
+        trainer.step += 1
+        lags = []
+        start = time.perf_counter()
+        for _ in range(steps):
+            metrics = trainer.train_step()
+            trainer.step += 1
+            lags.append(metrics.get("pool/lag_mean", 0.0))
+        seconds = time.perf_counter() - start
+        trainer.cleanup()
+        out[staleness] = {"steps_per_s": steps / seconds, "lag_mean": sum(lags) / len(lags)}
+    out[1]["ratio_to_sync"] = out[1]["steps_per_s"] / out[0]["steps_per_s"]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=40, help="requests of the overhead/throughput runs")
@@ -189,7 +221,12 @@ def main() -> None:
     parser.add_argument("--per-step", type=int, default=4, help="requests per training step")
     parser.add_argument("--repeats", type=int, default=3, help="repetitions of the overhead runs (best kept)")
     parser.add_argument("--no-ray", action="store_true", help="only the in-process overhead")
+    parser.add_argument("--trainer", action="store_true", help="only part 4: the flow trainer on a pool")
+    parser.add_argument("--trainer-steps", type=int, default=8, help="timed steps of part 4 (after one warm-up)")
     args = parser.parse_args()
+    if args.trainer:
+        print(json.dumps(trainer_sync_vs_async(args.trainer_steps), indent=2))
+        return
     torch.set_num_threads(1)  # every process one thread: the comparison is per core, and the CPU may be shared
 
     with tempfile.TemporaryDirectory() as model_dir:

@@ -66,16 +66,25 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     mean_curve = {name: [(runs[0][i][0], statistics.fmean(run[i][1] for run in runs)) for i in range(len(runs[0]))]
                   for name, runs in curves.items()}
     target = mean_curve["group"][-1][1]
-    reach = {name: next((n for n, acc in curve if acc >= target), None) for name, curve in mean_curve.items()}
+    start = mean_curve["group"][0][1]
+    # rollouts after which a curve first reaches group's final accuracy (None: never; step 0 does not count)
+    reach = {name: next((n for n, acc in curve[1:] if acc >= target), None) for name, curve in mean_curve.items()}
     print(f"held-out accuracy vs rollouts (mean of {args.seeds} seeds, {per_step} rollouts per step)")
     print(f"{'rollouts':>9s} " + " ".join(f"{n:>18s}" for n in mean_curve))
     for i in range(len(mean_curve["group"])):
         print(f"{mean_curve['group'][i][0]:9d} " + " ".join(f"{c[i][1]:18.3f}" for c in mean_curve.values()))
+    if target <= start:
+        print(f"group did not improve on the start ({start:.3f} -> {target:.3f}): the rollout ratio is undefined")
     for name in mean_curve:
         got = reach[name]
-        ratio = f"{got / reach['group']:.2f}x group's" if got is not None and reach["group"] else "never"
-        print(f"{name}: reaches group's final accuracy {target:.3f} after {got} rollouts ({ratio}); "
-              f"final entropy {statistics.fmean(entropy[name]):.3f}")
+        if got is None:
+            ratio = "never"
+        elif target > start and reach["group"]:
+            ratio = f"{got / reach['group']:.2f}x group's"
+        else:
+            ratio = "n/a"
+        print(f"{name}: final accuracy {mean_curve[name][-1][1]:.3f}; reaches group's final {target:.3f} after "
+              f"{got} rollouts ({ratio}); final entropy {statistics.fmean(entropy[name]):.3f}")
     result = {"curves": mean_curve, "reach": reach, "final_entropy": {k: statistics.fmean(v) for k, v in entropy.items()}}
     print(json.dumps(result))
     return result

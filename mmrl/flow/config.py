@@ -174,7 +174,10 @@ class FlowTrainerConfig(Config):
     adv_clip_max: float = Field(5.0, gt=0, description="Advantages are clipped to [-x, x] (Flow-GRPO: 5).")
     epsilon_low: float = Field(1e-4, ge=0, description="Lower clip of the ratio (Flow-GRPO: 1e-4).")
     epsilon_high: float | None = Field(None, ge=0, description="Upper clip (default epsilon_low).")
-    beta: float = Field(0.004, ge=0, description="KL coefficient on SDE means to the reference (Flow-GRPO: .004).")
+    beta: float = Field(
+        0.004, ge=0, description="KL coefficient to the reference: on SDE means (grpo; Flow-GRPO: .004), on the "
+        "velocity at the regressed points (nft, rwr).",
+    )
     timestep_fraction: float = Field(
         1.0, gt=0, le=1, description="Share of SDE steps trained per sample (Flow-GRPO-Fast subsampling)."
     )

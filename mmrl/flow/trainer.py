@@ -522,16 +522,28 @@ class FlowGRPOTrainer:
 
     def _regress(self, x_t: torch.Tensor, sigma: torch.Tensor, cond: Conditioning,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
-        """Minibatched velocity regression ``loss_fn(v [b, ...], idx [b]) -> [b]``, one optimizer step per
+        """Minibatched velocity regression ``loss_fn(v [b, ...], idx [b]) -> [b]``, plus ``beta`` times the squared
+        distance to the reference velocity at the same points (the KL of the Gaussian policies these velocities
+        define, up to a per-sigma constant, as GRPO's KL on the SDE means); one optimizer step per
         ``gradient_accumulation`` minibatches (0: per call)."""
         t = self.cfg.trainer
         guidance = self._regression_guidance(cond)
-        self.adapter.transformer.train()
         batches = list(torch.randperm(x_t.shape[0], generator=self.generator).split(t.minibatch_size))
         accum = t.gradient_accumulation or len(batches)
         for i, idx in enumerate(batches):
-            v = self.adapter.velocity(x_t[idx].to(self.device), sigma[idx].to(self.device), cond.select(idx), guidance)
+            x, s, c = x_t[idx].to(self.device), sigma[idx].to(self.device), cond.select(idx)
+            if t.beta > 0:
+                self.adapter.transformer.eval()
+                with torch.no_grad(), self.reference_policy():
+                    v_ref = self.adapter.velocity(x, s, c, guidance)
+                self.nfe_total += len(idx)
+            self.adapter.transformer.train()
+            v = self.adapter.velocity(x, s, c, guidance)
             loss = loss_fn(v, idx).mean()
+            if t.beta > 0:
+                kl = ((v - v_ref) ** 2).flatten(1).mean(1).mean()
+                loss = loss + t.beta * kl
+                self.metrics.add("policy/kl", kl, count=len(idx))
             (loss / accum).backward()
             self.metrics.add("loss", loss, count=len(idx))
             if (i + 1) % accum == 0 or i + 1 == len(batches):
