@@ -108,6 +108,18 @@ def test_rwr_objective_trains_on_clean_ode_samples_with_guided_regression(model_
     assert grpo.sde_window(0) == (0, 2)
 
 
+def test_likelihood_free_kl_to_reference_is_zero_before_the_first_update(model_dir, tmp_path):
+    # one optimizer step per call: every minibatch sees the starting LoRA (B = 0), so v == v_ref exactly
+    for objective in ("rwr", "nft"):
+        cfg = make_cfg(model_dir, tmp_path, "kl" + objective, "trainer.steps=1", f"trainer.objective={objective}",
+                       "trainer.beta=0.5", "trainer.minibatch_size=4")
+        trainer = FlowGRPOTrainer(cfg, None)
+        trainer.setup()
+        metrics = trainer.train_step()  # the JPEG reward always spreads, so rwr has preferred images
+        assert metrics["policy/kl"] == 0.0
+        assert trainer.train_step()["policy/kl"] > 0.0
+
+
 def test_eval_rewards_replace_the_training_rewards_in_evaluation(model_dir, tmp_path):
     cfg = make_cfg(model_dir, tmp_path, "ev", "eval_rewards=[{name: shapes}]")
     trainer = FlowGRPOTrainer(cfg, None)
