@@ -175,3 +175,20 @@ def test_requests_split_over_workers_and_merge():
     assert merged.group_index.tolist() == [0, 0, 1] and merged.prompts == ["a red circle"] * 2 + ["two blue squares"]
     assert torch.equal(merged.latents[2], parts[1].latents[0]) and merged.nfe == parts[0].nfe + parts[1].nfe
     assert len(merged.cond) == 3 and len(merged.transitions()) == 3 * int(config.sde_steps().sum())
+
+
+def test_ray_pool_trains_like_the_inprocess_pool():
+    pytest.importorskip("ray")
+    overrides = ("pool.enabled=true", "pool.max_staleness=0")
+    local = steps(started(make_cfg(*overrides)), 2)
+    remote_trainer = started(make_cfg(*overrides, "pool.executor=ray", "pool.ray={num_cpus: 1}",
+                                      "pool.request_timeout=300"))
+    try:
+        remote = steps(remote_trainer, 2)
+    finally:
+        remote_trainer.cleanup()
+    # the same request seeds on a Ray actor: the same samples, rewards and updates
+    for a, b in zip(local, remote, strict=True):
+        assert {k: v for k, v in a.items() if not k.startswith(POOL_ONLY)} == pytest.approx(
+            {k: v for k, v in b.items() if not k.startswith(POOL_ONLY)}, rel=1e-5, abs=1e-6)
+
