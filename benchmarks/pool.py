@@ -1,9 +1,11 @@
 """Rollout pool: overhead vs direct calls, throughput vs workers, synchronous vs asynchronous training, staleness.
 
-    python -m benchmarks.pool [--requests 40] [--steps 8] [--repeats 3] [--no-ray]
+    python -m benchmarks.pool [--requests 40] [--samples-per-request 8] [--steps 8] [--repeats 3] [--no-ray]
 
 Everything runs on the tiny shapes flow model (a random 2-layer pixel-space SD3, 32x32, 8 steps; one request =
-2 prompts x 4 samples), one torch thread per process, Ray actors of 1 CPU:
+2 prompts x 4 samples, or ``--samples-per-request`` split over 2 prompts for parts 1 and 2: the pooled flow
+trainer sends one request of a whole step's images per worker), one torch thread per process, Ray actors of
+1 CPU:
 
 1. **Overhead at equal work**: the same requests (same seeds, so bit-identical samples) run by direct
    ``rollout()`` calls in this process, by an in-process pool and by a 1-actor Ray pool; overhead =
@@ -54,14 +56,14 @@ SAMPLING = SamplingConfig(num_steps=8, height=32, width=32)
 COUNTS = (4, 4)
 
 
-def make_requests(prefix: str, n: int, seed0: int = 0) -> list[RolloutRequest]:
-    """``n`` requests of 2 prompts x 4 samples."""
+def make_requests(prefix: str, n: int, seed0: int = 0, counts: tuple[int, ...] = COUNTS) -> list[RolloutRequest]:
+    """``n`` requests of ``len(counts)`` prompts x ``counts`` samples (default 2 x 4)."""
     return [
         RolloutRequest(
             request_id=f"{prefix}-{i}",
-            prompt_ids=[f"p{(i + j) % len(PROMPTS)}" for j in range(len(COUNTS))],
-            prompts=[PROMPTS[(i + j) % len(PROMPTS)] for j in range(len(COUNTS))],
-            counts=list(COUNTS),
+            prompt_ids=[f"p{(i + j) % len(PROMPTS)}" for j in range(len(counts))],
+            prompts=[PROMPTS[(i + j) % len(PROMPTS)] for j in range(len(counts))],
+            counts=list(counts),
             seed=seed0 + i,
         )
         for i in range(n)
@@ -217,6 +219,8 @@ def trainer_sync_vs_async(steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=40, help="requests of the overhead/throughput runs")
+    parser.add_argument("--samples-per-request", type=int, default=sum(COUNTS),
+                        help="samples per request of the overhead/throughput runs (2 prompts, half each)")
     parser.add_argument("--steps", type=int, default=8, help="training steps of the sync/async runs")
     parser.add_argument("--per-step", type=int, default=4, help="requests per training step")
     parser.add_argument("--repeats", type=int, default=3, help="repetitions of the overhead runs (best kept)")
@@ -234,8 +238,10 @@ def main() -> None:
         build_shapes_pipeline(PROMPTS, num_layers=2, num_attention_heads=2, attention_head_dim=16).save_pretrained(
             model_dir)
         factory = functools.partial(FlowRolloutWorker.from_pretrained, "shapes", model_dir, SAMPLING, num_threads=1)
-        requests = make_requests("r", args.requests)
-        report: dict = {"samples_per_request": sum(COUNTS), "requests": args.requests}
+        half = args.samples_per_request // 2
+        counts = (half, args.samples_per_request - half)
+        requests = make_requests("r", args.requests, counts=counts)
+        report: dict = {"samples_per_request": sum(counts), "requests": args.requests}
         ray = None
         if not args.no_ray:
             import ray

@@ -243,16 +243,7 @@ class PooledRollouts:
         t.metrics.add("pool/lag_mean", sample_lags.float().mean(), count=sample_lags.numel())
         t.metrics.add("pool/lag_max", float(sample_lags.max()))
 
-        # the in-process flat rollout's steps 3-4
-        raw, components = t.score(ro.images, ro.prompts)
-        total = t.combine(raw)
-        t.stats.update_distributed(ro.prompts, total, step=t.step)
-        adv = t.advantages(raw, ro.group_index)
-        t._log_rewards(total, raw, components, ro.group_index)
-        counts = torch.bincount(ro.group_index)
-        t.metrics.add("rollouts/per_prompt_min", counts.min().float())
-        t.metrics.add("rollouts/per_prompt_max", counts.max().float())
-        trans = ro.transitions(t._train_steps(ro.sde_steps))
+        _, adv, trans = t.score_flat(ro)  # the in-process flat rollout's steps 3-4
         adv_t = adv[trans.sample_index]
         lags_t = sample_lags[trans.sample_index]
         weights = torch.ones(len(trans))

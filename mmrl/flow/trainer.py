@@ -343,17 +343,23 @@ class FlowGRPOTrainer:
             counts = torch.full((len(prompts),), explored.chosen.shape[1], dtype=torch.long)
         ro = rollout(self.adapter, prompts, counts.tolist(), self.sampling_config(), generator=self.generator,
                      noise=None if explored is None else explored.noise)
-        raw, components = self.score(ro.images, ro.prompts)
-        total = self.combine(raw)
+        total, adv, trans = self.score_flat(ro)
         if explored is not None:
             self.metrics.add("explore/spearman", spearman(explored.chosen_preview_rewards, total))
+        return StepBatch(trans, adv[trans.sample_index], ro.images, ro.prompts, ro.latents[:, -1], ro.cond, adv, ro.nfe)
+
+    def score_flat(self, ro: Rollout) -> tuple[torch.Tensor, torch.Tensor, TransitionBatch]:
+        """Score a flat rollout, update the statistics store and log: ``(total reward [B], advantages [B],
+        the transitions to train)`` (the in-process and the pooled flat paths share this)."""
+        raw, components = self.score(ro.images, ro.prompts)
+        total = self.combine(raw)
         self.stats.update_distributed(ro.prompts, total, step=self.step)
         adv = self.advantages(raw, ro.group_index)
         self._log_rewards(total, raw, components, ro.group_index)
+        counts = torch.bincount(ro.group_index)
         self.metrics.add("rollouts/per_prompt_min", counts.min().float())
         self.metrics.add("rollouts/per_prompt_max", counts.max().float())
-        trans = ro.transitions(self._train_steps(ro.sde_steps))
-        return StepBatch(trans, adv[trans.sample_index], ro.images, ro.prompts, ro.latents[:, -1], ro.cond, adv, ro.nfe)
+        return total, adv, ro.transitions(self._train_steps(ro.sde_steps))
 
     def _collect_branch(self, prompts: list[str], explored: ExploreResult | None) -> StepBatch:
         """One tree per prompt (per kept seed when exploring); node advantages by depth (BranchGRPO), pruned."""
