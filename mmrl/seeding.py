@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["get_rng_state", "seed_everything", "set_rng_state"]
+__all__ = ["get_rng_state", "request_seed", "seed_everything", "set_rng_state"]
 
 
 def seed_everything(seed: int) -> torch.Generator:
@@ -47,3 +48,11 @@ def set_rng_state(state: dict[str, Any], generators: dict[str, torch.Generator] 
         if name not in state["generators"]:
             raise KeyError(f"checkpoint has no RNG state for generator {name!r}")
         g.set_state(state["generators"][name])
+
+
+def request_seed(run_seed: int, rank: int, step: int, index: int) -> int:
+    """Seed of rollout request ``index`` of training step ``step`` on data-parallel rank ``rank``: a hash, so that
+    nearby steps get unrelated samples and a seed does not depend on which requests were made before."""
+    digest = hashlib.blake2b(f"{run_seed}/{rank}/{step}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**63
+

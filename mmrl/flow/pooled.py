@@ -26,7 +26,6 @@ in flight at a checkpoint are made again from the resumed state.
 from __future__ import annotations
 
 import functools
-import hashlib
 import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -37,6 +36,7 @@ from mmrl.core import allocation as alloc_lib
 from mmrl.core.losses import truncated_is_weights
 from mmrl.device import DTYPES
 from mmrl.flow.trainer import StepBatch
+from mmrl.seeding import request_seed
 from pipelines.flow.adapters import Conditioning
 from pipelines.flow.rollout import Rollout, SamplingConfig, TransitionBatch, rescore, rollout
 from pipelines.pool.executors import RayOptions
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from mmrl.flow.trainer import FlowGRPOTrainer
 
 __all__ = ["FlowStepRequest", "PoolStepInfo", "PooledFlowWorker", "PooledRollouts", "concat_rollouts",
-           "importance_weights", "step_seed"]
+           "importance_weights"]
 
 @dataclass(frozen=True)
 class FlowStepRequest(RolloutRequest):
@@ -88,13 +88,6 @@ class PooledFlowWorker(FlowRolloutWorker):
         sampling = replace(self.sampling, sde_window=getattr(request, "sde_window", self.sampling.sde_window))
         return rollout(self.adapter, request.prompts, request.counts, sampling,
                        torch.Generator().manual_seed(request.seed))
-
-
-def step_seed(run_seed: int, rank: int, step: int, index: int) -> int:
-    """Seed of request ``index`` of training step ``step`` on data-parallel rank ``rank``: a hash, so that nearby
-    steps get unrelated noise and the seed does not depend on which requests were made before."""
-    digest = hashlib.blake2b(f"{run_seed}/{rank}/{step}/{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % 2**63
 
 
 def concat_rollouts(rollouts: list[Rollout], device: torch.device | str) -> Rollout:
@@ -213,7 +206,7 @@ class PooledRollouts:
         requests = []
         for i, rows in enumerate(chunks):
             rows = rows.tolist()
-            seed = step_seed(t.cfg.run.seed, t.rank, step, i)
+            seed = request_seed(t.cfg.run.seed, t.rank, step, i)
             requests.append(FlowStepRequest(
                 request_id=f"step{step}-{i}", prompt_ids=[prompts[r] for r in rows],
                 prompts=[prompts[r] for r in rows], counts=[counts[r] for r in rows], seed=seed,

@@ -7,8 +7,9 @@ from typing import Any, Literal
 from pydantic import model_validator
 
 from mmrl.config import Config, Field, RunConfig
+from mmrl.flow.config import PoolSettings
 
-__all__ = ["VLMRLVRConfig"]
+__all__ = ["VLMPoolSettings", "VLMRLVRConfig"]
 
 
 class VLMLora(Config):
@@ -110,6 +111,24 @@ class VLMTrainerConfig(Config):
     sample_every: int = Field(10, ge=1, description="Write example completions every N steps.")
 
 
+class VLMPoolSettings(PoolSettings):
+    """The flow trainer's pool settings, plus APRIL partial rollouts (mmrl/vlm/pooled.py)."""
+
+    enabled: bool = Field(
+        False, description="Take the rollouts from a rollout pool of VLMRolloutWorkers (pipelines/pool, "
+        "mmrl/vlm/pooled.py) instead of generating them in the training loop.",
+    )
+    overprovision: float = Field(
+        0.0, ge=0, description="APRIL partial rollouts (arXiv 2509.18521): request this fraction more prompts than "
+        "a step needs and train once the step's samples are complete; unfinished requests are carried to the next "
+        "step, never discarded. 0: off.",
+    )
+    prompts_per_request: int | None = Field(
+        None, ge=1, description="Prompts per request (the unit a partial rollout resumes by); null: a step's "
+        "prompts split into one request per worker.",
+    )
+
+
 class VLMRLVRConfig(Config):
     recipe: Literal["vlm_rlvr"] = "vlm_rlvr"
     run: RunConfig = Field(default_factory=lambda: RunConfig(name="vlm_rlvr"))
@@ -118,6 +137,7 @@ class VLMRLVRConfig(Config):
     rewards: list[VLMRewardSpec] = Field(default_factory=lambda: [VLMRewardSpec(name="exact_match")])
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     trainer: VLMTrainerConfig = Field(default_factory=VLMTrainerConfig)
+    pool: VLMPoolSettings = Field(default_factory=VLMPoolSettings, description="Rollouts from a rollout pool.")
 
     @model_validator(mode="after")
     def _check(self) -> VLMRLVRConfig:
@@ -126,4 +146,22 @@ class VLMRLVRConfig(Config):
         t = self.trainer
         if t.mode == "group" and t.advantage == "mc_grpo" and t.allocation != "uniform":
             raise ValueError("mc_grpo needs odd, equal group sizes: use trainer.allocation=uniform")
+        p = self.pool
+        if p.enabled:
+            if self.generation.backend != "hf":
+                raise ValueError(
+                    f"pool.enabled needs generation.backend=hf (got {self.generation.backend}): the pool's workers "
+                    "are transformers models (VLMRolloutWorker.from_pretrained); a vLLM worker is not wired up"
+                )
+            if self.model.load_in_4bit:
+                raise ValueError("pool.enabled with model.load_in_4bit: the pool's workers load the base in "
+                                 "model.dtype, not NF4; set model.load_in_4bit=false")
+            if p.overprovision > 0 and p.max_staleness > 1:
+                raise ValueError(
+                    f"pool.overprovision > 0 needs pool.max_staleness <= 1 (got {p.max_staleness}): a step's new "
+                    "requests are sized by what the previous step left unfinished, known one step ahead only"
+                )
+            if p.overprovision > 0 and p.prompts_per_request is None:
+                raise ValueError("pool.overprovision > 0 resumes by request: set pool.prompts_per_request (e.g. 1) "
+                                 "so that a step has several requests")
         return self

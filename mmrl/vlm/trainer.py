@@ -11,6 +11,9 @@ One training step:
    dynamic sampling; then entropy shaping per token ``A_t + min(alpha H_t, |A_t| / kappa)``;
 4. clipped surrogate (clip-higher, dual clip), k3 KL to the reference (adapter disabled), truncated importance
    weights when the rollout engine is not the trainer, aggregated per ``loss_agg``.
+
+With ``pool.enabled`` steps 1-2 take the trainer's prompts through a rollout pool (``mmrl/vlm/pooled.py``):
+synchronous or asynchronous, with APRIL partial rollouts, stale samples weighted by truncated importance sampling.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class VLMRLVRTrainer:
         self.run = run
         self.step = 0
         self.metrics = MetricAccumulator()
+        self.rollout_pool = None  # a mmrl.vlm.pooled.PooledVLMRollouts when cfg.pool.enabled (set up last in setup())
 
     # ------------------------------------------------------------------ setup
     def setup(self, for_training: bool = True) -> None:
@@ -143,6 +147,11 @@ class VLMRLVRTrainer:
                 self.load_state(load_checkpoint(ckpt))
                 self.run.truncate_metrics(self.step)
                 logger.info("resumed from %s at step %d", ckpt, self.step)
+        # 5. rollout pool, started from the weights held now (so after a resume)
+        if cfg.pool.enabled:
+            from mmrl.vlm.pooled import PooledVLMRollouts
+
+            self.rollout_pool = PooledVLMRollouts(self)
 
     def _make_backend(self) -> GenerationBackend:
         g = self.cfg.generation
@@ -213,16 +222,34 @@ class VLMRLVRTrainer:
         return nullcontext()
 
     # ------------------------------------------------------------------ one step
+    def choose_prompts(self, k: int, exclude: frozenset[str] = frozenset()) -> tuple[list[str], list[int]]:
+        """Step 1: ``k`` prompt ids (not in ``exclude``) and the rollouts of each (single: 1; group: the allocator's)."""
+        t = self.cfg.trainer
+        ids = [ex.prompt_id for ex in self.train_set if ex.prompt_id not in exclude]
+        if t.mode == "single":
+            chosen = alloc_lib.sample_prompts(self.stats, ids, k, method=t.selection, generator=self.generator)
+            return chosen, [1] * len(chosen)
+        chosen = alloc_lib.sample_prompts(self.stats, ids, k, method="uniform", generator=self.generator)
+        g = t.num_generations + (1 if t.advantage == "mc_grpo" else 0)
+        counts = alloc_lib.allocate(self.stats, chosen, g * len(chosen), method=t.allocation, n_min=2)
+        return chosen, counts.tolist()
+
+    def rollouts(self) -> list[tuple[VQAExample, GenerationSample]]:
+        """Steps 1-2 in the training loop: the step's prompts, then one ``generate`` per distinct count."""
+        temp = self.cfg.generation.temperature
+        chosen, counts = self.choose_prompts(self.cfg.trainer.prompts_per_step)
+        pairs = []
+        for n in sorted(set(counts)):
+            pairs.extend(self.generate([self.by_id[p] for p, c in zip(chosen, counts, strict=True) if c == n], n, temp))
+        return pairs
+
     def collect(self) -> tuple[list[tuple[VQAExample, GenerationSample]], torch.Tensor, torch.Tensor]:
         """Steps 1-3: ``(pairs, sequence advantages [N], row mask [N] of samples that enter the loss)``."""
         t = self.cfg.trainer
-        temp = self.cfg.generation.temperature
-        ids = [ex.prompt_id for ex in self.train_set]
+        # the pool's samples for this step (mmrl/vlm/pooled.py), or generated here
+        pairs = self.rollout_pool.collect() if self.rollout_pool is not None else self.rollouts()
+        total, raw = self.verify(pairs)
         if t.mode == "single":
-            chosen = alloc_lib.sample_prompts(self.stats, ids, t.prompts_per_step, method=t.selection,
-                                              generator=self.generator)
-            pairs = self.generate([self.by_id[p] for p in chosen], 1, temp)
-            total, raw = self.verify(pairs)
             pids = [ex.prompt_id for ex, _ in pairs]
             baseline = self.stats.success_prob(pids).float()  # V(x) before this batch
             adv = adv_lib.single_rollout(total, baseline, scale="batch_std", center=t.center)
@@ -230,15 +257,6 @@ class VLMRLVRTrainer:
             keep = torch.ones(len(pairs), dtype=torch.bool)
             self.metrics.add("baseline/mean", baseline.mean())
         else:
-            chosen = alloc_lib.sample_prompts(self.stats, ids, t.prompts_per_step, method="uniform",
-                                              generator=self.generator)
-            g = t.num_generations + (1 if t.advantage == "mc_grpo" else 0)
-            counts = alloc_lib.allocate(self.stats, chosen, g * len(chosen), method=t.allocation, n_min=2)
-            pairs = []
-            for n in sorted(set(counts.tolist())):
-                group = [self.by_id[p] for p, c in zip(chosen, counts.tolist(), strict=True) if c == n]
-                pairs.extend(self.generate(group, n, temp))
-            total, raw = self.verify(pairs)
             pids = [ex.prompt_id for ex, _ in pairs]
             group_ids = torch.tensor(_group_index(pids))
             self.stats.update(pids, total, step=self.step)
@@ -261,6 +279,8 @@ class VLMRLVRTrainer:
         self.metrics.add("gen/truncated_frac", sum(s.finish_reason == "length" for _, s in pairs) / len(pairs))
         self.metrics.add("adv/mean", adv.mean())
         self.metrics.add("adv/std", adv.std(correction=0))
+        if self.rollout_pool is not None:
+            self.rollout_pool.submit_ahead()  # the next steps' requests, chosen with this step's statistics
         return pairs, adv, keep
 
     def update(self, pairs: list[tuple[VQAExample, GenerationSample]], adv: torch.Tensor, keep: torch.Tensor) -> None:
@@ -293,8 +313,12 @@ class VLMRLVRTrainer:
                 behaviour = _pad_logprobs([s.logprobs for _, s in mb], mask.shape[1]).to(mask.device)
                 mismatch = ((o.logprobs - behaviour).abs() * mask).sum() / mask.sum()
                 self.metrics.add("tis/logprob_mismatch", mismatch)
-                if self.uses_tis:
+                w = None
+                if self.rollout_pool is not None:  # stale samples (lag > 0) are always weighted
+                    w = self.rollout_pool.tis_weights(o.logprobs, behaviour, mask, idx)
+                elif self.uses_tis:
                     w = loss_lib.truncated_is_weights(o.logprobs, behaviour, cap=t.tis_cap, mode=t.tis_mode, mask=mask)
+                if w is not None:
                     per_token = per_token * w
                     self.metrics.add("tis/weight_mean", (w * mask).sum() / mask.sum())
                 if t.beta > 0:
@@ -375,6 +399,8 @@ class VLMRLVRTrainer:
                         keep_last=self.cfg.run.keep_last)
 
     def cleanup(self) -> None:
+        if self.rollout_pool is not None:
+            self.rollout_pool.close()
         if self.run is not None:
             self.run.close()
 

@@ -12,8 +12,9 @@ from mmrl.config import load_config
 from mmrl.core.losses import clipped_surrogate
 from mmrl.flow import trainer as trainer_module
 from mmrl.flow.config import FlowGRPOConfig
-from mmrl.flow.pooled import concat_rollouts, importance_weights, step_seed
+from mmrl.flow.pooled import concat_rollouts, importance_weights
 from mmrl.flow.trainer import FlowGRPOTrainer
+from mmrl.seeding import request_seed
 from pipelines.flow.rollout import rollout
 
 CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "shapes_flow"
@@ -54,7 +55,7 @@ def test_synchronous_pool_equals_in_loop_rollouts(monkeypatch):
     def request_seeded(adapter, prompts, counts, config, generator=None, noise=None):
         # the in-loop path with the noise of the pool's single request of this step
         assert generator is plain.generator and noise is None
-        seed = step_seed(cfg.run.seed, 0, plain.step, 0)
+        seed = request_seed(cfg.run.seed, 0, plain.step, 0)
         return real_rollout(adapter, prompts, counts, config, torch.Generator().manual_seed(seed))
 
     monkeypatch.setattr(trainer_module, "rollout", request_seeded)
@@ -65,7 +66,7 @@ def test_synchronous_pool_equals_in_loop_rollouts(monkeypatch):
     initial = [p.detach().clone() for p in pooled.trainable]
     try:
         got = steps(pooled, 2)
-        assert pooled.rollout_pool.last.request_seeds == [step_seed(cfg.run.seed, 0, 1, 0)]
+        assert pooled.rollout_pool.last.request_seeds == [request_seed(cfg.run.seed, 0, 1, 0)]
     finally:
         pooled.cleanup()
     for want, have in zip(expected, got, strict=True):

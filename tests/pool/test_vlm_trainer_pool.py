@@ -1,0 +1,232 @@
+"""The VLM RLVR trainer on rollouts from an in-process pool: synchronous equals the in-loop path, asynchronous lag
+stays bounded and stale samples are importance-weighted, APRIL partial rollouts are carried and consumed exactly
+once, config validation. The committed shapes VLM, a few prompts per step."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmrl.config import load_config
+from mmrl.seeding import request_seed
+from mmrl.vlm.config import VLMRLVRConfig
+from mmrl.vlm.pooled import PooledVLMWorker
+from mmrl.vlm.trainer import VLMRLVRTrainer
+from pipelines.pool.weights import make_update
+from pipelines.vlm.backend import SamplingParams
+
+CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "shapes_vlm"
+#: per-step metrics that only the pooled path has, or that measure wall time
+POOL_ONLY = ("pool/", "tis/", "time/")
+
+
+def make_cfg(*overrides: str) -> VLMRLVRConfig:
+    return load_config(VLMRLVRConfig, None, [
+        f"model.path={CHECKPOINT}", "model.device=cpu", "run.progress=false", "run.tensorboard=false",
+        "data.train_limit=16", "data.eval_limit=4", "data.image_size=64", "generation.max_new_tokens=8",
+        "trainer.prompts_per_step=6", "trainer.steps=3", "trainer.lr=1e-2", "trainer.beta=0.0",
+        "trainer.minibatch_size=8", "trainer.num_generations=2",
+        *overrides,
+    ])
+
+
+def started(cfg: VLMRLVRConfig) -> VLMRLVRTrainer:
+    trainer = VLMRLVRTrainer(cfg, run=None)
+    trainer.setup()
+    return trainer
+
+
+def steps(trainer: VLMRLVRTrainer, n: int) -> list[dict[str, float]]:
+    out = []
+    for _ in range(n):
+        out.append(trainer.train_step())
+        trainer.step += 1
+    return out
+
+
+def lora(trainer: VLMRLVRTrainer) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in trainer.trainable]
+
+
+def test_synchronous_pool_equals_in_loop_rollouts():
+    cfg = make_cfg()
+    plain = started(cfg)
+    g = cfg.generation
+
+    def request_seeded(examples, n, temperature):
+        # the in-loop path with the seed the worker draws for the pool's single request of this step
+        seed = request_seed(cfg.run.seed, 0, plain.step, 0)
+        (sub,) = torch.randint(0, 2**31 - 1, (1,), generator=torch.Generator().manual_seed(seed)).tolist()
+        params = SamplingParams(temperature=temperature, top_p=g.top_p, max_new_tokens=g.max_new_tokens, n=n,
+                                seed=sub)
+        result = plain.backend.generate([plain._prompt(ex) for ex in examples], params)
+        plain.metrics.add("gen/skipped", float(len(result.skipped)))
+        return [(examples[s.prompt_index], s) for s in result.samples]
+
+    plain.generate = request_seeded
+    expected = steps(plain, 2)
+
+    pooled = started(make_cfg("pool.enabled=true", "pool.max_staleness=0"))
+    initial = lora(pooled)
+    try:
+        got = steps(pooled, 2)
+        assert pooled.rollout_pool.last.request_ids == ["step1-0"]
+    finally:
+        pooled.cleanup()
+    for want, have in zip(expected, got, strict=True):
+        assert have["pool/lag_max"] == 0 and have["pool/carried"] == 0 and have["pool/samples"] == 6
+        assert "tis/weight_mean" not in have  # on-policy transformers samples are not re-weighted
+        assert {k: v for k, v in have.items() if not k.startswith(POOL_ONLY)} == {
+            k: v for k, v in want.items() if not k.startswith(POOL_ONLY)
+        }
+        # the same behaviour log-probs: the worker sampled exactly what the in-loop backend did
+        assert have["tis/logprob_mismatch"] == want["tis/logprob_mismatch"] < 1e-4
+    assert expected[0]["adv/std"] > 0  # a learning signal, so the LoRA moved
+    for a, b in zip(plain.trainable, pooled.trainable, strict=True):
+        assert torch.equal(a, b)
+    assert any(not torch.equal(a, b) for a, b in zip(initial, pooled.trainable, strict=True))
+
+
+def test_async_group_lag_is_bounded_and_stale_samples_are_weighted():
+    trainer = started(make_cfg("pool.enabled=true", "pool.max_staleness=1", "trainer.mode=group",
+                               "trainer.prompts_per_step=2", "trainer.tis_mode=sequence"))
+    seen = []
+    original = trainer.rollout_pool.tis_weights
+
+    def record(old, behaviour, mask, rows):
+        w = original(old, behaviour, mask, rows)
+        seen.append((trainer.step, trainer.rollout_pool.lags[rows].clone(), w, mask))
+        return w
+
+    trainer.rollout_pool.tis_weights = record
+    metrics, lags = [], []
+    try:
+        for _ in range(3):
+            metrics.append(trainer.train_step())
+            lags.append(trainer.rollout_pool.last.sample_lags)
+            trainer.step += 1
+    finally:
+        trainer.cleanup()
+    # step 0 is on-policy; steps 1 and 2 were generated (with the previous weights) while the previous step trained
+    assert [int(lag.max()) for lag in lags] == [0, 1, 1] and all(int(lag.min()) >= 0 for lag in lags)
+    assert [m["pool/lag_max"] for m in metrics] == [0, 1, 1] and all(m["pool/samples"] == 4 for m in metrics)
+    assert "tis/weight_mean" not in metrics[0] and 0 < metrics[1]["tis/weight_mean"] <= 2.0
+    for step, row_lags, w, mask in seen:
+        if step == 0:
+            assert w is None
+            continue
+        stale = row_lags > 0
+        assert torch.equal(w[~stale], mask[~stale].float())  # lag 0: weight 1 (no engine TIS for hf)
+        sw = w[stale][mask[stale].bool()]
+        assert bool(((sw > 0) & (sw <= 2.0)).all())
+        for row in w[stale]:  # sequence TIS: one weight per sample
+            assert row[row > 0].unique().numel() == 1
+    stale_w = torch.cat([w[lag > 0].flatten() for s, lag, w, _ in seen if s == 1])
+    assert stale_w.numel() and not bool((stale_w[stale_w > 0] == 1).all())  # the policy moved after step 0
+
+
+def test_overprovisioned_partial_rollouts_are_carried_and_consumed_once(monkeypatch):
+    generate = PooledVLMWorker.generate
+
+    def slow_tail(self, request):
+        # requests 2 and 3 of a step are slow: the step's target (2 prompts) is met while they still run or wait
+        if int(request.request_id.rsplit("-", 1)[1]) >= 2:
+            time.sleep(0.4)
+        return generate(self, request)
+
+    monkeypatch.setattr(PooledVLMWorker, "generate", slow_tail)
+    trainer = started(make_cfg("pool.enabled=true", "pool.overprovision=1.0", "pool.prompts_per_request=1",
+                               "trainer.prompts_per_step=2", "trainer.steps=4"))
+    submitted, delivered, infos, metrics = [], [], [], []
+    pool = trainer.rollout_pool
+    original_submit = pool.pool.submit
+
+    def record_submit(requests, step=None):
+        submitted.extend((step, r.request_id, tuple(r.prompt_ids)) for r in requests)
+        return original_submit(requests, step=step)
+
+    pool.pool.submit = record_submit
+    try:
+        for _ in range(4):
+            metrics.append(trainer.train_step())
+            info = pool.last
+            infos.append(info)
+            delivered.extend(info.request_ids)
+            trainer.step += 1
+        left = set(pool.pending)
+        # what the last step carried: delivered at the next version (also, no generation outlives the test: an
+        # in-process worker's transformers sampling draws from the process's global RNG)
+        pool.pool.broadcast(make_update(trainer.model, version=4))
+        drained = [r.request_id for r in pool.pool.collect(4, timeout=60).results]
+    finally:
+        trainer.cleanup()
+    ids = [rid for _, rid, _ in submitted]
+    assert len(ids) == len(set(ids))  # every request id submitted once
+    assert sorted(drained) == sorted(left) == sorted(infos[-1].carried_ids)
+    assert sorted(delivered + drained) == sorted(ids)  # each delivered exactly once: none lost, none duplicated
+    # step 0: 4 prompts in flight for a target of 2; the 2 slow ones are carried and delivered first at step 1
+    assert [rid for s, rid, _ in submitted if s == 0] == [f"step0-{i}" for i in range(4)]
+    assert infos[0].request_ids == ["step0-0", "step0-1"] and infos[0].carried_ids == ["step0-2", "step0-3"]
+    assert metrics[0]["pool/carried"] == 2 and metrics[0]["pool/samples"] == 2
+    for prev, info in itertools.pairwise(infos):
+        assert info.request_ids[: len(prev.carried_ids)] == prev.carried_ids
+    # a step's new requests top it up to 4 prompts in flight, never with a prompt carried into it
+    for step in range(1, 4):
+        carried = {p for _, rid, prompts in submitted if rid in infos[step - 1].carried_ids for p in prompts}
+        new = [prompts for s, _, prompts in submitted if s == step]
+        assert len(carried) + sum(len(p) for p in new) == 4 and not carried & {p for ps in new for p in ps}
+    assert max(m["pool/lag_max"] for m in metrics) >= 1  # carried samples were made by an older version
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["generation.backend=vllm"], "generation.backend=hf"),
+        (["model.load_in_4bit=true"], "load_in_4bit"),
+        (["pool.overprovision=0.5"], "prompts_per_request"),
+        (["pool.overprovision=0.5", "pool.prompts_per_request=1", "pool.max_staleness=2"], "max_staleness <= 1"),
+        (["pool.overprovision=-0.5"], "overprovision"),
+        (["pool.tis_cap=0.5"], "tis_cap"),
+        (["pool.executor=threads"], "executor"),
+    ],
+)
+def test_pool_config_validation(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        make_cfg("pool.enabled=true", *overrides)
+
+
+def test_overprovision_beyond_the_train_set_is_refused():
+    with pytest.raises(ValueError, match="train examples"):
+        started(make_cfg("pool.enabled=true", "pool.overprovision=4.0", "pool.prompts_per_request=1"))
+
+
+def test_synchronous_pool_resumes_exactly(tmp_path, monkeypatch):
+    from mmrl.run import read_metrics
+    from mmrl.vlm import trainer as trainer_module
+
+    def cfg(name: str, *extra: str) -> VLMRLVRConfig:
+        return make_cfg("pool.enabled=true", f"run.output_dir={tmp_path}", f"run.name={name}", "run.save_every=1",
+                        "trainer.eval_every=3", *extra)
+
+    straight = trainer_module.main(cfg("a"))
+    original = VLMRLVRTrainer.train_step
+
+    def crash(self):
+        if self.step == 2:
+            raise KeyboardInterrupt
+        return original(self)
+
+    monkeypatch.setattr(VLMRLVRTrainer, "train_step", crash)
+    with pytest.raises(KeyboardInterrupt):
+        trainer_module.main(cfg("b"))
+    monkeypatch.setattr(VLMRLVRTrainer, "train_step", original)
+    # the new pool starts from the resumed LoRA as its version 0, the requests of step 2 have step 2's seeds
+    resumed = trainer_module.main(cfg("b", "run.resume=true"))
+    assert {k: v for k, v in resumed.items() if not k.startswith("time/")} == {
+        k: v for k, v in straight.items() if not k.startswith("time/")
+    }
+    assert len(read_metrics(tmp_path / "b")) == 4
