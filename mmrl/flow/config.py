@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import model_validator
@@ -155,6 +156,25 @@ class PoolSettings(Config):
         default_factory=dict,
         description="RayOptions of the actors (address, num_cpus, num_gpus, resources, runtime_env).",
     )
+
+    def build_pool(self, factory: Callable[[], Any]) -> Any:
+        """The :class:`~pipelines.pool.pool.RolloutPool` these settings describe, its workers built by ``factory``.
+
+        Raises:
+            ValueError: ``ray`` holds a key that is not a RayOptions field.
+        """
+        from pipelines.pool.executors import RayOptions
+        from pipelines.pool.pool import RolloutPool
+
+        ray = None
+        if self.executor == "ray":
+            try:
+                ray = RayOptions(**self.ray)
+            except TypeError as err:
+                raise ValueError(f"pool.ray: {err}; the keys are RayOptions fields (address, num_cpus, num_gpus, "
+                                 "resources, runtime_env)") from err
+        return RolloutPool(factory, self.num_workers, executor=self.executor, max_staleness=self.max_staleness,
+                           request_timeout=self.request_timeout, ray=ray)
 
 
 class FlowTrainerConfig(Config):

@@ -39,9 +39,7 @@ from mmrl.flow.trainer import StepBatch
 from mmrl.seeding import request_seed
 from pipelines.flow.adapters import Conditioning
 from pipelines.flow.rollout import Rollout, SamplingConfig, TransitionBatch, rescore, rollout
-from pipelines.pool.executors import RayOptions
 from pipelines.pool.flow_worker import FlowRolloutWorker
-from pipelines.pool.pool import RolloutPool
 from pipelines.pool.protocol import FULL_PRECISION, RolloutRequest, WeightUpdate
 from pipelines.pool.weights import make_update
 
@@ -181,15 +179,7 @@ class PooledRollouts:
             PooledFlowWorker.build, cfg.model.family, cfg.model.path, sampling, initial,
             device=device, torch_dtype=DTYPES[cfg.model.dtype], **cfg.model.options,
         )
-        ray = None
-        if p.executor == "ray":
-            try:
-                ray = RayOptions(**p.ray)
-            except TypeError as err:
-                raise ValueError(f"pool.ray: {err}; the keys are RayOptions fields (address, num_cpus, num_gpus, "
-                                 "resources, runtime_env)") from err
-        self.pool = RolloutPool(factory, p.num_workers, executor=p.executor, max_staleness=p.max_staleness,
-                                request_timeout=p.request_timeout, ray=ray)
+        self.pool = p.build_pool(factory)
 
     # ------------------------------------------------------------------ requests
     def make_requests(self, pool_step: int) -> list[FlowStepRequest]:

@@ -46,8 +46,6 @@ import torch
 from mmrl.core.losses import truncated_is_weights
 from mmrl.device import DTYPES
 from mmrl.seeding import request_seed
-from pipelines.pool.executors import RayOptions
-from pipelines.pool.pool import RolloutPool
 from pipelines.pool.protocol import RolloutRequest, WeightUpdate
 from pipelines.pool.vlm_worker import VLMRolloutWorker
 from pipelines.pool.weights import make_update
@@ -132,15 +130,7 @@ class PooledVLMRollouts:
             device=p.device if p.device is not None else str(trainer.device), torch_dtype=DTYPES[cfg.model.dtype],
             max_model_len=g.max_model_len, max_prompt_length=g.max_prompt_length, batch_size=g.batch_size,
         )
-        ray = None
-        if p.executor == "ray":
-            try:
-                ray = RayOptions(**p.ray)
-            except TypeError as err:
-                raise ValueError(f"pool.ray: {err}; the keys are RayOptions fields (address, num_cpus, num_gpus, "
-                                 "resources, runtime_env)") from err
-        self.pool = RolloutPool(factory, p.num_workers, executor=p.executor, max_staleness=p.max_staleness,
-                                request_timeout=p.request_timeout, ray=ray)
+        self.pool = p.build_pool(factory)
 
     # ------------------------------------------------------------------ requests
     def make_requests(self, pool_step: int) -> list[RolloutRequest]:
