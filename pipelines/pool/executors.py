@@ -15,6 +15,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import torch
+
 logger = logging.getLogger(__name__)
 
 
@@ -145,10 +148,38 @@ def import_ray() -> Any:
     return ray
 
 
+def _tensor_to_numpy(t: torch.Tensor) -> tuple[np.ndarray, str, str]:
+    """A tensor as a numpy array (bfloat16 as its int16 bits), with its dtype and device."""
+    dtype = str(t.dtype).removeprefix("torch.")
+    data = t.detach().contiguous().cpu()
+    if t.dtype == torch.bfloat16:
+        data = data.view(torch.int16)
+    return data.numpy(), dtype, str(t.device)
+
+
+def _tensor_from_numpy(packed: tuple[np.ndarray, str, str]) -> torch.Tensor:
+    array, dtype, device = packed
+    # the object store hands out read-only buffers: copy (a memcpy) rather than share them with writers
+    t = torch.from_numpy(np.array(array, copy=True))
+    if dtype == "bfloat16":
+        t = t.view(torch.bfloat16)
+    return t if device == "cpu" or not torch.cuda.is_available() else t.to(device)
+
+
+def register_tensor_serializer(ray: Any) -> None:
+    """Send torch tensors through Ray as numpy arrays: Ray moves those out of band (no pickling of the bytes),
+    where a tensor's own pickling copies its storage through ``torch.save`` (measured: 16.7 ms vs 5.2 ms for a
+    7 MB trajectory even in band). Needed in every process that sends or receives tensors."""
+    ray.util.register_serializer(torch.Tensor, serializer=_tensor_to_numpy, deserializer=_tensor_from_numpy)
+
+
 class _Host:
     """The body of a Ray actor: builds its member from the factory and forwards calls to it."""
 
     def __init__(self, factory: Callable[[], Any]) -> None:
+        import ray
+
+        register_tensor_serializer(ray)
         self.member = factory()
 
     def ready(self) -> bool:
@@ -180,6 +211,7 @@ class RayExecutor(Executor):
             self.ray.init(address=self.options.address, include_dashboard=False)
             # a cluster this executor started is stopped with it; a cluster the caller joined is left alone
             self.owns_ray = self.options.address is None
+        register_tensor_serializer(self.ray)
         self.factory = factory
         self.actor_class = self.ray.remote(_Host).options(
             num_cpus=self.options.num_cpus,
