@@ -267,3 +267,19 @@ def test_scoring_overlaps_generation(requests_factory):
     # generation of request i+1 runs while request i is scored: 4 x 0.15 s each, ~0.75 s instead of 1.2 s
     overlaps = sum(1 for g in gen for s in score if g[0] < s[1] and s[0] < g[1])
     assert overlaps >= 2 and elapsed < 1.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool])
+def test_ray_tensor_serializer_round_trips_exactly(dtype):
+    from pipelines.pool.executors import _tensor_from_numpy, _tensor_to_numpy
+
+    source = (torch.randn(4, 6) * 100).to(dtype).t()  # non-contiguous
+    if dtype.is_floating_point:
+        source.requires_grad_(True)
+    packed = _tensor_to_numpy(source)
+    packed[0].setflags(write=False)  # as the object store hands it out
+    back = _tensor_from_numpy(packed)
+    assert back.dtype == dtype and back.shape == source.shape and not back.requires_grad
+    assert torch.equal(back, source.detach())
+    back.zero_()  # a private, writable copy
+    assert not torch.equal(back, source.detach())
