@@ -230,3 +230,23 @@ def test_synchronous_pool_resumes_exactly(tmp_path, monkeypatch):
         k: v for k, v in straight.items() if not k.startswith("time/")
     }
     assert len(read_metrics(tmp_path / "b")) == 4
+
+
+def test_ray_pool_trains_like_the_inprocess_pool():
+    pytest.importorskip("ray")
+    overrides = ("pool.enabled=true", "pool.max_staleness=0")
+    local_trainer = started(make_cfg(*overrides))
+    try:
+        local = steps(local_trainer, 2)
+    finally:
+        local_trainer.cleanup()
+    remote_trainer = started(make_cfg(*overrides, "pool.executor=ray", "pool.ray={num_cpus: 1}",
+                                      "pool.request_timeout=300"))
+    try:
+        remote = steps(remote_trainer, 2)
+    finally:
+        remote_trainer.cleanup()
+    # the same request seeds on a Ray actor: the same answers, rewards and updates
+    for a, b in zip(local, remote, strict=True):
+        assert {k: v for k, v in a.items() if not k.startswith(POOL_ONLY)} == pytest.approx(
+            {k: v for k, v in b.items() if not k.startswith(POOL_ONLY)}, rel=1e-5, abs=1e-6)
