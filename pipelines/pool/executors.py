@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,14 +70,19 @@ class InProcessExecutor(Executor):
     Args:
         factory: builds one member (called in the member's thread, so CUDA state is created there).
         num_members: members to host.
+        drain_s: at :meth:`shutdown`, how long to wait for the calls live members are running (queued calls are
+            cancelled). A generation left running after its pool closed would go on using the GPU and the
+            process-wide RNG behind the caller's back.
     """
 
     kind = "in-process"
 
-    def __init__(self, factory: Callable[[], Any], num_members: int) -> None:
+    def __init__(self, factory: Callable[[], Any], num_members: int, drain_s: float = 60.0) -> None:
         self.factory = factory
+        self.drain_s = drain_s
         self.threads: list[ThreadPoolExecutor | None] = [None] * num_members
         self.members: list[Any] = [None] * num_members
+        self.running: list[Future | None] = [None] * num_members  # the latest call of each member
 
     def start(self, index: int) -> Future:
         thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pool-member-{index}")
@@ -97,7 +102,9 @@ class InProcessExecutor(Executor):
         if thread is None:
             raise RuntimeError(f"member {index} is not running")
         # resolved in the member thread, after build() (same FIFO thread), so the member exists by then
-        return thread.submit(lambda: getattr(self.members[index], method)(*args))
+        future = thread.submit(lambda: getattr(self.members[index], method)(*args))
+        self.running[index] = future
+        return future
 
     def kill(self, index: int) -> None:
         thread = self.threads[index]
@@ -105,10 +112,14 @@ class InProcessExecutor(Executor):
             thread.shutdown(wait=False, cancel_futures=True)
         self.threads[index] = None
         self.members[index] = None
+        self.running[index] = None
 
     def shutdown(self) -> None:
+        # a killed (hung) member is not waited for: its entry is gone; a live member's call in progress is
+        in_flight = [f for f, t in zip(self.running, self.threads, strict=True) if f is not None and t is not None]
         for index in range(len(self.threads)):
             self.kill(index)
+        wait([f for f in in_flight if not f.cancelled()], timeout=self.drain_s)
 
 
 @dataclass

@@ -283,3 +283,25 @@ def test_ray_tensor_serializer_round_trips_exactly(dtype):
     assert torch.equal(back, source.detach())
     back.zero_()  # a private, writable copy
     assert not torch.equal(back, source.detach())
+
+
+def test_inprocess_shutdown_waits_for_running_calls_and_cancels_queued_ones():
+    from pipelines.pool.executors import InProcessExecutor
+
+    class Slow:
+        def __init__(self) -> None:
+            self.done: list[int] = []
+
+        def work(self, i: int) -> int:
+            time.sleep(0.3)
+            self.done.append(i)
+            return i
+
+    executor = InProcessExecutor(Slow, 1)
+    executor.start(0).result()
+    member = executor.members[0]
+    running = executor.call(0, "work", 1)
+    queued = executor.call(0, "work", 2)
+    time.sleep(0.05)  # the first call is running, the second waits in the member's queue
+    executor.shutdown()
+    assert member.done == [1] and running.result() == 1 and queued.cancelled()
