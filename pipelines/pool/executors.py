@@ -82,7 +82,7 @@ class InProcessExecutor(Executor):
         self.drain_s = drain_s
         self.threads: list[ThreadPoolExecutor | None] = [None] * num_members
         self.members: list[Any] = [None] * num_members
-        self.running: list[Future | None] = [None] * num_members  # the latest call of each member
+        self.pending: list[set[Future]] = [set() for _ in range(num_members)]  # calls not finished, per member
 
     def start(self, index: int) -> Future:
         thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pool-member-{index}")
@@ -103,7 +103,9 @@ class InProcessExecutor(Executor):
             raise RuntimeError(f"member {index} is not running")
         # resolved in the member thread, after build() (same FIFO thread), so the member exists by then
         future = thread.submit(lambda: getattr(self.members[index], method)(*args))
-        self.running[index] = future
+        pending = self.pending[index]
+        pending.add(future)
+        future.add_done_callback(pending.discard)
         return future
 
     def kill(self, index: int) -> None:
@@ -112,14 +114,14 @@ class InProcessExecutor(Executor):
             thread.shutdown(wait=False, cancel_futures=True)
         self.threads[index] = None
         self.members[index] = None
-        self.running[index] = None
+        self.pending[index] = set()
 
     def shutdown(self) -> None:
-        # a killed (hung) member is not waited for: its entry is gone; a live member's call in progress is
-        in_flight = [f for f, t in zip(self.running, self.threads, strict=True) if f is not None and t is not None]
+        # a killed (hung) member is not waited for (its calls were forgotten); a live member's running call is
+        live = [set(p) for p, t in zip(self.pending, self.threads, strict=True) if t is not None]
         for index in range(len(self.threads)):
-            self.kill(index)
-        wait([f for f in in_flight if not f.cancelled()], timeout=self.drain_s)
+            self.kill(index)  # cancels the queued calls
+        wait([f for calls in live for f in calls if not f.cancelled()], timeout=self.drain_s)
 
 
 @dataclass
