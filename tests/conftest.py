@@ -9,3 +9,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def interrupted_then_resumed(monkeypatch):
+    """``run(trainer_cls, main, crash_cfg, resume_cfg, at)``: ``main(crash_cfg)`` interrupted by a
+    KeyboardInterrupt when the trainer is about to run step ``at + 1``, then ``main(resume_cfg)``; returns the
+    resumed run's final metrics (the exact-resume tests of every recipe)."""
+
+    def run(trainer_cls, main, crash_cfg, resume_cfg, at: int):
+        original = trainer_cls.train_step
+
+        def crash(self):
+            if self.step == at:
+                raise KeyboardInterrupt
+            return original(self)
+
+        monkeypatch.setattr(trainer_cls, "train_step", crash)
+        with pytest.raises(KeyboardInterrupt):
+            main(crash_cfg)
+        monkeypatch.setattr(trainer_cls, "train_step", original)
+        return main(resume_cfg)
+
+    return run
+

@@ -131,21 +131,11 @@ def test_eval_rewards_replace_the_training_rewards_in_evaluation(model_dir, tmp_
         make_cfg(model_dir, tmp_path, "ev2", "eval_rewards=[]")
 
 
-def test_resume_is_exact(model_dir, tmp_path, monkeypatch):
+def test_resume_is_exact(model_dir, tmp_path, interrupted_then_resumed):
     args = ("trainer.steps=3", "run.save_every=1", "trainer.eval_every=3")
     straight = main(make_cfg(model_dir, tmp_path, "a", *args))
-    original = FlowGRPOTrainer.train_step
-
-    def crash(self):
-        if self.step == 2:
-            raise KeyboardInterrupt
-        return original(self)
-
-    monkeypatch.setattr(FlowGRPOTrainer, "train_step", crash)
-    with pytest.raises(KeyboardInterrupt):
-        main(make_cfg(model_dir, tmp_path, "b", *args))
-    monkeypatch.setattr(FlowGRPOTrainer, "train_step", original)
-    resumed = main(make_cfg(model_dir, tmp_path, "b", *args, "run.resume=true"))
+    resumed = interrupted_then_resumed(FlowGRPOTrainer, main, make_cfg(model_dir, tmp_path, "b", *args),
+                                       make_cfg(model_dir, tmp_path, "b", *args, "run.resume=true"), at=2)
     drop = ("time/rollout_s", "time/train_s")
     assert {k: v for k, v in resumed.items() if k not in drop} == {k: v for k, v in straight.items() if k not in drop}
     assert len(read_metrics(tmp_path / "b")) == 4

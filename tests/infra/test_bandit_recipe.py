@@ -28,23 +28,13 @@ def test_heldout_success_goes_up(tmp_path):
     assert final["eval/heldout_success"] > first["eval/heldout_success"] + 0.2
 
 
-def test_resume_reproduces_uninterrupted_run(tmp_path, monkeypatch):
+def test_resume_reproduces_uninterrupted_run(tmp_path, interrupted_then_resumed):
     args = ("trainer.steps=12", "allocation.selection=thompson", "allocation.method=knapsack", "run.save_every=4")
     straight = main(cfg_for(tmp_path, "straight", *args))
 
     # Interrupt the second run in its 7th step: the last checkpoint is step 4, steps 5-6 were logged after it.
-    original = BanditTrainer.train_step
-
-    def crashing(self):
-        if self.step == 6:
-            raise KeyboardInterrupt
-        return original(self)
-
-    monkeypatch.setattr(BanditTrainer, "train_step", crashing)
-    with pytest.raises(KeyboardInterrupt):
-        main(cfg_for(tmp_path, "split", *args))
-    monkeypatch.setattr(BanditTrainer, "train_step", original)
-    resumed = main(cfg_for(tmp_path, "split", *args, "run.resume=true"))
+    resumed = interrupted_then_resumed(BanditTrainer, main, cfg_for(tmp_path, "split", *args),
+                                       cfg_for(tmp_path, "split", *args, "run.resume=true"), at=6)
 
     assert resumed == straight
     strip = lambda rs: [{k: v for k, v in r.items() if k != "time"} for r in rs]  # noqa: E731

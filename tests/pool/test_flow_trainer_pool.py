@@ -133,7 +133,7 @@ def test_pool_config_validation(overrides, match):
         make_cfg("pool.enabled=true", *overrides)
 
 
-def test_synchronous_pool_resumes_exactly(tmp_path, monkeypatch):
+def test_synchronous_pool_resumes_exactly(tmp_path, interrupted_then_resumed):
     from mmrl.run import read_metrics
 
     def cfg(name: str, *extra: str) -> FlowGRPOConfig:
@@ -141,19 +141,9 @@ def test_synchronous_pool_resumes_exactly(tmp_path, monkeypatch):
                         "trainer.eval_every=3", "trainer.eval_prompts=2", "sampling.eval_num_steps=2", *extra)
 
     straight = trainer_module.main(cfg("a"))
-    original = FlowGRPOTrainer.train_step
-
-    def crash(self):
-        if self.step == 2:
-            raise KeyboardInterrupt
-        return original(self)
-
-    monkeypatch.setattr(FlowGRPOTrainer, "train_step", crash)
-    with pytest.raises(KeyboardInterrupt):
-        trainer_module.main(cfg("b"))
-    monkeypatch.setattr(FlowGRPOTrainer, "train_step", original)
     # the new pool starts from the resumed LoRA as its version 0
-    resumed = trainer_module.main(cfg("b", "run.resume=true"))
+    resumed = interrupted_then_resumed(FlowGRPOTrainer, trainer_module.main, cfg("b"), cfg("b", "run.resume=true"),
+                                       at=2)
     assert {k: v for k, v in resumed.items() if not k.startswith("time/")} == {
         k: v for k, v in straight.items() if not k.startswith("time/")
     }

@@ -204,7 +204,7 @@ def test_overprovision_beyond_the_train_set_is_refused():
         started(make_cfg("pool.enabled=true", "pool.overprovision=4.0", "pool.prompts_per_request=1"))
 
 
-def test_synchronous_pool_resumes_exactly(tmp_path, monkeypatch):
+def test_synchronous_pool_resumes_exactly(tmp_path, interrupted_then_resumed):
     from mmrl.run import read_metrics
     from mmrl.vlm import trainer as trainer_module
 
@@ -213,19 +213,9 @@ def test_synchronous_pool_resumes_exactly(tmp_path, monkeypatch):
                         "trainer.eval_every=3", *extra)
 
     straight = trainer_module.main(cfg("a"))
-    original = VLMRLVRTrainer.train_step
-
-    def crash(self):
-        if self.step == 2:
-            raise KeyboardInterrupt
-        return original(self)
-
-    monkeypatch.setattr(VLMRLVRTrainer, "train_step", crash)
-    with pytest.raises(KeyboardInterrupt):
-        trainer_module.main(cfg("b"))
-    monkeypatch.setattr(VLMRLVRTrainer, "train_step", original)
     # the new pool starts from the resumed LoRA as its version 0, the requests of step 2 have step 2's seeds
-    resumed = trainer_module.main(cfg("b", "run.resume=true"))
+    resumed = interrupted_then_resumed(VLMRLVRTrainer, trainer_module.main, cfg("b"), cfg("b", "run.resume=true"),
+                                       at=2)
     assert {k: v for k, v in resumed.items() if not k.startswith("time/")} == {
         k: v for k, v in straight.items() if not k.startswith("time/")
     }
