@@ -227,6 +227,7 @@ def diffusion_nft_loss(
     v_target: torch.Tensor,
     optimality: torch.Tensor,
     beta: float = 1.0,
+    sigma: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """DiffusionNFT negative-aware flow-matching loss, per sample (Zheng et al. 2509.16117 eq. 8).
 
@@ -241,6 +242,10 @@ def diffusion_nft_loss(
         v_target: ``[B, ...]`` flow-matching target ``eps - x0``.
         optimality: ``[B]`` in [0, 1].
         beta: guidance strength of the implicit policies.
+        sigma: ``[B]`` noise levels of the points. When given, each error is measured on the implied clean image,
+            ``x0_hat - x0 = sigma (v* - v)``, and divided by its own detached mean absolute value (the adaptive
+            weighting of DiffusionNFT's reference code): every point then pulls with comparable strength whatever
+            its noise level, instead of the few large-error points dominating the batch.
 
     Returns:
         ``[B]`` losses (mean over non-batch dims).
@@ -251,10 +256,20 @@ def diffusion_nft_loss(
     v_old = v_old.detach()
     positive = (1.0 - beta) * v_old + beta * v_theta
     negative = (1.0 + beta) * v_old - beta * v_theta
-    pos_err = ((positive - v_target) ** 2).flatten(1).mean(1)
-    neg_err = ((negative - v_target) ** 2).flatten(1).mean(1)
+    if sigma is None:
+        pos_err = ((positive - v_target) ** 2).flatten(1).mean(1)
+        neg_err = ((negative - v_target) ** 2).flatten(1).mean(1)
+    else:
+        pos_err, neg_err = _adaptive_x0_error(positive - v_target, sigma), _adaptive_x0_error(negative - v_target, sigma)
     r = optimality.to(pos_err.dtype)
     return r * pos_err + (1.0 - r) * neg_err
+
+
+def _adaptive_x0_error(v_err: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """``mean(e^2) / sg(mean|e|)`` per sample of the clean-image error ``e = sigma * v_err``."""
+    x0_err = sigma.view(-1, *([1] * (v_err.ndim - 1))) * v_err
+    scale = x0_err.detach().abs().flatten(1).mean(1).clamp(min=1e-5)
+    return (x0_err ** 2).flatten(1).mean(1) / scale
 
 
 def reward_weighted_fm_loss(v_theta: torch.Tensor, v_target: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -184,6 +184,9 @@ class FlowTrainerConfig(Config):
     )
     steps: int = Field(100, ge=1, description="Training steps (one rollout batch each).")
     lr: float = Field(3e-4, gt=0, description="AdamW learning rate.")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="cosine: decay from lr to 0 over trainer.steps (late steps then add little drift).",
+    )
     weight_decay: float = Field(1e-4, ge=0, description="AdamW weight decay.")
     optimizer: Literal["adamw", "adamw8bit"] = Field("adamw", description="adamw8bit: bitsandbytes 8-bit AdamW.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
@@ -213,6 +216,17 @@ class FlowTrainerConfig(Config):
     drop_zero_advantage: bool = Field(True, description="Skip samples whose advantage is exactly 0.")
     nft_beta: float = Field(1.0, gt=0, description="DiffusionNFT implicit-policy strength.")
     nft_timesteps: int = Field(2, ge=1, description="Noise levels sampled per image by the likelihood-free objectives (nft, rwr).")
+    shared_regression_noise: bool = Field(
+        True, description="nft/rwr: the images of one prompt share each regression point's sigma and noise, so the "
+        "noise, common to the group, cancels in the advantage-weighted gradient (common random numbers).",
+    )
+    old_policy_decay: float | None = Field(
+        None, gt=0, lt=1, description="Soft-updated sampling policy (DiffusionNFT): rollouts and v_old come from "
+        "an EMA of the trained weights with this decay (null: the current weights, fully on-policy).",
+    )
+    nft_adaptive_weight: bool = Field(
+        False, description="nft: divide each sample's x0-space error by its (detached) mean absolute value.",
+    )
     ema_decay: float | None = Field(None, gt=0, lt=1, description="EMA of trainable weights for eval (null: off).")
     eval_every: int = Field(10, ge=1, description="Evaluate on held-out prompts every this many steps.")
     eval_prompts: int = Field(64, ge=1, description="Held-out prompts scored per evaluation.")

@@ -214,7 +214,9 @@ class PooledRollouts:
         if self.pool.version < k:
             # published here rather than after the update, so the trainer needs no hook in its objectives;
             # nothing changes the weights between the end of train_step and the next collect
-            self.pool.broadcast(make_update(t.adapter.transformer, version=k))
+            with t.sampling_weights():
+                update = make_update(t.adapter.transformer, version=k)
+            self.pool.broadcast(update)
         while self.submitted <= max(k, min(k + self.settings.max_staleness, self.last_step)):
             self.pool.submit(self.make_requests(self.submitted), step=self.submitted)
             self.submitted += 1

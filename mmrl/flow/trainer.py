@@ -20,7 +20,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,12 @@ logger = logging.getLogger(__name__)
 EVAL_SEED = 1234  # evaluation noise is the same at every evaluation, so scores are comparable across steps
 
 
+def prompt_ids(prompts: list[str]) -> torch.Tensor:
+    """``[B]`` group id of each sample: the index of its prompt's first occurrence."""
+    ids: dict[str, int] = {}
+    return torch.tensor([ids.setdefault(p, len(ids)) for p in prompts])
+
+
 @dataclass
 class StepBatch:
     """What one rollout step hands to the update, whatever the rollout mode.
@@ -76,6 +82,11 @@ class StepBatch:
     cond: Conditioning
     sample_adv: torch.Tensor
     nfe: int
+
+    @property
+    def groups(self) -> torch.Tensor:
+        """``[B]`` group id of each final sample (the images of one prompt form a group)."""
+        return prompt_ids(self.prompts)
 
 
 class FlowGRPOTrainer:
@@ -166,6 +177,8 @@ class FlowGRPOTrainer:
             self.explore_memory = {"explore/weight_mb_policy": full / 1e6, "explore/weight_mb_explorer": small / 1e6}
         self.stats = PromptStats(rho=cfg.allocation.rho)
         self.ema = EMA(transformer, cfg.trainer.ema_decay) if cfg.trainer.ema_decay else None
+        decay = cfg.trainer.old_policy_decay
+        self.old_policy = EMA(transformer, decay) if decay else None
         # 5. resume
         if self.run is not None:
             ckpt = self.run.resume_checkpoint()
@@ -310,11 +323,12 @@ class FlowGRPOTrainer:
         )
         self.adapter.transformer.eval()
         start = time.perf_counter()
-        explored = self._explore(prompts) if self.explorer is not None else None
-        if self.cfg.sampling.rollout == "branch":
-            batch = self._collect_branch(prompts, explored)
-        else:
-            batch = self._collect_flat(prompts, explored)
+        with self.sampling_weights():
+            explored = self._explore(prompts) if self.explorer is not None else None
+            if self.cfg.sampling.rollout == "branch":
+                batch = self._collect_branch(prompts, explored)
+            else:
+                batch = self._collect_flat(prompts, explored)
         self.metrics.add("time/rollout_s", time.perf_counter() - start)
         self.metrics.add("nfe/rollout", float(batch.nfe))
         self.nfe_total += batch.nfe
@@ -411,6 +425,10 @@ class FlowGRPOTrainer:
         _all_reduce_grads(self.trainable, self.world_size)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.trainer.max_grad_norm)
         self.metrics.add("train/grad_norm", grad_norm)
+        t = self.cfg.trainer
+        if t.lr_schedule == "cosine":  # a function of the training step, so a resumed run continues it exactly
+            for group in self.optimizer.param_groups:
+                group["lr"] = t.lr * 0.5 * (1.0 + math.cos(math.pi * self.step / t.steps))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
@@ -463,7 +481,7 @@ class FlowGRPOTrainer:
                 if (i + 1) % accum == 0 or i + 1 == len(batches):
                     self._optimizer_step()
 
-    def _noised(self, x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _noised(self, x0: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Forward-process points for the likelihood-free objectives: ``nft_timesteps`` noise levels per image,
         drawn from the sigmas the sampler visits. (Uniform sigmas put most of the loss where the model was never
         trained or used: near sigma = 0 the target ``eps - x0`` is unpredictable noise, and its gradients wrecked
@@ -474,20 +492,26 @@ class FlowGRPOTrainer:
         s = self.cfg.sampling
         schedule = self.adapter.sigmas(s.num_steps, s.height, s.width, s.num_frames).float().cpu()
         schedule = schedule[schedule > 0]
-        rows = torch.arange(x0.shape[0]).repeat(self.cfg.trainer.nft_timesteps)
-        sigma = schedule[torch.randint(schedule.numel(), (rows.numel(),), generator=self.generator)]
-        eps = torch.randn((rows.numel(), *x0.shape[1:]), generator=self.generator)
+        t = self.cfg.trainer
+        rows = torch.arange(x0.shape[0]).repeat(t.nft_timesteps)
+        # a draw per (group, timestep) when the group shares them, else per (image, timestep)
+        owner = groups if t.shared_regression_noise else torch.arange(x0.shape[0])
+        n_owners = int(owner.max()) + 1
+        draw = (owner.repeat(t.nft_timesteps) + n_owners * torch.arange(t.nft_timesteps).repeat_interleave(x0.shape[0]))
+        n_draws = n_owners * t.nft_timesteps
+        sigma = schedule[torch.randint(schedule.numel(), (n_draws,), generator=self.generator)][draw]
+        eps = torch.randn((n_draws, *x0.shape[1:]), generator=self.generator)[draw]
         sig = sigma.view(-1, *([1] * (x0.ndim - 1)))
         return rows, sigma, (1 - sig) * x0[rows] + sig * eps, eps - x0[rows]
 
-    def nft_update(self, x0: torch.Tensor, cond: Conditioning, adv: torch.Tensor) -> None:
+    def nft_update(self, x0: torch.Tensor, cond: Conditioning, adv: torch.Tensor, groups: torch.Tensor) -> None:
         """DiffusionNFT on the final samples ``x0 [B, ...]``: ``r = clip(0.5 + 0.5 A / A_max, 0, 1)`` is each
         image's optimality probability."""
         t = self.cfg.trainer
         optimality = (0.5 + 0.5 * adv / t.adv_clip_max).clamp(0, 1)
-        rows, sigma, x_t, target = self._noised(x0)
+        rows, sigma, x_t, target = self._noised(x0, groups)
         cond = cond.select(rows)
-        with torch.no_grad():
+        with torch.no_grad(), self.sampling_weights():
             self.adapter.transformer.eval()
             v_old = torch.cat([
                 self.adapter.velocity(x_t[idx].to(self.device), sigma[idx].to(self.device), cond.select(idx),
@@ -498,11 +522,12 @@ class FlowGRPOTrainer:
 
         def loss_fn(v: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
             return loss_lib.diffusion_nft_loss(v, v_old[idx].to(v.device), target[idx].to(v.device),
-                                               optimality[rows[idx]].to(v.device), t.nft_beta)
+                                               optimality[rows[idx]].to(v.device), t.nft_beta,
+                                               sigma=sigma[idx].to(v.device) if t.nft_adaptive_weight else None)
 
         self._regress(x_t, sigma, cond, loss_fn)
 
-    def rwr_update(self, x0: torch.Tensor, cond: Conditioning, adv: torch.Tensor) -> None:
+    def rwr_update(self, x0: torch.Tensor, cond: Conditioning, adv: torch.Tensor, groups: torch.Tensor) -> None:
         """Advantage-weighted flow matching on the final samples (weights ``max(A, 0)``): only the images the
         reward prefers to their group are regressed on."""
         weights = adv.clamp(min=0)
@@ -510,7 +535,7 @@ class FlowGRPOTrainer:
         if keep.numel() == 0:
             self.metrics.add("train/skipped_no_signal", 1.0)
             return
-        rows, sigma, x_t, target = self._noised(x0[keep])
+        rows, sigma, x_t, target = self._noised(x0[keep], groups[keep])
         cond = cond.select(keep).select(rows)
         w = weights[keep][rows]
 
@@ -518,6 +543,17 @@ class FlowGRPOTrainer:
             return loss_lib.reward_weighted_fm_loss(v, target[idx].to(v.device), w[idx].to(v.device))
 
         self._regress(x_t, sigma, cond, loss_fn)
+
+    def sampling_weights(self) -> AbstractContextManager[None]:
+        """The sampling ("old") policy's weights, swapped in for the block.
+
+        With ``trainer.old_policy_decay`` the rollouts, and DiffusionNFT's ``v_old``, come from an EMA of the
+        trained weights (DiffusionNFT's soft update of the old policy). NFT's loss pulls the trained weights toward
+        ``v_old`` by ``beta^2 ||v - v_old||^2``; with ``v_old`` the current weights that pull is zero at every
+        step, and the noise of small batches drifted the shapes model off within 100 steps. Without the option the
+        block runs on the current weights (fully on-policy).
+        """
+        return self.old_policy.swapped() if self.old_policy is not None else nullcontext()
 
     def _regression_guidance(self, cond: Conditioning) -> float:
         """Guidance of the regressed velocity. With ``train_cfg`` it is the guided velocity the images were sampled
@@ -563,9 +599,11 @@ class FlowGRPOTrainer:
         if objective == "grpo":
             self.grpo_update(batch.transitions, batch.adv)
         elif objective == "nft":
-            self.nft_update(batch.final_latents, batch.cond, batch.sample_adv)
+            self.nft_update(batch.final_latents, batch.cond, batch.sample_adv, batch.groups)
         else:
-            self.rwr_update(batch.final_latents, batch.cond, batch.sample_adv)
+            self.rwr_update(batch.final_latents, batch.cond, batch.sample_adv, batch.groups)
+        if self.old_policy is not None:
+            self.old_policy.update()
         self.metrics.add("time/train_s", time.perf_counter() - start)
         if self.run is not None and (self.step + 1) % self.cfg.trainer.sample_every == 0:
             self.run.save_image_grid(self.step + 1, batch.images[:16], batch.prompts[:16], tag="train")
@@ -617,6 +655,7 @@ class FlowGRPOTrainer:
             "optimizer": self.optimizer.state_dict(),
             "stats": self.stats.state_dict(),
             "ema": self.ema.state_dict() if self.ema is not None else None,
+            "old_policy": self.old_policy.state_dict() if self.old_policy is not None else None,
             "rng": get_rng_state({"train": self.generator}),
         }
 
@@ -628,6 +667,8 @@ class FlowGRPOTrainer:
         self.stats.load_state_dict(state["stats"])
         if self.ema is not None and state.get("ema") is not None:
             self.ema.load_state_dict(state["ema"])
+        if self.old_policy is not None and state.get("old_policy") is not None:
+            self.old_policy.load_state_dict(state["old_policy"])
         set_rng_state(state["rng"], {"train": self.generator})
 
     def save_lora(self, directory: Path) -> None:

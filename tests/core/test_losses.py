@@ -121,6 +121,17 @@ def test_diffusion_nft_loss_reduces_to_flow_matching_at_beta_one_positive():
     torch.testing.assert_close(out, fm)  # v+ = v- = v when v_theta == v_old
 
 
+def test_diffusion_nft_loss_adaptive_weight_by_hand():
+    v_old = torch.zeros(1, 2)
+    target = torch.tensor([[2.0, -6.0]])
+    # v == v_old: v+ = v- = 0, velocity error [-2, 6]; clean-image error at sigma 0.25: [-0.5, 1.5]
+    out = L.diffusion_nft_loss(v_old.clone(), v_old, target, torch.tensor([0.3]), sigma=torch.tensor([0.25]))
+    torch.testing.assert_close(out, torch.tensor([((0.25 + 2.25) / 2) / 1.0]))
+    # the weight is detached, so the loss grows linearly (not quadratically) with the error's scale
+    big = L.diffusion_nft_loss(v_old.clone(), v_old, 3 * target, torch.tensor([0.3]), sigma=torch.tensor([0.25]))
+    torch.testing.assert_close(big, 3 * out)
+
+
 @pytest.mark.gpu
 def test_core_functions_match_on_cuda():
     from mmrl.core import advantages as A

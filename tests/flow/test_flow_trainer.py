@@ -97,15 +97,55 @@ def test_rwr_objective_trains_on_clean_ode_samples_with_guided_regression(model_
     assert trainer._regression_guidance(batch.cond) == 2.0
     assert trainer._regression_guidance(batch.cond.select([0])) == 2.0
     before = [p.detach().clone() for p in trainer.trainable]
-    trainer.rwr_update(batch.final_latents, batch.cond, batch.sample_adv)
+    trainer.rwr_update(batch.final_latents, batch.cond, batch.sample_adv, batch.groups)
     moved = any(not torch.equal(b, p) for b, p in zip(before, trainer.trainable, strict=True))
     assert moved == bool((batch.sample_adv > 0).any())
     # nothing preferred in any group: no update at all
     before = [p.detach().clone() for p in trainer.trainable]
-    trainer.rwr_update(batch.final_latents, batch.cond, torch.zeros_like(batch.sample_adv))
+    trainer.rwr_update(batch.final_latents, batch.cond, torch.zeros_like(batch.sample_adv), batch.groups)
     assert all(torch.equal(b, p) for b, p in zip(before, trainer.trainable, strict=True))
     grpo = FlowGRPOTrainer(make_cfg(model_dir, tmp_path, "g", "sampling.window_schedule=fixed"), None)
     assert grpo.sde_window(0) == (0, 2)
+
+
+def test_regression_points_share_sigma_and_noise_within_a_prompt_group(model_dir, tmp_path):
+    x0 = torch.randn(6, 3, 8, 8)
+    groups = torch.tensor([0, 0, 0, 1, 1, 1])
+    for shared in (True, False):
+        cfg = make_cfg(model_dir, tmp_path, f"crn{shared}", "trainer.objective=nft", "trainer.nft_timesteps=2",
+                       f"trainer.shared_regression_noise={str(shared).lower()}")
+        trainer = FlowGRPOTrainer(cfg, None)
+        trainer.setup()
+        rows, sigma, x_t, target = trainer._noised(x0, groups)
+        assert rows.tolist() == [0, 1, 2, 3, 4, 5] * 2
+        eps = target + x0[rows]  # v* = eps - x0
+        torch.testing.assert_close(x_t, (1 - sigma.view(-1, 1, 1, 1)) * x0[rows] + sigma.view(-1, 1, 1, 1) * eps)
+        same_draw = [(0, 1), (1, 2), (3, 4), (6, 7), (9, 11)]  # same group, same timestep
+        assert all(torch.allclose(eps[a], eps[b], atol=1e-6) == shared for a, b in same_draw)
+        if shared:
+            assert all(sigma[a] == sigma[b] for a, b in same_draw)
+        assert not torch.allclose(eps[0], eps[3]) and not torch.allclose(eps[0], eps[6])  # other group, other timestep
+
+
+def test_soft_updated_old_policy_samples_and_is_checkpointed(model_dir, tmp_path):
+    cfg = make_cfg(model_dir, tmp_path, "old", "trainer.objective=nft", "trainer.old_policy_decay=0.5")
+    trainer = FlowGRPOTrainer(cfg, None)
+    trainer.setup()
+    start = [p.detach().clone() for p in trainer.trainable]
+    trainer.train_step()
+    live = [p.detach().clone() for p in trainer.trainable]
+    assert any(not torch.equal(a, b) for a, b in zip(start, live, strict=True))
+    with trainer.sampling_weights():  # the old policy moved half way to the trained weights
+        for a, b, p in zip(start, live, trainer.trainable, strict=True):
+            torch.testing.assert_close(p, 0.5 * a + 0.5 * b)
+    assert all(torch.equal(a, p) for a, p in zip(live, trainer.trainable, strict=True))  # restored afterwards
+    state = trainer.state_dict()
+    assert state["old_policy"] is not None
+    other = FlowGRPOTrainer(cfg, None)
+    other.setup()
+    other.load_state(state)
+    with other.sampling_weights(), trainer.sampling_weights():
+        assert all(torch.equal(a, b) for a, b in zip(other.trainable, trainer.trainable, strict=True))
 
 
 def test_likelihood_free_kl_to_reference_is_zero_before_the_first_update(model_dir, tmp_path):
