@@ -7,8 +7,8 @@
 (a) 16 leaves per prompt, 16 steps, on the shapes model architecture: flat groups of 16 SDE samples against trees
     splitting at steps 2, 4, 6, 8 (factor 2; --splits), every depth of every tree in one batch. Goals: NFE per final sample
     <= 0.6x flat; wall-clock ratio within 1.2x of the NFE ratio (the saving is real).
-(b) trains the demo three ways from the committed base checkpoint and reports held-out score against NFE spent
-    and wall-clock (goal: branch or explore reaches flat's final score with <= 0.6x the NFE).
+(b) trains the three demo configs (flat, branch, explore) from the committed base checkpoint and reports held-out
+    score against NFE spent and wall-clock (goal: branch or explore reaches flat's final score with <= 0.6x the NFE).
 (c) weight memory of quantized explorers (goal nf4 >= 3.5x smaller than fp32) and rank agreement of previews with
     full-precision samples of the same seeds (goal >= 0.8 on the demo).
 """
@@ -84,7 +84,7 @@ def part_a(adapter: ShapesAdapter, prompts: int, repeats: int, splits: tuple[int
     return out
 
 
-def part_c(adapter: ShapesAdapter, prompts: int, candidates: int) -> dict[str, float]:
+def part_c(adapter: ShapesAdapter, prompts: int, candidates: int, guidance: float) -> dict[str, float]:
     import rewards
     from pipelines.flow.explore import ExploreConfig, explore, spearman
     from pipelines.quant import quantize_copy, weight_bytes
@@ -106,7 +106,7 @@ def part_c(adapter: ShapesAdapter, prompts: int, candidates: int) -> dict[str, f
         res = verifier.score(images=tensor_to_pil(images), prompts=batch_prompts)
         return torch.stack(list(res.components.values()), dim=1).mean(dim=1)
 
-    sampling = SamplingConfig(num_steps=10, height=32, width=32, sde_window=(0, 0), guidance_scale=3.0)
+    sampling = SamplingConfig(num_steps=10, height=32, width=32, sde_window=(0, 0), guidance_scale=guidance)
     batch = sample_prompts(prompts, 1, "heldout")
     for scheme, preview_steps in (("nf4", 10), ("int8", 10), ("nf4", 4)):
         q = quantize_copy(adapter.transformer, scheme)
@@ -122,27 +122,37 @@ def part_c(adapter: ShapesAdapter, prompts: int, candidates: int) -> dict[str, f
     return out
 
 
-def part_b(minutes: float) -> dict[str, dict[str, float]]:
+DEMO_CONFIGS = {
+    "flat": "configs/demo/flow_shapes.yaml",
+    "branch": "configs/demo/flow_shapes_branch.yaml",
+    "explore": "configs/demo/flow_shapes_explore.yaml",
+}
+
+
+def part_b(steps: int | None) -> dict[str, object]:
     from mmrl.config import load_config
     from mmrl.flow.config import FlowGRPOConfig
     from mmrl.flow.trainer import main
     from mmrl.run import read_metrics
 
-    variants = {
-        "flat": [],
-        "branch": ["sampling.rollout=branch", "tree.split_steps=[0, 2, 4]"],
-        "explore": ["explore.enabled=true", "explore.scheme=nf4", "explore.candidates=16", "explore.keep_best=2",
-                    "explore.keep_worst=2"],
-    }
-    results = {}
-    for name, extra in variants.items():
-        cfg = load_config(FlowGRPOConfig, "configs/demo/flow_shapes.yaml",
-                          [f"run.name=bench_{name}", "run.overwrite=true", "run.progress=false", *extra])
+    results: dict[str, object] = {}
+    for name, path in DEMO_CONFIGS.items():
+        overrides = [f"run.name=bench_{name}", "run.overwrite=true", "run.progress=false"]
+        cfg = load_config(FlowGRPOConfig, path, overrides + ([f"trainer.steps={steps}"] if steps else []))
+        start = time.perf_counter()
         main(cfg)
         records = [r for r in read_metrics(Path(cfg.run.output_dir) / cfg.run.name) if "eval/reward_mean" in r]
-        results[name] = {"curve": [(r["step"], r.get("nfe/total", 0.0), r["time"], r["eval/reward_mean"])
-                                   for r in records]}
+        curve = [(r["step"], r.get("nfe/total", 0.0), r["time"], r["eval/reward_mean"]) for r in records]
+        results[name] = {"curve": curve, "wall_s": time.perf_counter() - start}
         print(name, json.dumps(results[name]))
+    flat_final_nfe, flat_final = results["flat"]["curve"][-1][1], results["flat"]["curve"][-1][3]
+    for name in ("branch", "explore"):
+        # NFE at this variant's first evaluation that reaches flat's final held-out score (goal <= 0.6x flat's)
+        reached = [nfe for step, nfe, _, score in results[name]["curve"] if step > 0 and score >= flat_final]
+        ratio = reached[0] / flat_final_nfe if reached else None
+        results[name]["nfe_to_flat_final_ratio"] = ratio
+        print(f"(b) {name}: reaches flat's final score {flat_final:.3f} "
+              + (f"at {ratio:.2f}x flat's NFE" if ratio is not None else "never within the run"))
     return results
 
 
@@ -152,7 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--candidates", type=int, default=8)
-    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--steps", type=int, default=None, help="(b) override trainer.steps of the demo configs")
+    parser.add_argument("--guidance", type=float, default=1.0, help="(c) CFG scale of the samplers (the demo's: 1)")
     parser.add_argument("--splits", type=int, nargs=4, default=[2, 4, 6, 8], help="four split steps (factor 2)")
     args = parser.parse_args(argv)
     import tempfile
@@ -163,9 +174,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.part in ("a", "all"):
             results["a"] = part_a(adapter, args.prompts, args.repeats, tuple(args.splits))
         if args.part in ("c", "all"):
-            results["c"] = part_c(adapter, args.prompts, args.candidates)
+            results["c"] = part_c(adapter, args.prompts, args.candidates, args.guidance)
     if args.part in ("b", "all"):
-        results["b"] = part_b(args.minutes)
+        results["b"] = part_b(args.steps)
     print(json.dumps(results, default=str))
 
 

@@ -148,10 +148,11 @@ class VLMRLVRConfig(Config):
             raise ValueError("mc_grpo needs odd, equal group sizes: use trainer.allocation=uniform")
         p = self.pool
         if p.enabled:
-            if self.generation.backend != "hf":
+            if self.generation.backend == "vllm" and p.device is not None:
                 raise ValueError(
-                    f"pool.enabled needs generation.backend=hf (got {self.generation.backend}): the pool's workers "
-                    "are transformers models (VLMRolloutWorker.from_pretrained); a vLLM worker is not wired up"
+                    f"pool.device={p.device!r} with generation.backend=vllm: a worker's engine runs on the first "
+                    "CUDA GPU its process sees (a Ray actor: its own) and its weight copy on CPU; leave pool.device "
+                    "null"
                 )
             if self.model.load_in_4bit:
                 raise ValueError("pool.enabled with model.load_in_4bit: the pool's workers load the base in "

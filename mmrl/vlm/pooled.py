@@ -20,7 +20,17 @@ version when step ``k`` is consumed is ``k``, counted from the step the pool sta
    policy of decoupled PPO, AReaL arXiv 2505.24298) and weights the tokens of samples with lag > 0 by the
    truncated importance weight ``min(pi_current / pi_behaviour, pool.tis_cap)`` against the worker's behaviour
    log-probs, per token or per sequence as ``trainer.tis_mode`` says (the trainer's TIS path). Lag-0 samples
-   get the trainer's engine TIS (``trainer.tis``; off for the transformers backend, where their ratio is ~1).
+   get the trainer's engine TIS (``trainer.tis``; ``auto`` is on for vLLM, off for the transformers backend,
+   where their ratio is ~1).
+
+Backends (``generation.backend``): with ``hf`` a worker generates with a transformers model on ``pool.device``;
+with ``vllm`` each worker owns a vLLM engine (:meth:`VLMRolloutWorker.from_vllm`, CUDA GPU) and a CPU copy of the
+model that takes the weight updates and pushes them, LoRA merged, into the engine. The behaviour log-probs are then
+the engine's, and ``trainer.tis: auto`` weights lag-0 samples as the in-loop vLLM path does. Every engine takes
+``generation.vllm_gpu_memory_utilization`` of its GPU, the trainer's own (evaluation) engine included: with
+several members on one GPU lower it so that they all fit beside the training, or give each member its own GPU as a
+Ray actor (``pool.executor: ray``, ``pool.ray: {num_gpus: 1}``). Ray also gives each engine its own process; vLLM
+does not promise several engines in one process (vllm-project/vllm#1676), which is what in-process members are.
 
 ``max_staleness = 0`` is synchronous on-policy training with the in-loop path's prompts and statistics; only the
 sampling seed differs (hashed per request instead of drawn from the trainer's generator). ``1`` generates step
@@ -39,7 +49,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -61,15 +71,29 @@ logger = logging.getLogger(__name__)
 
 
 class PooledVLMWorker(VLMRolloutWorker):
-    """:class:`VLMRolloutWorker` (transformers backend) started from the trainer's weights as version 0."""
+    """:class:`VLMRolloutWorker` (transformers or vLLM backend) started from the trainer's weights as version 0."""
 
     @classmethod
     def build(
-        cls, path: str, params: SamplingParams, initial: WeightUpdate | None = None, **kwargs: Any
+        cls,
+        path: str,
+        params: SamplingParams,
+        initial: WeightUpdate | None = None,
+        backend: Literal["hf", "vllm"] = "hf",
+        **kwargs: Any,
     ) -> PooledVLMWorker:
-        """``from_pretrained(path, params, **kwargs)``, then ``initial`` (the trainer's LoRA, or its resumed
-        weights) applied as version 0: the pool's version 0 is whatever the trainer held when the pool started."""
-        worker = cls.from_pretrained(path, params, **kwargs)
+        """``from_pretrained(path, params, **kwargs)`` (``backend="hf"``) or ``from_vllm(path, params,
+        **kwargs)`` (``"vllm"``), then ``initial`` (the trainer's LoRA, or its resumed weights) applied as
+        version 0, which also pushes it into a vLLM engine: the pool's version 0 is whatever the trainer held
+        when the pool started.
+
+        Raises:
+            ValueError: an unknown ``backend``.
+        """
+        factories = {"hf": cls.from_pretrained, "vllm": cls.from_vllm}
+        if backend not in factories:
+            raise ValueError(f"backend must be one of {sorted(factories)}, got {backend!r}")
+        worker = factories[backend](path, params, **kwargs)
         if initial is not None:
             worker.load_weights(initial)
         return worker
@@ -125,11 +149,21 @@ class PooledVLMRollouts:
                                 max_new_tokens=g.max_new_tokens)
         # the LoRA (even untrained: the worker then runs the trainer's module structure) or resumed weights
         initial = make_update(trainer.model, version=0) if cfg.model.lora is not None or trainer.step > 0 else None
-        factory = functools.partial(
-            PooledVLMWorker.build, cfg.model.path, params, initial,
-            device=p.device if p.device is not None else str(trainer.device), torch_dtype=DTYPES[cfg.model.dtype],
-            max_model_len=g.max_model_len, max_prompt_length=g.max_prompt_length, batch_size=g.batch_size,
-        )
+        if g.backend == "vllm":
+            # the engine arguments of the trainer's own engine (VLMRLVRTrainer._make_backend); a member never
+            # sleeps (it generates while the trainer trains), so sleep mode is off
+            engine = dict(
+                max_model_len=g.max_model_len or 4096, max_prompt_length=g.max_prompt_length,
+                gpu_memory_utilization=g.vllm_gpu_memory_utilization, quantization="fp8" if g.vllm_fp8 else None,
+                dtype=cfg.model.dtype, seed=cfg.run.seed, enable_sleep_mode=False,
+            )
+        else:
+            engine = dict(
+                device=p.device if p.device is not None else str(trainer.device), max_model_len=g.max_model_len,
+                max_prompt_length=g.max_prompt_length, batch_size=g.batch_size,
+            )
+        factory = functools.partial(PooledVLMWorker.build, cfg.model.path, params, initial, g.backend,
+                                    torch_dtype=DTYPES[cfg.model.dtype], **engine)
         self.pool = p.build_pool(factory)
 
     # ------------------------------------------------------------------ requests

@@ -23,9 +23,9 @@ class VLMRolloutWorker(RolloutWorker):
     Args:
         backend: the generation engine.
         model: the torch module weight updates are loaded into; ``backend.sync_weights(model)`` then pushes it
-            to the engine (for :class:`pipelines.vlm.hf_backend.HFBackend` built on ``model`` that is free). For
-            an engine that holds its own weights (vLLM) with LoRA updates, pass a peft ``PeftModel`` with the
-            trainer's ``LoraConfig``: the engine sync merges a ``PeftModel``'s LoRA into the pushed weights.
+            to the engine (for :class:`pipelines.vlm.hf_backend.HFBackend` built on ``model`` that is free; an
+            engine that holds its own weights, vLLM, gets ``model``'s weights with its LoRA merged,
+            :func:`pipelines.vlm.weight_sync.merged_state_dict`).
         params: sampling parameters; ``n`` and ``seed`` come from each request.
         num_threads: see :class:`RolloutWorker`.
     """
@@ -54,16 +54,47 @@ class VLMRolloutWorker(RolloutWorker):
         **backend_kwargs: Any,
     ) -> VLMRolloutWorker:
         """A transformers model + processor in an :class:`HFBackend` (a worker factory)."""
-        from transformers import AutoModelForImageTextToText, AutoProcessor
-
         from pipelines.vlm.hf_backend import HFBackend
 
-        if num_threads is not None:
-            torch.set_num_threads(num_threads)
-        model = AutoModelForImageTextToText.from_pretrained(model_id_or_path, dtype=torch_dtype).to(device)
-        model.requires_grad_(False)
-        processor = AutoProcessor.from_pretrained(model_id_or_path)
+        model, processor = _load(model_id_or_path, device, torch_dtype, num_threads)
         return cls(HFBackend(model, processor, **backend_kwargs), model, params)
+
+    @classmethod
+    def from_vllm(
+        cls,
+        model_id_or_path: str,
+        params: SamplingParams,
+        *,
+        torch_dtype: torch.dtype = torch.bfloat16,
+        num_threads: int | None = None,
+        **vllm_kwargs: Any,
+    ) -> VLMRolloutWorker:
+        """A :class:`~pipelines.vlm.vllm_backend.VLLMBackend` engine on ``model_id_or_path`` (a worker factory).
+
+        The engine loads the checkpoint itself, on the process's first visible CUDA GPU. Weight updates go into
+        a transformers copy of the model on CPU (the holder: a LoRA payload is injected into it with
+        ``add_adapter`` exactly as in the transformers worker, so it needs the same module structure), and
+        :meth:`apply_weights` then pushes the holder's weights, LoRA merged (``W + scaling * B @ A``), into the
+        engine. Until the first update the engine runs the checkpoint, which is what the holder holds.
+
+        Args:
+            model_id_or_path: local directory or hub id (the engine and the holder load the same checkpoint).
+            params: sampling parameters; ``n`` and ``seed`` come from each request.
+            torch_dtype: the holder's dtype, in which the merged weights are pushed (the LoRA merge itself is
+                computed in fp32); the engine's is ``vllm_kwargs["dtype"]``.
+            num_threads: see :class:`RolloutWorker`.
+            vllm_kwargs: :class:`~pipelines.vlm.vllm_backend.VLLMBackend` arguments (``max_model_len``,
+                ``gpu_memory_utilization``, ``quantization``, ``dtype``, ``seed``, ...).
+
+        Raises:
+            ImportError: vLLM is not installed (``pip install mmrl[vllm]``).
+            RuntimeError: no CUDA GPU is visible.
+        """
+        from pipelines.vlm.vllm_backend import VLLMBackend, import_vllm
+
+        import_vllm()  # fail before loading the holder: vLLM and a CUDA GPU are needed
+        model, processor = _load(model_id_or_path, "cpu", torch_dtype, num_threads)
+        return cls(VLLMBackend(model_id_or_path, processor, **vllm_kwargs), model, params)
 
     def generate(self, request: RolloutRequest) -> GenerationResult:
         # one seed per distinct count, drawn from the request seed: reproducible and distinct across calls
@@ -100,3 +131,14 @@ class VLMRolloutWorker(RolloutWorker):
 
     def sample_count(self, request: RolloutRequest, output: GenerationResult) -> int:
         return len(output.samples)
+
+
+def _load(model_id_or_path: str, device: str, torch_dtype: torch.dtype, num_threads: int | None) -> tuple[Any, Any]:
+    """The frozen transformers model on ``device`` and its processor."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    model = AutoModelForImageTextToText.from_pretrained(model_id_or_path, dtype=torch_dtype).to(device)
+    model.requires_grad_(False)
+    return model, AutoProcessor.from_pretrained(model_id_or_path)

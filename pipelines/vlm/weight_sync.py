@@ -22,10 +22,12 @@ from pipelines.lora import merged_lora_params, unwrap_peft
 def merged_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every weight of ``model`` with LoRA merged, names as in the HF checkpoint.
 
-    For a plain (non-peft) model this is its ``state_dict()``. For a peft model the names equal those of the
-    underlying model's state dict before LoRA was injected (what ``merge_and_unload().state_dict()`` gives), and
-    the values of LoRA-wrapped layers are ``W + scaling * B @ A`` (0.21 peft naming: ``.base_layer.`` removed,
-    ``lora_*`` tensors dropped, ``modules_to_save`` copies exported under the original name).
+    For a plain model this is its ``state_dict()``. For a peft ``PeftModel``, or a model adapted in place with
+    ``add_adapter`` (a rollout worker's copy, :func:`pipelines.pool.weights.apply_update`), the names equal those
+    of the underlying model's state dict before LoRA was injected (what ``merge_and_unload().state_dict()``
+    gives), and the values of LoRA-wrapped layers are ``W + scaling * B @ A`` (0.21 peft naming:
+    ``.base_layer.`` removed, ``lora_*`` tensors dropped, ``modules_to_save`` copies exported under the original
+    name).
 
     Yielding lets a caller stream a large model into the engine without materialising a second full copy.
 
@@ -36,16 +38,16 @@ def merged_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tenso
         ``(name, tensor)``: detached tensors on the model's device, in the model's dtype.
     """
     base, is_peft = unwrap_peft(model)
-    if not is_peft:
-        for name, tensor in base.state_dict().items():
-            yield name, tensor.detach()
-        return
-
     lora_layers = {
         name: module
         for name, module in base.named_modules()
         if hasattr(module, "lora_A") and hasattr(module, "get_base_layer")
     }
+    if not is_peft and not lora_layers:
+        for name, tensor in base.state_dict().items():
+            yield name, tensor.detach()
+        return
+
     for name, tensor in base.state_dict().items():
         if ".lora_" in name or ".original_module." in name:
             # LoRA factors are folded into the base weight; original_module is the frozen twin of a

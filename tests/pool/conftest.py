@@ -1,9 +1,11 @@
-"""Shared pieces of the pool tests: saved tiny models (shapes flow model, VLM), worker factories, requests, and a
-LoRA "training step"."""
+"""Shared pieces of the pool tests: saved tiny models (shapes flow model, VLM), worker factories, requests, a
+LoRA "training step", and a stand-in for the vLLM engine (which needs a CUDA GPU)."""
 
 from __future__ import annotations
 
 import functools
+import sys
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
@@ -132,3 +134,68 @@ def make_vlm_requests(prefix: str, n: int, counts: list[int]) -> list[RolloutReq
 def vlm_requests():
     """``make_vlm_requests`` as a fixture."""
     return make_vlm_requests
+
+
+class _FakeLLM:
+    """Stands in for ``vllm.LLM`` (the engine needs vLLM and a CUDA GPU): the calls
+    :class:`pipelines.vlm.vllm_backend.VLLMBackend` makes, answered on CPU with vLLM-shaped objects.
+
+    ``apply_model`` hands the function an engine model whose ``load_weights`` records each pushed state dict in
+    ``loads``; ``generate`` tokenizes each prompt with the model's processor (image slots expanded, as vLLM does)
+    and draws ``n`` completions of ``max_tokens`` ordinary tokens from ``seed``, each token with log-prob -1.5
+    (not the policy's: the trainer's TIS then has a mismatch to weight).
+    """
+
+    def __init__(self, model: str, engines: list, **kwargs) -> None:
+        from transformers import AutoProcessor
+
+        self.kwargs = kwargs
+        self.loads: list[dict[str, torch.Tensor]] = []
+        self.processor = AutoProcessor.from_pretrained(model)
+        engines.append(self)
+
+    def apply_model(self, fn):
+        def load_weights(weights):
+            self.loads.append({name: tensor.detach().clone() for name, tensor in weights})
+
+        return [fn(SimpleNamespace(load_weights=load_weights))]
+
+    def generate(self, requests, sampling_params, use_tqdm=True):
+        p = sampling_params
+        tokenizer = self.processor.tokenizer
+        banned = set(getattr(p, "logit_bias", None) or {}) | set(tokenizer.all_special_ids)
+        vocab = torch.tensor([i for i in range(tokenizer.vocab_size) if i not in banned])
+        g = torch.Generator().manual_seed(p.seed)
+        outputs = []
+        for request in requests:
+            images = request.get("multi_modal_data", {}).get("image")
+            prompt_ids = self.processor(text=[request["prompt"]], images=images)["input_ids"][0]
+            prompt_ids = [int(t) for t in prompt_ids]
+            completions = []
+            for _ in range(p.n):
+                ids = vocab[torch.randint(len(vocab), (p.max_tokens,), generator=g)].tolist()
+                completions.append(SimpleNamespace(
+                    token_ids=ids, text=tokenizer.decode(ids, skip_special_tokens=True), finish_reason="length",
+                    logprobs=[{t: SimpleNamespace(logprob=-1.5, rank=1)} for t in ids],
+                ))
+            outputs.append(SimpleNamespace(prompt_token_ids=prompt_ids, outputs=completions))
+        return outputs
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """A ``vllm`` module whose ``LLM`` is :class:`_FakeLLM`, returned by ``import_vllm`` without its GPU check.
+
+    (Faking ``torch.cuda.is_available`` instead would send torch's optimizers to look for a CUDA device.) Returns
+    the module; ``module.engines`` lists the engines built, in order.
+    """
+    from pipelines.vlm import vllm_backend
+
+    engines: list[_FakeLLM] = []
+    module = ModuleType("vllm")
+    module.engines = engines
+    module.LLM = functools.partial(_FakeLLM, engines=engines)
+    module.SamplingParams = SimpleNamespace
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    monkeypatch.setattr(vllm_backend, "import_vllm", lambda: module)
+    return module

@@ -5,6 +5,7 @@ once, config validation. The committed shapes VLM, a few prompts per step."""
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from pathlib import Path
 
@@ -12,12 +13,14 @@ import pytest
 import torch
 
 from mmrl.config import load_config
+from mmrl.core.losses import truncated_is_weights
 from mmrl.seeding import request_seed
 from mmrl.vlm.config import VLMRLVRConfig
 from mmrl.vlm.pooled import PooledVLMWorker
 from mmrl.vlm.trainer import VLMRLVRTrainer
 from pipelines.pool.weights import make_update
 from pipelines.vlm.backend import SamplingParams
+from pipelines.vlm.weight_sync import merged_state_dict
 
 CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "shapes_vlm"
 #: per-step metrics that only the pooled path has, or that measure wall time
@@ -185,7 +188,7 @@ def test_overprovisioned_partial_rollouts_are_carried_and_consumed_once(monkeypa
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        (["generation.backend=vllm"], "generation.backend=hf"),
+        (["generation.backend=vllm", "pool.device=cpu"], "leave pool.device null"),
         (["model.load_in_4bit=true"], "load_in_4bit"),
         (["pool.overprovision=0.5"], "prompts_per_request"),
         (["pool.overprovision=0.5", "pool.prompts_per_request=1", "pool.max_staleness=2"], "max_staleness <= 1"),
@@ -197,6 +200,46 @@ def test_overprovisioned_partial_rollouts_are_carried_and_consumed_once(monkeypa
 def test_pool_config_validation(overrides, match):
     with pytest.raises(ValueError, match=match):
         make_cfg("pool.enabled=true", *overrides)
+
+
+def test_vllm_pool_members_own_engines_and_weight_lag0_samples(fake_vllm):
+    cfg = make_cfg("pool.enabled=true", "pool.max_staleness=0", "generation.backend=vllm",
+                   "generation.vllm_gpu_memory_utilization=0.2", "generation.vllm_fp8=true")
+    trainer = started(cfg)
+    start = {k: v.clone() for k, v in merged_state_dict(trainer.model)}  # version 0: the trainer's LoRA
+    try:
+        metrics = steps(trainer, 2)
+        old = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -1.0, 0.0]])
+        behaviour = torch.full((2, 3), -1.5)
+        mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+        weights = trainer.rollout_pool.tis_weights(old, behaviour, mask, torch.arange(2))
+    finally:
+        trainer.cleanup()
+    # the trainer's engine (evaluation), then the pool member's, built with the trainer's engine arguments
+    trainer_engine, member = fake_vllm.engines
+    shared = ("max_model_len", "gpu_memory_utilization", "quantization", "dtype", "seed")
+    assert {k: member.kwargs[k] for k in shared} == {k: trainer_engine.kwargs[k] for k in shared} == {
+        "max_model_len": 4096, "gpu_memory_utilization": 0.2, "quantization": "fp8", "dtype": "float32",
+        "seed": cfg.run.seed}
+    assert member.kwargs["enable_sleep_mode"] is False  # a member generates while the trainer trains
+    # version 0 pushed once at start (the trainer's LoRA merged), version 1 at step 1
+    assert len(member.loads) == 2
+    assert member.loads[0].keys() == start.keys()
+    for name, tensor in member.loads[0].items():
+        torch.testing.assert_close(tensor, start[name], rtol=1e-6, atol=1e-6)
+    assert any(not torch.equal(member.loads[1][k], start[k]) for k in start)  # the trained LoRA reached it
+    # trainer.tis=auto is on for vLLM: lag-0 samples are weighted against the engine's log-probs, as in-loop
+    assert trainer.uses_tis and all(m["pool/lag_max"] == 0 for m in metrics)
+    assert all("tis/weight_mean" in m for m in metrics)
+    c = cfg.trainer
+    torch.testing.assert_close(weights, truncated_is_weights(old, behaviour, cap=c.tis_cap, mode=c.tis_mode,
+                                                             mask=mask))
+
+
+def test_vllm_pool_without_vllm_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
+    with pytest.raises(ImportError, match=r"pip install mmrl\[vllm\]"):
+        started(make_cfg("pool.enabled=true", "generation.backend=vllm"))
 
 
 def test_overprovision_beyond_the_train_set_is_refused():
