@@ -26,10 +26,10 @@ version when step ``k`` is consumed is ``k``, counted from the step the pool sta
 Backends (``generation.backend``): with ``hf`` a worker generates with a transformers model on ``pool.device``;
 with ``vllm`` each worker owns a vLLM engine (:meth:`VLMRolloutWorker.from_vllm`, CUDA GPU) and a CPU copy of the
 model that takes the weight updates and pushes them, LoRA merged, into the engine. The behaviour log-probs are then
-the engine's, and ``trainer.tis: auto`` weights lag-0 samples as the in-loop vLLM path does. Every engine takes
-``generation.vllm_gpu_memory_utilization`` of its GPU, the trainer's own (evaluation) engine included: with
-several members on one GPU lower it so that they all fit beside the training, or give each member its own GPU as a
-Ray actor (``pool.executor: ray``, ``pool.ray: {num_gpus: 1}``). Ray also gives each engine its own process; vLLM
+the engine's, and ``trainer.tis: auto`` weights lag-0 samples as the in-loop vLLM path does. The trainer builds no
+engine of its own then (it evaluates with transformers on its model). Every member's engine takes
+``generation.vllm_gpu_memory_utilization`` of its GPU: with several members on one GPU lower it so that they all
+fit beside the training, or give each member its own GPU as a Ray actor (``pool.executor: ray``, ``pool.ray: {num_gpus: 1}``). Ray also gives each engine its own process; vLLM
 does not promise several engines in one process (vllm-project/vllm#1676), which is what in-process members are.
 
 ``max_staleness = 0`` is synchronous on-policy training with the in-loop path's prompts and statistics; only the
@@ -59,6 +59,7 @@ from mmrl.seeding import request_seed
 from pipelines.pool.protocol import RolloutRequest, WeightUpdate
 from pipelines.pool.vlm_worker import VLMRolloutWorker
 from pipelines.pool.weights import make_update
+from pipelines.vlm import vllm_backend
 from pipelines.vlm.backend import GenerationSample, SamplingParams
 
 if TYPE_CHECKING:
@@ -150,6 +151,8 @@ class PooledVLMRollouts:
         # the LoRA (even untrained: the worker then runs the trainer's module structure) or resumed weights
         initial = make_update(trainer.model, version=0) if cfg.model.lora is not None or trainer.step > 0 else None
         if g.backend == "vllm":
+            if p.executor == "inprocess":  # fail here, naming the extra, not later in a member's thread (a Ray
+                vllm_backend.import_vllm()  # driver may lack the GPU and vLLM its actors have)
             # the engine arguments of the trainer's own engine (VLMRLVRTrainer._make_backend); a member never
             # sleeps (it generates while the trainer trains), so sleep mode is off
             engine = dict(

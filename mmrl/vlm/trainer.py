@@ -155,7 +155,9 @@ class VLMRLVRTrainer:
 
     def _make_backend(self) -> GenerationBackend:
         g = self.cfg.generation
-        if g.backend == "vllm":
+        # with a pool the members generate the rollouts; the trainer's backend only evaluates, and an engine of
+        # its own would hold generation.vllm_gpu_memory_utilization of the training GPU for that
+        if g.backend == "vllm" and not self.cfg.pool.enabled:
             from pipelines.vlm.vllm_backend import VLLMBackend
 
             return VLLMBackend(

@@ -20,6 +20,7 @@ from mmrl.vlm.pooled import PooledVLMWorker
 from mmrl.vlm.trainer import VLMRLVRTrainer
 from pipelines.pool.weights import make_update
 from pipelines.vlm.backend import SamplingParams
+from pipelines.vlm.hf_backend import HFBackend
 from pipelines.vlm.weight_sync import merged_state_dict
 
 CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "shapes_vlm"
@@ -215,10 +216,12 @@ def test_vllm_pool_members_own_engines_and_weight_lag0_samples(fake_vllm):
         weights = trainer.rollout_pool.tis_weights(old, behaviour, mask, torch.arange(2))
     finally:
         trainer.cleanup()
-    # the trainer's engine (evaluation), then the pool member's, built with the trainer's engine arguments
-    trainer_engine, member = fake_vllm.engines
+    # one engine, the pool member's, built with the trainer's engine arguments; the trainer evaluates with
+    # transformers on its own model rather than holding a second engine
+    (member,) = fake_vllm.engines
+    assert isinstance(trainer.backend, HFBackend)
     shared = ("max_model_len", "gpu_memory_utilization", "quantization", "dtype", "seed")
-    assert {k: member.kwargs[k] for k in shared} == {k: trainer_engine.kwargs[k] for k in shared} == {
+    assert {k: member.kwargs[k] for k in shared} == {
         "max_model_len": 4096, "gpu_memory_utilization": 0.2, "quantization": "fp8", "dtype": "float32",
         "seed": cfg.run.seed}
     assert member.kwargs["enable_sleep_mode"] is False  # a member generates while the trainer trains
