@@ -111,15 +111,18 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
 
 
 def load_trainable(module: torch.nn.Module, trainable: dict[str, torch.Tensor]) -> None:
-    """Copy a checkpoint's ``trainable`` tensors into ``module``'s parameters of the same names.
+    """Copy a checkpoint's ``trainable`` tensors into ``module``'s parameters of the same names (whole tensors;
+    on a model sharded by ``mmrl.distributed.shard_model`` every rank must call this, each keeps its shard).
 
     Raises:
         ValueError: the checkpoint names parameters the module lacks (a different model or LoRA layout).
     """
+    from mmrl.distributed import shard_like
+
     params = dict(module.named_parameters())
     missing = sorted(set(trainable) - set(params))
     if missing:
         raise ValueError(f"checkpoint has parameters this model lacks, e.g. {missing[:3]}")
     with torch.no_grad():
         for name, value in trainable.items():
-            params[name].copy_(value)
+            params[name].copy_(shard_like(value, params[name]))

@@ -8,6 +8,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from mmrl.distributed import full_tensor, shard_like
+
 __all__ = ["EMA"]
 
 
@@ -43,8 +45,9 @@ class EMA:
                     p.copy_(live[n])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {n: t.clone() for n, t in self.shadow.items()}
+        """Whole tensors (gathered from the shards of an FSDP-sharded module: a collective)."""
+        return {n: full_tensor(t).clone() for n, t in self.shadow.items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for n in self.shadow:
-            self.shadow[n].copy_(state[n])
+            self.shadow[n].copy_(shard_like(state[n], self.shadow[n]))

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from mmrl.config import Config, RunConfig
+from mmrl.distributed import init_distributed
 from mmrl.progress import TrainProgress
 from mmrl.run import Run
 
@@ -57,22 +58,34 @@ def train_loop(
             if trainer.step % eval_every == 0 or trainer.step == total:
                 metrics.update(trainer.evaluate())
             latest.update(metrics)
-            if writes:
-                if trainer.step % run_cfg.log_every == 0 or trainer.step == total:
-                    run.log_metrics(trainer.step, metrics)
-                if run_cfg.save_every and trainer.step % run_cfg.save_every == 0:
-                    trainer.save_checkpoint()
+            if writes and (trainer.step % run_cfg.log_every == 0 or trainer.step == total):
+                run.log_metrics(trainer.step, metrics)
+            # every rank: a sharded model gathers its state collectively; the trainer writes on rank 0 only
+            if run_cfg.save_every and trainer.step % run_cfg.save_every == 0:
+                trainer.save_checkpoint()
             bar.update(trainer.step, latest)
+    if not (run_cfg.save_every and trainer.step % run_cfg.save_every == 0):
+        trainer.save_checkpoint()
     if writes:
-        if not (run_cfg.save_every and trainer.step % run_cfg.save_every == 0):
-            trainer.save_checkpoint()
         run.write_summary({"step": trainer.step, **latest})
     return latest
 
 
 def run_recipe(cfg: Config, trainer_cls: Any) -> dict[str, float]:
-    """``trainer_cls(cfg, Run(cfg.run, cfg))`` through setup, train and cleanup; returns the final metrics."""
-    run = Run(cfg.run, cfg)
+    """``trainer_cls(cfg, Run(cfg.run, cfg))`` through setup, train and cleanup; returns the final metrics.
+
+    Under a data-parallel launch only rank 0 holds the :class:`Run` (the others get ``None``, write nothing and
+    resume from the checkpoint rank 0 wrote); they start once it has prepared the run directory.
+    """
+    dist = init_distributed()
+    run, error = None, None
+    if dist.is_main:
+        try:
+            run = Run(cfg.run, cfg)
+        except Exception as err:  # raised below on every rank, so no rank waits for rank 0 forever
+            error = err
+    if dist.max_over_ranks(int(error is not None)):
+        raise error if error is not None else RuntimeError("rank 0 could not prepare the run directory (see its error)")
     trainer = trainer_cls(cfg, run)
     try:
         trainer.setup()

@@ -29,7 +29,7 @@ from pydantic import BaseModel
 from mmrl.checkpoint import atomic_write_text, latest_checkpoint
 from mmrl.config import RunConfig, to_yaml
 
-__all__ = ["MetricAccumulator", "Run", "setup_logging"]
+__all__ = ["MetricAccumulator", "Run", "resume_checkpoint", "setup_logging"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,18 +82,41 @@ class MetricAccumulator:
             self.add(k, v, count)
 
     def reduce(self) -> dict[str, float]:
-        names = sorted(self._sums)
-        sums = torch.tensor([self._sums[n] for n in names], dtype=torch.float64)
-        counts = torch.tensor([self._counts[n] for n in names], dtype=torch.float64)
+        """Weighted means over this step's values on every rank (a collective under data parallelism: every
+        rank calls it once per step, whichever metrics it recorded)."""
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized() and names:
+        names = sorted(self._sums)
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if distributed:
+            # a rank may lack a metric the others have (no signal this step): reduce over the union of names
+            gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+            dist.all_gather_object(gathered, names)
+            names = sorted({n for rank_names in gathered for n in rank_names})
+        sums = torch.tensor([self._sums.get(n, 0.0) for n in names], dtype=torch.float64)
+        counts = torch.tensor([self._counts.get(n, 0.0) for n in names], dtype=torch.float64)
+        if distributed and names:
+            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+            sums, counts = sums.to(device), counts.to(device)
             dist.all_reduce(sums)
             dist.all_reduce(counts)
+            sums, counts = sums.cpu(), counts.cpu()
         out = {n: float(s / c) for n, s, c in zip(names, sums, counts, strict=True) if c > 0}
         self._sums.clear()
         self._counts.clear()
         return out
+
+
+def resume_checkpoint(run_cfg: RunConfig) -> Path | None:
+    """The checkpoint a run resumes from when ``run.resume`` is set (None for a fresh run). Ranks other than 0
+    of a data-parallel launch hold no :class:`Run` (only rank 0 writes) and find their checkpoint here."""
+    if not run_cfg.resume:
+        return None
+    checkpoint_dir = Path(run_cfg.output_dir) / run_cfg.name / "checkpoints"
+    ckpt = latest_checkpoint(checkpoint_dir)
+    if ckpt is None:
+        logger.warning("run.resume=true but %s has no checkpoint; starting from step 0", checkpoint_dir)
+    return ckpt
 
 
 class Run:
@@ -148,12 +171,7 @@ class Run:
     # ------------------------------------------------------------------ resume
     def resume_checkpoint(self) -> Path | None:
         """The checkpoint to resume from when ``run.resume`` is set (None for a fresh run)."""
-        if not self.cfg.resume:
-            return None
-        ckpt = latest_checkpoint(self.checkpoint_dir)
-        if ckpt is None:
-            logger.warning("run.resume=true but %s has no checkpoint; starting from step 0", self.checkpoint_dir)
-        return ckpt
+        return resume_checkpoint(self.cfg)
 
     def truncate_metrics(self, step: int) -> None:
         """On resume from ``step``, move metric lines of later steps to ``metrics.orphaned.jsonl`` (kept, not lost)."""

@@ -36,11 +36,21 @@ from mmrl.core.groups import effective_ratio, make_groups
 from mmrl.core.stats import PromptStats
 from mmrl.data.prompts import load_prompts
 from mmrl.device import DTYPES, resolve_device
+from mmrl.distributed import (
+    all_reduce_grads,
+    broadcast_params,
+    full_state_dict,
+    full_tensor,
+    init_distributed,
+    load_optimizer_state,
+    optimizer_state,
+    shard_model,
+)
 from mmrl.ema import EMA
 from mmrl.flow.config import FlowGRPOConfig
 from mmrl.images import make_grid, tensor_to_pil
 from mmrl.loop import run_recipe, train_loop
-from mmrl.run import MetricAccumulator, Run
+from mmrl.run import MetricAccumulator, Run, resume_checkpoint
 from mmrl.seeding import get_rng_state, seed_everything, set_rng_state
 from pipelines.flow.adapters import Conditioning, FlowAdapter, load_adapter
 from pipelines.flow.branch import TreeConfig, prune_transitions, tree_rollout
@@ -103,8 +113,9 @@ class FlowGRPOTrainer:
     # ------------------------------------------------------------------ setup
     def setup(self, for_training: bool = True) -> None:
         cfg = self.cfg
-        # 1. seeds and device; one process per GPU under `accelerate launch`
-        self.rank, self.world_size = _dist_rank_world()
+        # 1. seeds and device; one process per GPU under `accelerate launch` (mmrl/distributed.py)
+        self.dist = init_distributed()
+        self.rank, self.world_size = self.dist.rank, self.dist.world_size
         self.generator = seed_everything(cfg.run.seed + self.rank)
         self.device = resolve_device(cfg.model.device)
         if self.world_size > 1 and self.device.type == "cuda":
@@ -142,7 +153,14 @@ class FlowGRPOTrainer:
                 self.reference = copy.deepcopy(transformer).requires_grad_(False).eval()
         if cfg.model.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
+        if self.dist.fsdp:
+            self._check_fsdp()
+            if self.reference is not None:
+                shard_model(self.reference, self.dist.reshard_after_forward)
+            shard_model(transformer, self.dist.reshard_after_forward)
         self.trainable = [p for p in transformer.parameters() if p.requires_grad]
+        if not self.dist.fsdp:  # (sharded weights come from the same checkpoint on every rank)
+            broadcast_params(self.trainable, self.world_size)  # a LoRA's random init differs per rank's seed
         # 3. rewards and prompts
         self.rewards = [reward_registry.build(spec.name, **spec.options) for spec in cfg.rewards]
         self.reward_weights = torch.tensor([spec.weight for spec in cfg.rewards], dtype=torch.float32)
@@ -180,12 +198,12 @@ class FlowGRPOTrainer:
         decay = cfg.trainer.old_policy_decay
         self.old_policy = EMA(transformer, decay) if decay else None
         # 5. resume
-        if self.run is not None:
-            ckpt = self.run.resume_checkpoint()
-            if ckpt is not None:
-                self.load_state(load_checkpoint(ckpt, map_location="cpu"))
+        ckpt = resume_checkpoint(cfg.run) if self.run is not None or self.dist.active else None
+        if ckpt is not None:
+            self.load_state(load_checkpoint(ckpt, map_location="cpu"))
+            if self.run is not None:
                 self.run.truncate_metrics(self.step)
-                logger.info("resumed from %s at step %d", ckpt, self.step)
+            logger.info("resumed from %s at step %d", ckpt, self.step)
         # 6. rollout pool, started from the weights held now (so after a resume)
         if cfg.pool.enabled:
             # imported here: mmrl.flow.pooled imports StepBatch from this module
@@ -421,10 +439,51 @@ class FlowGRPOTrainer:
         order = torch.randperm(sde.numel(), generator=self.generator)[:keep]
         return sde[order.sort().values]
 
+    def _check_fsdp(self) -> None:
+        """FSDP shards the transformer, so every forward is a collective: only settings under which every rank
+        makes the same forwards, and nothing needs whole weights mid-step, are accepted."""
+        cfg, refused = self.cfg, []
+        if cfg.model.lora is not None:
+            refused.append("LoRA (model.lora): the trainable state is small and sharding the frozen base only adds "
+                           "all-gathers; launch with configs/accelerate/ddp.yaml")
+        if cfg.explore.enabled:
+            refused.append("explore.enabled: the quantized explorer copies whole weights")
+        if cfg.pool.enabled:
+            refused.append("pool.enabled: pool workers receive whole weights")
+        if cfg.sampling.rollout != "flat":
+            refused.append("sampling.rollout=branch: pruned trees train a per-rank number of transitions")
+        if cfg.trainer.objective == "rwr" or cfg.trainer.drop_zero_advantage:
+            refused.append("trainer.objective=rwr / trainer.drop_zero_advantage: a per-rank number of samples")
+        if refused:
+            raise ValueError("FSDP launch (configs/accelerate/fsdp.yaml) of the flow trainer does not support: "
+                             + "; ".join(refused))
+
+    def _minibatches(self, n: int) -> Iterator[tuple[torch.Tensor | None, float, bool]]:
+        """Shuffled minibatches of ``n`` items, each with its loss scale ``1 / accumulated minibatches`` and whether
+        an optimizer step follows it (``gradient_accumulation`` minibatches per step, 0: one step at the end). Under data parallelism every rank
+        takes the largest rank's number of turns, with ``None`` for turns it has no items for, so that the
+        gradient averaging of each optimizer step pairs up across ranks."""
+        t = self.cfg.trainer
+        batches = list(torch.randperm(n, generator=self.generator).split(t.minibatch_size)) if n else []
+        turns = self.dist.max_over_ranks(len(batches))
+        accum = t.gradient_accumulation or turns
+        for i in range(turns):
+            idx = batches[i] if i < len(batches) else None
+            if idx is None and self.dist.fsdp:
+                raise RuntimeError("FSDP ranks hold different numbers of minibatches; their forwards would not pair up")
+            yield idx, 1.0 / accum, (i + 1) % accum == 0 or i + 1 == turns
+
+    def _idle_update(self) -> None:
+        """This rank has nothing to train on: take part in the other ranks' optimizer steps (none alone)."""
+        for _, _, step_after in self._minibatches(0):
+            if step_after:
+                self._optimizer_step()
+
     def _optimizer_step(self) -> None:
-        _all_reduce_grads(self.trainable, self.world_size)
+        if not self.dist.fsdp:  # FSDP reduces the gradients of its shards itself
+            all_reduce_grads(self.trainable, self.world_size)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.trainer.max_grad_norm)
-        self.metrics.add("train/grad_norm", grad_norm)
+        self.metrics.add("train/grad_norm", full_tensor(grad_norm))
         t = self.cfg.trainer
         if t.lr_schedule == "cosine":  # a function of the training step, so a resumed run continues it exactly
             for group in self.optimizer.param_groups:
@@ -441,6 +500,7 @@ class FlowGRPOTrainer:
             keep = torch.nonzero(adv_t != 0).flatten()
             if keep.numel() == 0:
                 self.metrics.add("train/skipped_no_signal", 1.0)
+                self._idle_update()
                 return
             trans, adv_t = trans.select(keep), adv_t[keep]
         cfg_scale = None if t.train_cfg else 1.0
@@ -456,10 +516,11 @@ class FlowGRPOTrainer:
         self.adapter.transformer.train()
         n = len(trans)
         for _ in range(t.ppo_epochs):
-            order = torch.randperm(n, generator=self.generator)
-            batches = list(order.split(t.minibatch_size))
-            accum = t.gradient_accumulation or len(batches)
-            for i, idx in enumerate(batches):
+            for idx, scale, step_after in self._minibatches(n):
+                if idx is None:
+                    if step_after:
+                        self._optimizer_step()
+                    continue
                 mb = trans.select(idx)
                 logp, mean, std = rescore(self.adapter, mb, cfg_scale)
                 a = adv_t[idx].to(logp.device)
@@ -474,11 +535,11 @@ class FlowGRPOTrainer:
                     loss = loss + t.beta * kl.mean()
                     self.metrics.add("policy/kl", kl.mean(), count=len(mb))
                     self.nfe_total += len(mb) * nfe_each
-                (loss / accum).backward()
+                (loss * scale).backward()
                 self.metrics.add("loss", loss, count=len(mb))
                 self.metrics.add("policy/ratio_mean", torch.exp(logp - old).mean(), count=len(mb))
                 self.metrics.add_dict(loss_lib.clip_fractions(logp, old, a, t.epsilon_low, t.epsilon_high), count=len(mb))
-                if (i + 1) % accum == 0 or i + 1 == len(batches):
+                if step_after:
                     self._optimizer_step()
 
     def _noised(self, x0: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -534,6 +595,7 @@ class FlowGRPOTrainer:
         keep = torch.nonzero(weights > 0).flatten()
         if keep.numel() == 0:
             self.metrics.add("train/skipped_no_signal", 1.0)
+            self._idle_update()
             return
         rows, sigma, x_t, target = self._noised(x0[keep], groups[keep])
         cond = cond.select(keep).select(rows)
@@ -570,9 +632,11 @@ class FlowGRPOTrainer:
         ``gradient_accumulation`` minibatches (0: per call)."""
         t = self.cfg.trainer
         guidance = self._regression_guidance(cond)
-        batches = list(torch.randperm(x_t.shape[0], generator=self.generator).split(t.minibatch_size))
-        accum = t.gradient_accumulation or len(batches)
-        for i, idx in enumerate(batches):
+        for idx, scale, step_after in self._minibatches(x_t.shape[0]):
+            if idx is None:
+                if step_after:
+                    self._optimizer_step()
+                continue
             x, s, c = x_t[idx].to(self.device), sigma[idx].to(self.device), cond.select(idx)
             if t.beta > 0:
                 self.adapter.transformer.eval()
@@ -586,9 +650,9 @@ class FlowGRPOTrainer:
                 kl = ((v - v_ref) ** 2).flatten(1).mean(1).mean()
                 loss = loss + t.beta * kl
                 self.metrics.add("policy/kl", kl, count=len(idx))
-            (loss / accum).backward()
+            (loss * scale).backward()
             self.metrics.add("loss", loss, count=len(idx))
-            if (i + 1) % accum == 0 or i + 1 == len(batches):
+            if step_after:
                 self._optimizer_step()
         self.nfe_total += x_t.shape[0]
 
@@ -645,31 +709,33 @@ class FlowGRPOTrainer:
 
     # ------------------------------------------------------------------ state
     def trainable_state(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().cpu().clone() for n, p in self.adapter.transformer.named_parameters() if p.requires_grad}
+        """The trained parameters as whole CPU tensors (gathered from the ranks' shards under FSDP)."""
+        return full_state_dict(self.adapter.transformer)
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "step": self.step,
             "nfe_total": self.nfe_total,
             "trainable": self.trainable_state(),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer_state(self.adapter.transformer, self.optimizer),
             "stats": self.stats.state_dict(),
             "ema": self.ema.state_dict() if self.ema is not None else None,
             "old_policy": self.old_policy.state_dict() if self.old_policy is not None else None,
             "rng": get_rng_state({"train": self.generator}),
+            "rng_per_rank": self.dist.gather(get_rng_state({"train": self.generator})) if self.dist.active else None,
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
         load_trainable(self.adapter.transformer, state["trainable"])
         self.step = int(state["step"])
         self.nfe_total = int(state["nfe_total"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.adapter.transformer, self.optimizer, state["optimizer"])
         self.stats.load_state_dict(state["stats"])
         if self.ema is not None and state.get("ema") is not None:
             self.ema.load_state_dict(state["ema"])
         if self.old_policy is not None and state.get("old_policy") is not None:
             self.old_policy.load_state_dict(state["old_policy"])
-        set_rng_state(state["rng"], {"train": self.generator})
+        set_rng_state(self.dist.own(state.get("rng_per_rank"), state["rng"]), {"train": self.generator})
 
     def save_lora(self, directory: Path) -> None:
         """The LoRA in diffusers/PEFT format: ``pipe.load_lora_weights(directory)`` loads it on the base model."""
@@ -694,45 +760,21 @@ class FlowGRPOTrainer:
             raise ValueError(f"LoRA at {directory} does not fit this model: unexpected keys {unexpected[:3]}")
 
     def save_checkpoint(self) -> None:
+        """Rank 0 writes; under data parallelism every rank first gathers the state with it (its RNG states, and
+        its shards under FSDP: collectives)."""
+        if self.run is None and not self.dist.active:
+            return
+        state = self.state_dict()
         if self.run is None:
             return
         extra = (lambda d: self.save_lora(d / "adapter")) if self.cfg.model.lora is not None else None
-        save_checkpoint(self.run.checkpoint_dir, self.step, self.state_dict(), extra=extra,
-                        keep_last=self.cfg.run.keep_last)
+        save_checkpoint(self.run.checkpoint_dir, self.step, state, extra=extra, keep_last=self.cfg.run.keep_last)
 
     def cleanup(self) -> None:
         if self.rollout_pool is not None:
             self.rollout_pool.close()
         if self.run is not None:
             self.run.close()
-
-
-def _dist_rank_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    import os
-
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # launched by `accelerate launch` / torchrun: join the process group
-        from accelerate import PartialState
-
-        state = PartialState()
-        return state.process_index, state.num_processes
-    return 0, 1
-
-
-def _all_reduce_grads(params: list[torch.nn.Parameter], world_size: int) -> None:
-    """Average gradients over data-parallel ranks (each rank rolls out its own prompts)."""
-    if world_size <= 1:
-        return
-    import torch.distributed as dist
-
-    for p in params:
-        if p.grad is not None:
-            dist.all_reduce(p.grad)
-            p.grad /= world_size
 
 
 def main(cfg: FlowGRPOConfig) -> dict[str, float]:

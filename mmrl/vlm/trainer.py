@@ -36,8 +36,9 @@ from mmrl.core.groups import effective_ratio
 from mmrl.core.stats import PromptStats
 from mmrl.data.vqa import VQAExample, load_vqa
 from mmrl.device import DTYPES, resolve_device
+from mmrl.distributed import all_reduce_grads, broadcast_params, full_state_dict, init_distributed
 from mmrl.loop import run_recipe, train_loop
-from mmrl.run import MetricAccumulator, Run
+from mmrl.run import MetricAccumulator, Run, resume_checkpoint
 from mmrl.seeding import get_rng_state, seed_everything, set_rng_state
 from mmrl.vlm.config import VLMRLVRConfig
 from pipelines.vlm.backend import GenerationBackend, GenerationSample, SamplingParams
@@ -71,8 +72,17 @@ class VLMRLVRTrainer:
 
         cfg = self.cfg
         m = cfg.model
-        self.generator = seed_everything(cfg.run.seed)
+        # one process per GPU under `accelerate launch` (mmrl/distributed.py): each rank rolls out its own prompts
+        self.dist = init_distributed()
+        if self.dist.fsdp:
+            raise ValueError(
+                "the VLM trainer trains data-parallel with whole replicas: launch it with configs/accelerate/ddp.yaml "
+                "(FSDP sharding is implemented for the flow trainer)"
+            )
+        self.generator = seed_everything(cfg.run.seed + self.dist.rank)
         self.device = resolve_device(m.device)
+        if self.dist.active and self.device.type == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
         # 1. model and processor, loaded as users load Qwen2.5-VL
         kwargs: dict[str, Any] = {"dtype": DTYPES[m.dtype]}
         if m.load_in_4bit:
@@ -108,6 +118,7 @@ class VLMRLVRTrainer:
             model.gradient_checkpointing_enable()
         self.model = model
         self.trainable = [p for p in model.parameters() if p.requires_grad]
+        broadcast_params(self.trainable, self.dist.world_size)  # a LoRA's random init differs per rank's seed
         self.reference = None
         if m.lora is None and cfg.trainer.beta > 0 and for_training:
             import copy
@@ -141,12 +152,12 @@ class VLMRLVRTrainer:
             raise ValueError("no trainable parameters: check model.lora.target_modules")
         self.optimizer = torch.optim.AdamW(self.trainable, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
         self.stats = PromptStats(rho=cfg.trainer.rho, prior_strength=cfg.trainer.prior_strength)
-        if self.run is not None:
-            ckpt = self.run.resume_checkpoint()
-            if ckpt is not None:
-                self.load_state(load_checkpoint(ckpt))
+        ckpt = resume_checkpoint(cfg.run) if self.run is not None or self.dist.active else None
+        if ckpt is not None:
+            self.load_state(load_checkpoint(ckpt))
+            if self.run is not None:
                 self.run.truncate_metrics(self.step)
-                logger.info("resumed from %s at step %d", ckpt, self.step)
+            logger.info("resumed from %s at step %d", ckpt, self.step)
         # 5. rollout pool, started from the weights held now (so after a resume)
         if cfg.pool.enabled:
             from mmrl.vlm.pooled import PooledVLMRollouts
@@ -255,13 +266,13 @@ class VLMRLVRTrainer:
             pids = [ex.prompt_id for ex, _ in pairs]
             baseline = self.stats.success_prob(pids).float()  # V(x) before this batch
             adv = adv_lib.single_rollout(total, baseline, scale="batch_std", center=t.center)
-            self.stats.update(pids, total, step=self.step)
+            self.stats.update_distributed(pids, total, step=self.step)
             keep = torch.ones(len(pairs), dtype=torch.bool)
             self.metrics.add("baseline/mean", baseline.mean())
         else:
             pids = [ex.prompt_id for ex, _ in pairs]
             group_ids = torch.tensor(_group_index(pids))
-            self.stats.update(pids, total, step=self.step)
+            self.stats.update_distributed(pids, total, step=self.step)
             keep = torch.ones(len(pairs), dtype=torch.bool)
             if t.advantage == "mc_grpo":
                 adv, pivot = adv_lib.median_centered(total, group_ids)
@@ -291,7 +302,8 @@ class VLMRLVRTrainer:
         rows = torch.nonzero(keep).flatten()
         if rows.numel() == 0:
             self.metrics.add("train/skipped_no_signal", 1.0)
-            return
+            if not self.dist.active:
+                return  # (under data parallelism the rank still takes part in the others' optimizer steps)
         # old-policy statistics: log-probs for the ratio, entropies for the shaping (no gradient)
         self.model.eval()
         with torch.no_grad():
@@ -335,6 +347,7 @@ class VLMRLVRTrainer:
                 self.metrics.add("entropy/mean", (entropy * mask).sum() / mask.sum())
                 self.metrics.add_dict(loss_lib.clip_fractions(new.logprobs, o.logprobs, a_tok, t.epsilon_low,
                                                               t.epsilon_high))
+            all_reduce_grads(self.trainable, self.dist.world_size)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, t.max_grad_norm)
             self.metrics.add("train/grad_norm", grad_norm)
             self.optimizer.step()
@@ -373,16 +386,18 @@ class VLMRLVRTrainer:
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict[str, float]:
-        return train_loop(self, self.cfg.trainer.steps, self.cfg.trainer.eval_every, self.cfg.run, self.run, show=("reward/mean", "eval/accuracy"))
+        return train_loop(self, self.cfg.trainer.steps, self.cfg.trainer.eval_every, self.cfg.run, self.run,
+                          show=("reward/mean", "eval/accuracy"), main_process=self.dist.is_main)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         return {
             "step": self.step,
-            "trainable": {n: p.detach().cpu().clone() for n, p in self.model.named_parameters() if p.requires_grad},
+            "trainable": full_state_dict(self.model),
             "optimizer": self.optimizer.state_dict(),
             "stats": self.stats.state_dict(),
             "rng": get_rng_state({"train": self.generator}),
+            "rng_per_rank": self.dist.gather(get_rng_state({"train": self.generator})) if self.dist.active else None,
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
@@ -390,15 +405,18 @@ class VLMRLVRTrainer:
         self.step = int(state["step"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.stats.load_state_dict(state["stats"])
-        set_rng_state(state["rng"], {"train": self.generator})
+        set_rng_state(self.dist.own(state.get("rng_per_rank"), state["rng"]), {"train": self.generator})
         self.backend.sync_weights(self.model)
 
     def save_checkpoint(self) -> None:
+        """Rank 0 writes; under data parallelism every rank first gathers its RNG states with it (a collective)."""
+        if self.run is None and not self.dist.active:
+            return
+        state = self.state_dict()
         if self.run is None:
             return
         extra = (lambda d: self.model.save_pretrained(d / "adapter")) if self.cfg.model.lora is not None else None
-        save_checkpoint(self.run.checkpoint_dir, self.step, self.state_dict(), extra=extra,
-                        keep_last=self.cfg.run.keep_last)
+        save_checkpoint(self.run.checkpoint_dir, self.step, state, extra=extra, keep_last=self.cfg.run.keep_last)
 
     def cleanup(self) -> None:
         if self.rollout_pool is not None:

@@ -1,0 +1,110 @@
+"""Data-parallel training on two CPU processes (gloo), launched by torchrun as `accelerate launch` launches on GPUs:
+ranks stay identical under DDP, FSDP sharding trains the same weights as DDP, and only rank 0 writes the run."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("worker.py")
+
+pytestmark = pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="needs torch.distributed with gloo",
+)
+
+
+def fsdp_env() -> dict[str, str]:
+    """The environment `accelerate launch --config_file configs/accelerate/fsdp.yaml` gives each process."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    command = ["--config_file", str(ROOT / "configs/accelerate/fsdp.yaml"), "--num_processes", "2", "x.py"]
+    env = prepare_multi_gpu_env(_validate_launch_command(launch_command_parser().parse_args(command))[0])
+    return {k: v for k, v in env.items() if k.startswith(("ACCELERATE_USE_FSDP", "FSDP_"))}
+
+
+def launch(tmp_path: Path, recipe: str, tag: str, *overrides: str, env: dict[str, str] | None = None) -> list[dict]:
+    """Train on 2 ranks; returns each rank's final ``{"weights", "metrics"}``."""
+    prefix = tmp_path / tag
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(WORKER), recipe, str(prefix), f"run.output_dir={tmp_path}", f"run.name={tag}",
+               "run.progress=false", "run.tensorboard=false", *overrides]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
+    done = subprocess.run(command, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [torch.load(f"{prefix}.rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+FLOW = ("model.family=shapes", "model.path=checkpoints/shapes_flow", "model.device=cpu", "train_prompts=shapes:train",
+        "eval_prompts=shapes:heldout@8", "rewards=[{name: shapes, options: {partial: true}}]", "sampling.num_steps=4",
+        "sampling.eval_num_steps=4", "sampling.sde_window=2", "allocation.prompts_per_step=2",
+        "allocation.rollouts_per_step=8", "trainer.steps=2", "trainer.eval_every=2", "trainer.eval_prompts=8",
+        "trainer.minibatch_size=8", "trainer.lr=1e-3", "trainer.drop_zero_advantage=false")
+
+
+def test_flow_ddp_lora_ranks_stay_identical_and_rank0_writes(tmp_path):
+    ranks = launch(tmp_path, "flow_grpo", "ddp", *FLOW, "trainer.objective=nft", "trainer.old_policy_decay=0.5",
+                   "run.save_every=1")
+    w0, w1 = ranks[0]["weights"], ranks[1]["weights"]
+    assert w0 and all("lora" in n for n in w0)
+    assert all(torch.equal(w0[n], w1[n]) for n in w0)  # same start (rank 0's LoRA init), same averaged steps
+    assert any(w0[n].abs().sum() > 0 for n in w0 if "lora_B" in n)  # B starts at zero: it trained
+    assert ranks[0]["metrics"] == ranks[1]["metrics"]  # metrics are reduced over the ranks
+    assert ranks[0]["metrics"]["nfe/rollout"] == 8 * 4  # each rank: its own 8 samples x 4 steps
+    lines = [json.loads(x) for x in (tmp_path / "ddp/metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [0, 1, 2]  # one writer
+    state = torch.load(tmp_path / "ddp/checkpoints/step_00000002/state.pt", weights_only=False)
+    assert all(torch.equal(state["trainable"][n], w0[n]) for n in w0)
+
+
+def test_flow_fsdp_full_finetune_matches_ddp_and_resumes_exactly(tmp_path):
+    common = (*FLOW, "model.lora=null", "trainer.objective=grpo", "trainer.beta=0.04", "trainer.lr=1e-4",
+              "run.save_every=1")
+    ddp = launch(tmp_path, "flow_grpo", "full_ddp", *common, "trainer.steps=3", "trainer.eval_every=3")
+    fsdp = launch(tmp_path, "flow_grpo", "full_fsdp", *common, env=fsdp_env())
+    assert fsdp[0]["sharded"] and not ddp[0]["sharded"]
+    base = ddp[0]["initial"]
+    ddp_step2 = torch.load(tmp_path / "full_ddp/checkpoints/step_00000002/state.pt", weights_only=False)["trainable"]
+    assert set(fsdp[0]["weights"]) == set(ddp_step2) == set(base)
+    assert all(torch.equal(fsdp[0]["weights"][n], fsdp[1]["weights"][n]) for n in base)
+    moved = max(float((ddp_step2[n] - base[n]).abs().max()) for n in base)
+    assert moved > 1e-4  # the steps trained, by far more than the tolerance below
+    for n in base:  # the same two steps, sharded or not (up to the order of float reductions)
+        torch.testing.assert_close(fsdp[0]["weights"][n], ddp_step2[n], rtol=0, atol=1e-6)
+    # the checkpoint rank 0 wrote under FSDP holds the whole trained tensors
+    state = torch.load(tmp_path / "full_fsdp/checkpoints/step_00000002/state.pt", weights_only=False)
+    assert all(torch.equal(state["trainable"][n], fsdp[0]["weights"][n]) for n in base)
+    assert len(state["rng_per_rank"]) == 2
+    # resumed on 2 ranks (sharded optimizer state and each rank's RNG restored), the third step is DDP's third
+    resumed = launch(tmp_path, "flow_grpo", "full_fsdp", *common, "trainer.steps=3", "trainer.eval_every=3",
+                     "run.resume=true", env=fsdp_env())
+    for n in base:
+        torch.testing.assert_close(resumed[0]["weights"][n], ddp[0]["weights"][n], rtol=0, atol=1e-6)
+    assert resumed[0]["metrics"]["eval/reward_mean"] == pytest.approx(ddp[0]["metrics"]["eval/reward_mean"], abs=1e-6)
+
+
+def test_flow_fsdp_refuses_lora(tmp_path):
+    with pytest.raises(AssertionError, match=r"configs/accelerate/ddp\.yaml"):
+        launch(tmp_path, "flow_grpo", "fsdp_lora", *FLOW, env=fsdp_env())
+
+
+def test_vlm_ddp_lora_ranks_stay_identical(tmp_path):
+    ranks = launch(
+        tmp_path, "vlm_rlvr", "vlm", "model.path=checkpoints/shapes_vlm", "model.device=cpu", "data.image_size=64",
+        "data.train_limit=64", "data.eval_limit=14", "generation.max_new_tokens=8", "trainer.mode=single",
+        "trainer.prompts_per_step=8", "trainer.minibatch_size=8", "trainer.steps=2", "trainer.eval_every=2",
+        "trainer.lr=3e-3", "rewards=[{name: exact_match}]",
+    )
+    w0, w1 = ranks[0]["weights"], ranks[1]["weights"]
+    assert w0 and all("lora_" in n for n in w0)
+    assert all(torch.equal(w0[n], w1[n]) for n in w0)
+    assert any(w0[n].abs().sum() > 0 for n in w0 if "lora_B" in n)
+    assert ranks[0]["metrics"] == ranks[1]["metrics"]
+    lines = (tmp_path / "vlm/metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [0, 1, 2]
