@@ -103,6 +103,14 @@ class SFTConfig:
         default=TinyVLMConfig.vision_depth,
         metadata={"help": "Vision-tower blocks (TinyVLMConfig.vision_depth)."},
     )
+    vision_hidden_size: int = field(
+        default=TinyVLMConfig.vision_hidden_size,
+        metadata={"help": "Vision-tower width (TinyVLMConfig.vision_hidden_size)."},
+    )
+    patch_size: int = field(
+        default=TinyVLMConfig.patch_size,
+        metadata={"help": "Vision patch side in pixels (TinyVLMConfig.patch_size; image tokens = (image_size / patch / 2)^2)."},
+    )
     caption_fraction: float = field(
         default=0.6,
         metadata={"help": "Share of training batches that are the auxiliary captioning task instead of VQA."},
@@ -279,6 +287,9 @@ def train(cfg: SFTConfig) -> dict:
         num_layers=cfg.num_layers,
         intermediate_size=cfg.intermediate_size,
         vision_depth=cfg.vision_depth,
+        vision_hidden_size=cfg.vision_hidden_size,
+        vision_intermediate_size=2 * cfg.vision_hidden_size,
+        patch_size=cfg.patch_size,
         seed=cfg.seed,
     )
     tokenizer = train_tokenizer(build_corpus(train_items), vocab_size=model_config.vocab_size)
