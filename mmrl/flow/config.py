@@ -42,6 +42,11 @@ class FlowModelConfig(Config):
         "float32", description="Weights dtype; bfloat16 on GPUs. The SDE math is always float32."
     )
     device: str = Field("auto", description="'auto' (cuda when available, else cpu), 'cpu', 'cuda', 'cuda:1'...")
+    autocast: Literal["bfloat16", "float16"] | None = Field(
+        None,
+        description="Mixed precision: the transformer computes in this dtype under torch.autocast while weights, "
+        "LoRA and optimizer stay in model.dtype (faster on GPUs and on CPUs with bfloat16 instructions).",
+    )
     lora: LoraSettings | None = Field(
         default_factory=LoraSettings, description="LoRA settings; null trains the full transformer."
     )

@@ -177,7 +177,8 @@ class PooledRollouts:
         device = p.device if p.device is not None else str(trainer.device)
         factory = functools.partial(
             PooledFlowWorker.build, cfg.model.family, cfg.model.path, sampling, initial,
-            device=device, torch_dtype=DTYPES[cfg.model.dtype], **cfg.model.options,
+            device=device, torch_dtype=DTYPES[cfg.model.dtype],
+            autocast_dtype=DTYPES[cfg.model.autocast] if cfg.model.autocast else None, **cfg.model.options,
         )
         self.pool = p.build_pool(factory)
 

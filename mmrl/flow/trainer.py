@@ -125,6 +125,7 @@ class FlowGRPOTrainer:
             cfg.model.family, cfg.model.path, torch_dtype=DTYPES[cfg.model.dtype], device=self.device,
             **cfg.model.options,
         )
+        self.adapter.autocast_dtype = DTYPES[cfg.model.autocast] if cfg.model.autocast else None
         transformer = self.adapter.transformer
         transformer.requires_grad_(False)
         for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"):

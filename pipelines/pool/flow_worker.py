@@ -56,13 +56,16 @@ class FlowRolloutWorker(RolloutWorker):
         torch_dtype: torch.dtype = torch.float32,
         explorer_scheme: Scheme | None = None,
         num_threads: int | None = None,
+        autocast_dtype: torch.dtype | None = None,
         **load_kwargs: Any,
     ) -> FlowRolloutWorker:
-        """Load the adapter with :func:`pipelines.flow.adapters.load_adapter` and wrap it (a worker factory)."""
+        """Load the adapter with :func:`pipelines.flow.adapters.load_adapter` and wrap it (a worker factory);
+        ``autocast_dtype`` is the adapter's mixed-precision compute dtype (``FlowAdapter.autocast_dtype``)."""
         if num_threads is not None:
             # before loading: model construction itself runs torch ops
             torch.set_num_threads(num_threads)
         adapter = load_adapter(family, model_id_or_path, torch_dtype=torch_dtype, device=device, **load_kwargs)
+        adapter.autocast_dtype = autocast_dtype
         adapter.transformer.requires_grad_(False)
         return cls(adapter, sampling, explorer_scheme=explorer_scheme)
 

@@ -86,6 +86,18 @@ def test_nft_objective_and_cfg_free_logprobs(model_dir, tmp_path):
         assert any(not torch.equal(b, p) for b, p in zip(before, trainer.trainable, strict=True))
 
 
+def test_autocast_trains_fp32_lora_with_bfloat16_forwards(model_dir, tmp_path):
+    cfg = make_cfg(model_dir, tmp_path, "bf16", "trainer.steps=1", "trainer.objective=nft", "model.autocast=bfloat16")
+    trainer = FlowGRPOTrainer(cfg, None)
+    trainer.setup()
+    assert trainer.adapter.autocast_dtype == torch.bfloat16
+    before = [p.detach().clone() for p in trainer.trainable]
+    metrics = trainer.train_step()
+    assert torch.isfinite(torch.tensor(metrics["loss"]))
+    assert all(p.dtype == torch.float32 for p in trainer.trainable)
+    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.trainable, strict=True))
+
+
 def test_rwr_objective_trains_on_clean_ode_samples_with_guided_regression(model_dir, tmp_path):
     cfg = make_cfg(model_dir, tmp_path, "rwr", "trainer.steps=1", "trainer.objective=rwr",
                    "sampling.guidance_scale=2.0")

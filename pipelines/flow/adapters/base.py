@@ -171,6 +171,9 @@ class FlowAdapter(ABC):
 
     def __init__(self, pipe: DiffusionPipeline) -> None:
         self.pipe = pipe
+        #: mixed precision: the transformer's forwards run under ``torch.autocast`` in this dtype (weights and
+        #: gradients stay in their own dtype); ``None`` computes in the weights' dtype
+        self.autocast_dtype: torch.dtype | None = None
 
     # ---- loading --------------------------------------------------------------------------------------------
 
@@ -230,7 +233,8 @@ class FlowAdapter(ABC):
     def velocity(
         self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance_scale: float = 1.0
     ) -> torch.Tensor:
-        """Velocity ``v(x, sigma | prompt)`` in float32, with classifier-free guidance when it applies:
+        """Velocity ``v(x, sigma | prompt)`` in float32 (computed under :attr:`autocast_dtype` when set), with
+        classifier-free guidance when it applies:
 
             v = v_uncond + w (v_cond - v_uncond)          (Ho & Salimans, arXiv 2207.12598)
 
@@ -246,11 +250,14 @@ class FlowAdapter(ABC):
         sigma_b = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).reshape(-1).expand(batch)
         if len(cond) != batch:
             raise ValueError(f"conditioning has {len(cond)} rows but x has batch {batch}")
+        autocast = torch.autocast(x.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
         if not self.uses_cfg(guidance_scale):
-            return self._forward(x, sigma_b, cond.cond, guidance_scale).float()
-        v = self._forward(
-            torch.cat([x, x]), torch.cat([sigma_b, sigma_b]), cond.with_cfg_batch(), guidance_scale
-        )
+            with autocast:
+                return self._forward(x, sigma_b, cond.cond, guidance_scale).float()
+        with autocast:
+            v = self._forward(
+                torch.cat([x, x]), torch.cat([sigma_b, sigma_b]), cond.with_cfg_batch(), guidance_scale
+            )
         v_uncond, v_cond = v.float().chunk(2)
         return v_uncond + guidance_scale * (v_cond - v_uncond)
 
