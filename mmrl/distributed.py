@@ -12,11 +12,11 @@ Two ways to hold the model, picked by the accelerate config the run was launched
   this is all a run needs: the trainable state is small.
 * **FSDP2** (``configs/accelerate/fsdp.yaml``, accelerate sets ``ACCELERATE_USE_FSDP=true``): parameters,
   gradients and optimizer state are sharded over the ranks by torch's ``fully_shard``, one unit per block the
-  model lists in ``_no_split_modules`` plus the root (:func:`shard_model`), for full fine-tuning of models whose
-  replicas do not fit. The shards' gradients are reduced by FSDP itself. Every forward of a sharded model is a
-  collective (it all-gathers the block's parameters), so all ranks must run the same sequence of forwards:
-  trainers keep their number of forward and optimizer calls per step equal across ranks
-  (:meth:`DistState.max_over_ranks`).
+  model lists in ``_no_split_modules``, one per submodule a trainer calls directly, then the root
+  (:func:`shard_model`), for full fine-tuning of models whose replicas do not fit. The shards' gradients are
+  reduced by FSDP itself. Every forward of a sharded model is a collective (it all-gathers the block's
+  parameters), so all ranks must run the same sequence of forwards: trainers keep their number of forward and
+  optimizer calls per step equal across ranks (:meth:`DistState.max_over_ranks`).
 
 Collectives that every rank must enter together: :meth:`DistState.barrier`, :meth:`DistState.max_over_ranks`,
 :func:`all_reduce_grads`, :func:`full_state_dict` and ``mmrl.checkpoint.load_trainable`` on a sharded model.
@@ -25,6 +25,7 @@ Collectives that every rank must enter together: :meth:`DistState.barrier`, :met
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,9 +156,20 @@ def broadcast_params(params: list[nn.Parameter], world_size: int) -> None:
             p.copy_(buffer.to(p.device))
 
 
-def shard_model(model: nn.Module, reshard_after_forward: bool = True) -> nn.Module:
+def shard_model(model: nn.Module, reshard_after_forward: bool = True,
+                extra: Sequence[nn.Module | list[nn.Module]] = (), methods: Sequence[str] = ()) -> nn.Module:
     """FSDP2: shard ``model`` in place over the process group, one unit per block class named in the model's
-    ``_no_split_modules`` (diffusers and transformers list their transformer blocks there), then the root.
+    ``_no_split_modules`` (diffusers and transformers list their transformer blocks there), then one unit per
+    module of ``extra``, then the root.
+
+    A unit's parameters are gathered only while a module of that unit is called, so a caller that runs
+    submodules of ``model`` directly (the VLM's scoring runs the backbone, then the LM head chunk by chunk) names
+    each of them in ``extra``: called outside the root's forward, the root's parameters would still be shards.
+    An ``extra`` entry that is a list of modules becomes one grouped unit (modules that share a parameter, e.g.
+    tied input and output embeddings); list inner modules before the modules that hold them. ``methods`` names
+    methods of the root that run its submodules besides ``forward`` (transformers' ``generate``): they are
+    wrapped in the root's forward hooks, so they see its parameters gathered, and a call of one counts as the
+    root's forward (FSDP requires the root to run before any other unit).
 
     The module keeps its class's methods and attributes (FSDP2 swaps in a subclass), so adapters and trainers
     call it as before. Build the optimizer after this call: sharding replaces the parameters by ``DTensor`` shards.
@@ -165,7 +177,7 @@ def shard_model(model: nn.Module, reshard_after_forward: bool = True) -> nn.Modu
     Raises:
         ValueError: the model names no block classes to shard by.
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     names = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in names and m is not model]
@@ -174,22 +186,37 @@ def shard_model(model: nn.Module, reshard_after_forward: bool = True) -> nn.Modu
             f"{type(model).__name__} lists no block classes in _no_split_modules, so FSDP has nothing to wrap "
             "by; launch with configs/accelerate/ddp.yaml instead"
         )
-    for block in blocks:
-        fully_shard(block, reshard_after_forward=reshard_after_forward)
+    for unit in [*blocks, *extra]:
+        fully_shard(unit, reshard_after_forward=reshard_after_forward)
     fully_shard(model, reshard_after_forward=reshard_after_forward)
+    for name in methods:
+        register_fsdp_forward_method(model, name)
     return model
 
 
-def is_sharded(model: nn.Module) -> bool:
-    """Whether ``model`` was sharded by :func:`shard_model` (its parameters are ``DTensor`` shards)."""
-    from torch.distributed.tensor import DTensor
+def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
 
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` was sharded by :func:`shard_model` (FSDP manages it; with ``reshard_after_forward=False``
+    its parameters are whole tensors from a forward until the next backward, so this does not ask them)."""
+    return bool(_fsdp_modules(model))
+
+
+def _reshard(model: nn.Module) -> None:
+    """Put the shards back in place of parameters a forward left gathered (``reshard_after_forward=False``), so
+    that the model's parameters are the ones the optimizer holds."""
+    for module in _fsdp_modules(model):
+        module.reshard()
 
 
 def full_state_dict(model: nn.Module, trainable_only: bool = True) -> dict[str, torch.Tensor]:
     """The model's parameters as whole CPU tensors, gathered from the shards on every rank (a collective on a
     sharded model), ``trainable_only``: those with ``requires_grad``."""
+    _reshard(model)
     return {
         name: full_tensor(p.detach()).cpu().clone()
         for name, p in model.named_parameters()
@@ -220,6 +247,8 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         return optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
+    _reshard(model)  # the parameters are named by the model: they must be the shards the optimizer holds
+
     return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
@@ -229,5 +258,7 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
         optimizer.load_state_dict(state)
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    _reshard(model)
 
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))

@@ -14,12 +14,20 @@ One training step:
 
 With ``pool.enabled`` steps 1-2 take the trainer's prompts through a rollout pool (``mmrl/vlm/pooled.py``):
 synchronous or asynchronous, with APRIL partial rollouts, stale samples weighted by truncated importance sampling.
+
+Data-parallel (``mmrl/distributed.py``): each rank rolls out its own prompts. With ``configs/accelerate/ddp.yaml``
+every rank holds the whole model and the gradients are averaged; with ``configs/accelerate/fsdp.yaml`` (full
+fine-tuning, ``model.lora=null``) the model is FSDP2-sharded, every forward is a collective, and the trainer keeps
+every rank's sequence of forwards equal: generation with ``synced_gpus``, as many LM-head chunks on every rank, and
+only settings with the same number of samples per rank (:meth:`VLMRLVRTrainer._check_fsdp`).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
+import math
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -36,14 +44,23 @@ from mmrl.core.groups import effective_ratio
 from mmrl.core.stats import PromptStats
 from mmrl.data.vqa import VQAExample, load_vqa
 from mmrl.device import DTYPES, resolve_device
-from mmrl.distributed import all_reduce_grads, broadcast_params, full_state_dict, init_distributed
+from mmrl.distributed import (
+    all_reduce_grads,
+    broadcast_params,
+    full_state_dict,
+    full_tensor,
+    init_distributed,
+    load_optimizer_state,
+    optimizer_state,
+    shard_model,
+)
 from mmrl.loop import run_recipe, train_loop
 from mmrl.run import MetricAccumulator, Run, resume_checkpoint
 from mmrl.seeding import get_rng_state, seed_everything, set_rng_state
 from mmrl.vlm.config import VLMRLVRConfig
 from pipelines.vlm.backend import GenerationBackend, GenerationSample, SamplingParams
 from pipelines.vlm.inputs import VLMPrompt
-from pipelines.vlm.logprobs import build_scoring_batch, completion_token_stats
+from pipelines.vlm.logprobs import backbone_and_head, build_scoring_batch, completion_token_stats
 
 __all__ = ["VLMRLVRTrainer", "evaluate", "main"]
 
@@ -75,10 +92,7 @@ class VLMRLVRTrainer:
         # one process per GPU under `accelerate launch` (mmrl/distributed.py): each rank rolls out its own prompts
         self.dist = init_distributed()
         if self.dist.fsdp:
-            raise ValueError(
-                "the VLM trainer trains data-parallel with whole replicas: launch it with configs/accelerate/ddp.yaml "
-                "(FSDP sharding is implemented for the flow trainer)"
-            )
+            self._check_fsdp()
         self.generator = seed_everything(cfg.run.seed + self.dist.rank)
         self.device = resolve_device(m.device)
         if self.dist.active and self.device.type == "cuda":
@@ -116,14 +130,18 @@ class VLMRLVRTrainer:
                         p.requires_grad_(False)
         if m.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        self.model = model
-        self.trainable = [p for p in model.parameters() if p.requires_grad]
-        broadcast_params(self.trainable, self.dist.world_size)  # a LoRA's random init differs per rank's seed
         self.reference = None
         if m.lora is None and cfg.trainer.beta > 0 and for_training:
-            import copy
-
-            self.reference = copy.deepcopy(model).requires_grad_(False).eval()
+            self.reference = copy.deepcopy(model).requires_grad_(False).eval()  # before sharding: whole weights
+        if self.dist.fsdp:
+            if self.reference is not None:
+                shard_model(self.reference, self.dist.reshard_after_forward, extra=_fsdp_units(self.reference))
+            # generate() runs the units itself: wrapped, its call is the root's forward (the policy's first call)
+            shard_model(model, self.dist.reshard_after_forward, extra=_fsdp_units(model), methods=("generate",))
+        self.model = model
+        self.trainable = [p for p in model.parameters() if p.requires_grad]  # DTensor shards under FSDP
+        if not self.dist.fsdp:  # (sharded weights come from the same checkpoint on every rank)
+            broadcast_params(self.trainable, self.dist.world_size)  # a LoRA's random init differs per rank's seed
         # 2. rollout engine
         self.backend = self._make_backend()
         # 3. verifiers and data
@@ -142,6 +160,13 @@ class VLMRLVRTrainer:
         self.by_id = {ex.prompt_id: ex for ex in self.train_set}
         if len(self.by_id) != len(self.train_set):
             raise ValueError(f"{d.train}: prompt ids are not unique; set data.id_column to a unique column")
+        if self.dist.fsdp and len({bool(ex.images) for ex in self.train_set}) > 1:
+            # a batch with images runs the vision tower's sharded blocks (collectives), one without does not
+            raise ValueError(
+                f"FSDP launch (configs/accelerate/fsdp.yaml): some questions of {d.train} have images and some do "
+                "not, so one rank's batch could run the sharded vision tower while another's does not; use data "
+                "where every question has an image (or none does), or launch with configs/accelerate/ddp.yaml"
+            )
         if cfg.trainer.prompts_per_step > len(self.train_set):
             raise ValueError(
                 f"trainer.prompts_per_step ({cfg.trainer.prompts_per_step}) exceeds the {len(self.train_set)} "
@@ -178,8 +203,35 @@ class VLMRLVRTrainer:
             )
         from pipelines.vlm.hf_backend import HFBackend
 
+        # a sharded model's every forward is a collective: ranks step generate() together until all are done
         return HFBackend(self.model, self.processor, max_model_len=g.max_model_len,
-                         max_prompt_length=g.max_prompt_length, batch_size=g.batch_size)
+                         max_prompt_length=g.max_prompt_length, batch_size=g.batch_size, synced_gpus=self.dist.fsdp)
+
+    def _check_fsdp(self) -> None:
+        """FSDP shards the model, so every forward is a collective: only settings under which every rank makes
+        the same sequence of forwards (and nothing needs whole weights mid-step) are accepted."""
+        cfg, refused = self.cfg, []
+        t, g = cfg.trainer, cfg.generation
+        if cfg.model.lora is not None:
+            refused.append("LoRA (model.lora): the trainable state is small and sharding the frozen base only adds "
+                           "all-gathers; launch with configs/accelerate/ddp.yaml (or set model.lora=null)")
+        if cfg.model.load_in_4bit:
+            refused.append("model.load_in_4bit: bitsandbytes' 4-bit weights are not sharded by FSDP")
+        if cfg.pool.enabled:
+            refused.append("pool.enabled: pool workers receive whole weights")
+        if g.backend == "vllm":
+            refused.append("generation.backend=vllm: the engine loads whole weights; use generation.backend=hf")
+        if g.max_prompt_length is not None or g.max_model_len is not None:
+            refused.append("generation.max_prompt_length / generation.max_model_len: a prompt that does not fit is "
+                           "skipped, leaving its rank fewer samples")
+        if t.mode == "group" and t.dynamic_sampling:
+            refused.append("trainer.dynamic_sampling: a per-rank number of samples")
+        if t.mode == "group" and t.allocation != "uniform":
+            refused.append(f"trainer.allocation={t.allocation}: per-rank group sizes, so a per-rank number of "
+                           "generate calls")
+        if refused:
+            raise ValueError("FSDP launch (configs/accelerate/fsdp.yaml) of the VLM trainer does not support: "
+                             + "; ".join(refused))
 
     @property
     def uses_tis(self) -> bool:
@@ -226,8 +278,12 @@ class VLMRLVRTrainer:
             [ex.images for ex, _ in pairs],
         )
         suppressed = getattr(self.backend, "suppressed_token_ids", ())
+        chunk_size = self.cfg.trainer.logprob_chunk_size
+        min_chunks = 0
+        if self.dist.fsdp:  # each call of the sharded LM head is a collective: the longest rank's number of chunks
+            min_chunks = self.dist.max_over_ranks(math.ceil(batch.completion_ids.shape[1] / chunk_size))
         return completion_token_stats(model or self.model, batch, temperature=temperature or 1.0,
-                                      chunk_size=self.cfg.trainer.logprob_chunk_size, suppressed_token_ids=suppressed)
+                                      chunk_size=chunk_size, suppressed_token_ids=suppressed, min_chunks=min_chunks)
 
     def reference_context(self):
         if self.cfg.model.lora is not None:
@@ -300,6 +356,10 @@ class VLMRLVRTrainer:
         t = self.cfg.trainer
         temp = self.cfg.generation.temperature
         rows = torch.nonzero(keep).flatten()
+        if self.dist.fsdp:  # every rank must make the same forwards; _check_fsdp refuses the settings that differ
+            n = math.ceil(rows.numel() / t.minibatch_size)
+            if self.dist.max_over_ranks(n) != -self.dist.max_over_ranks(-n):
+                raise RuntimeError("FSDP ranks hold different numbers of minibatches; their forwards would not pair up")
         if rows.numel() == 0:
             self.metrics.add("train/skipped_no_signal", 1.0)
             if not self.dist.active:
@@ -347,9 +407,10 @@ class VLMRLVRTrainer:
                 self.metrics.add("entropy/mean", (entropy * mask).sum() / mask.sum())
                 self.metrics.add_dict(loss_lib.clip_fractions(new.logprobs, o.logprobs, a_tok, t.epsilon_low,
                                                               t.epsilon_high))
-            all_reduce_grads(self.trainable, self.dist.world_size)
+            if not self.dist.fsdp:  # FSDP reduces the gradients of its shards itself
+                all_reduce_grads(self.trainable, self.dist.world_size)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, t.max_grad_norm)
-            self.metrics.add("train/grad_norm", grad_norm)
+            self.metrics.add("train/grad_norm", full_tensor(grad_norm))  # (a DTensor under FSDP)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.backend.sync_weights(self.model)
@@ -393,8 +454,8 @@ class VLMRLVRTrainer:
     def state_dict(self) -> dict[str, Any]:
         return {
             "step": self.step,
-            "trainable": full_state_dict(self.model),
-            "optimizer": self.optimizer.state_dict(),
+            "trainable": full_state_dict(self.model),  # whole tensors, gathered from the shards under FSDP
+            "optimizer": optimizer_state(self.model, self.optimizer),
             "stats": self.stats.state_dict(),
             "rng": get_rng_state({"train": self.generator}),
             "rng_per_rank": self.dist.gather(get_rng_state({"train": self.generator})) if self.dist.active else None,
@@ -403,13 +464,14 @@ class VLMRLVRTrainer:
     def load_state(self, state: dict[str, Any]) -> None:
         load_trainable(self.model, state["trainable"])
         self.step = int(state["step"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.stats.load_state_dict(state["stats"])
         set_rng_state(self.dist.own(state.get("rng_per_rank"), state["rng"]), {"train": self.generator})
         self.backend.sync_weights(self.model)
 
     def save_checkpoint(self) -> None:
-        """Rank 0 writes; under data parallelism every rank first gathers its RNG states with it (a collective)."""
+        """Rank 0 writes; under data parallelism every rank first gathers the state with it (its RNG states, and
+        its shards of the weights and optimizer state under FSDP: collectives)."""
         if self.run is None and not self.dist.active:
             return
         state = self.state_dict()
@@ -423,6 +485,21 @@ class VLMRLVRTrainer:
             self.rollout_pool.close()
         if self.run is not None:
             self.run.close()
+
+
+def _fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module | list[torch.nn.Module]]:
+    """The FSDP units besides the blocks: the modules called directly, not from within the model's ``forward``, so
+    that their parameters are gathered when called. Scoring calls the backbone and the LM head
+    (``backbone_and_head``); ``generate`` encodes the images before its first forward with the backbone's
+    ``get_image_features``, which calls the vision tower. An LM head tied to the input embeddings shares their
+    weight, so the two form one grouped unit. Inner modules come first."""
+    backbone, head = backbone_and_head(model)
+    vision = getattr(backbone, "visual", None)
+    units: list[torch.nn.Module | list[torch.nn.Module]] = [vision] if vision is not None else []
+    embed = model.get_input_embeddings()
+    if embed is not None and head.weight is embed.weight:
+        return [*units, [embed, head], backbone]
+    return [*units, backbone, head]
 
 
 def _group_index(prompt_ids: list[str]) -> list[int]:

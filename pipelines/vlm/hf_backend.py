@@ -64,6 +64,10 @@ class HFBackend(GenerationBackend):
             kept for log-probs (``max_new_tokens x batch_size x n x vocab`` floats). ``None``: all at once.
         suppress_vision_tokens: forbid the vision special tokens during generation (default). Turn off only
             for a model whose vocabulary has none.
+        synced_gpus: pass ``synced_gpus=True`` to ``generate``: every rank of the process group keeps stepping
+            (dummy forwards) until all ranks' sequences are done. Needed when ``model`` is FSDP-sharded, where each
+            forward is a collective; the caller must then also make the same number of ``generate`` calls, with
+            the same number of batches, on every rank. Off: transformers' default.
     """
 
     def __init__(
@@ -75,6 +79,7 @@ class HFBackend(GenerationBackend):
         max_prompt_length: int | None = None,
         batch_size: int | None = None,
         suppress_vision_tokens: bool = True,
+        synced_gpus: bool = False,
     ) -> None:
         super().__init__()
         if batch_size is not None and batch_size < 1:
@@ -85,6 +90,7 @@ class HFBackend(GenerationBackend):
         self.max_model_len = max_model_len
         self.max_prompt_length = max_prompt_length
         self.batch_size = batch_size
+        self.synced_gpus = synced_gpus
         self.suppressed_token_ids: list[int] = (
             vision_token_ids(self.tokenizer) if suppress_vision_tokens else []
         )
@@ -174,6 +180,7 @@ class HFBackend(GenerationBackend):
             pad_token_id=self.pad_token_id,
             output_scores=True,
             return_dict_in_generate=True,
+            synced_gpus=True if self.synced_gpus else None,  # None: transformers' own detection, as before
         )
         completions = out.sequences[:, P:]  # [B*n, T]
         # 3. behaviour log-probs: log_softmax of the processed scores, one step at a time to bound memory

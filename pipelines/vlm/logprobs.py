@@ -179,6 +179,7 @@ def chunked_token_stats(
     temperature: float = 1.0,
     chunk_size: int = 128,
     suppressed_token_ids: Sequence[int] = (),
+    min_chunks: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Apply ``head`` + ``log_softmax`` to ``chunk_size`` positions at a time (the math of this module).
 
@@ -189,6 +190,9 @@ def chunked_token_stats(
         temperature: logits are divided by it (use the rollout's; 1.0 for greedy rollouts).
         chunk_size: sequence positions per chunk; memory is ``B x chunk_size x V`` floats.
         suppressed_token_ids: token ids whose logits are set to ``-inf`` (those the rollout suppressed).
+        min_chunks: call ``head`` at least this many times, on empty chunks past the sequence's end (results
+            unchanged). Under FSDP every call of a sharded head is a collective, so ranks whose completions span
+            different numbers of chunks pass the largest count (``ceil(T / chunk_size)``) any of them needs.
 
     Returns:
         ``(logprobs, entropy, sampled_entropy)``, each ``[B, T]`` float32; only ``logprobs`` carries gradients.
@@ -205,7 +209,9 @@ def chunked_token_stats(
     # Checkpoint chunks only when a backward will follow; otherwise it would only cost time.
     use_checkpoint = torch.is_grad_enabled() and hidden.requires_grad
     logps, entropies = [], []
-    for start in range(0, hidden.shape[1], chunk_size):
+    T = hidden.shape[1]
+    # chunks past T are empty ([B, 0, H]): the head is still called (and back-propagated through) on them
+    for start in range(0, max(T, min_chunks * chunk_size), chunk_size):
         h = hidden[:, start : start + chunk_size]
         t = targets[:, start : start + chunk_size]
         if use_checkpoint:
@@ -220,11 +226,12 @@ def chunked_token_stats(
     return logprobs, torch.cat(entropies, dim=1), sampled_entropy
 
 
-def _backbone_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+def backbone_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
     """The module producing hidden states (vision tower + language model) and the LM head.
 
-    Unwraps a peft model to the transformers model with LoRA layers injected (so LoRA, and
-    ``disable_adapter()`` for the reference policy, still apply).
+    Scoring calls these two directly, not the model's ``forward``: an FSDP-sharded model needs each of them to be
+    its own FSDP unit, or their parameters are still shards when called. Unwraps a peft model to the transformers
+    model with LoRA layers injected (so LoRA, and ``disable_adapter()`` for the reference policy, still apply).
     """
     if hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None)):
         model = model.get_base_model()
@@ -242,6 +249,7 @@ def completion_token_stats(
     temperature: float = 1.0,
     chunk_size: int = 128,
     suppressed_token_ids: Sequence[int] = (),
+    min_chunks: int = 0,
 ) -> TokenStats:
     """Log-probs and entropies of the completion tokens of ``batch`` under ``model``.
 
@@ -252,11 +260,12 @@ def completion_token_stats(
         chunk_size: sequence positions per head/softmax chunk.
         suppressed_token_ids: the ids the rollout suppressed (``backend.suppressed_token_ids``), so both score
             the same distribution.
+        min_chunks: call the head at least this many times (see :func:`chunked_token_stats`; FSDP ranks).
 
     Returns:
         :class:`TokenStats` with ``[B, T]`` tensors on the model's device.
     """
-    backbone, head = _backbone_and_head(model)
+    backbone, head = backbone_and_head(model)
     device = next(model.parameters()).device
     inputs = {k: v.to(device) for k, v in batch.model_inputs.items()}
     if "image_grid_thw" not in inputs:
@@ -276,6 +285,7 @@ def completion_token_stats(
         temperature=temperature,
         chunk_size=chunk_size,
         suppressed_token_ids=suppressed_token_ids,
+        min_chunks=min_chunks,
     )
     mask = batch.completion_mask.to(device)
     zero = torch.zeros((), device=device)

@@ -63,15 +63,13 @@ def test_flow_ddp_lora_ranks_stay_identical_and_rank0_writes(tmp_path):
     assert all(torch.equal(state["trainable"][n], w0[n]) for n in w0)
 
 
-def test_flow_fsdp_full_finetune_matches_ddp_and_resumes_exactly(tmp_path):
-    common = (*FLOW, "model.lora=null", "trainer.objective=grpo", "trainer.beta=0.04", "trainer.lr=1e-4",
-              "run.save_every=1")
-    ddp = launch(tmp_path, "flow_grpo", "full_ddp", *common, "trainer.steps=3", "trainer.eval_every=3")
-    fsdp = launch(tmp_path, "flow_grpo", "full_fsdp", *common, env=fsdp_env())
+def assert_fsdp_two_steps_equal_ddp(tmp_path, ddp: list[dict], fsdp: list[dict]) -> dict:
+    """FSDP's two steps (runs full_fsdp) equal DDP's first two (full_ddp's step-2 checkpoint); returns the initial
+    weights."""
     assert fsdp[0]["sharded"] and not ddp[0]["sharded"]
     base = ddp[0]["initial"]
     ddp_step2 = torch.load(tmp_path / "full_ddp/checkpoints/step_00000002/state.pt", weights_only=False)["trainable"]
-    assert set(fsdp[0]["weights"]) == set(ddp_step2) == set(base)
+    assert base and set(fsdp[0]["weights"]) == set(ddp_step2) == set(base)
     assert all(torch.equal(fsdp[0]["weights"][n], fsdp[1]["weights"][n]) for n in base)
     moved = max(float((ddp_step2[n] - base[n]).abs().max()) for n in base)
     assert moved > 1e-4  # the steps trained, by far more than the tolerance below
@@ -81,6 +79,15 @@ def test_flow_fsdp_full_finetune_matches_ddp_and_resumes_exactly(tmp_path):
     state = torch.load(tmp_path / "full_fsdp/checkpoints/step_00000002/state.pt", weights_only=False)
     assert all(torch.equal(state["trainable"][n], fsdp[0]["weights"][n]) for n in base)
     assert len(state["rng_per_rank"]) == 2
+    return base
+
+
+def test_flow_fsdp_full_finetune_matches_ddp_and_resumes_exactly(tmp_path):
+    common = (*FLOW, "model.lora=null", "trainer.objective=grpo", "trainer.beta=0.04", "trainer.lr=1e-4",
+              "run.save_every=1")
+    ddp = launch(tmp_path, "flow_grpo", "full_ddp", *common, "trainer.steps=3", "trainer.eval_every=3")
+    fsdp = launch(tmp_path, "flow_grpo", "full_fsdp", *common, env=fsdp_env())
+    base = assert_fsdp_two_steps_equal_ddp(tmp_path, ddp, fsdp)
     # resumed on 2 ranks (sharded optimizer state and each rank's RNG restored), the third step is DDP's third
     resumed = launch(tmp_path, "flow_grpo", "full_fsdp", *common, "trainer.steps=3", "trainer.eval_every=3",
                      "run.resume=true", env=fsdp_env())
@@ -94,13 +101,14 @@ def test_flow_fsdp_refuses_lora(tmp_path):
         launch(tmp_path, "flow_grpo", "fsdp_lora", *FLOW, env=fsdp_env())
 
 
+VLM = ("model.path=checkpoints/shapes_vlm", "model.device=cpu", "data.image_size=64", "data.train_limit=64",
+       "data.eval_limit=14", "generation.max_new_tokens=8", "trainer.mode=single", "trainer.prompts_per_step=8",
+       "trainer.minibatch_size=8", "trainer.steps=2", "trainer.eval_every=2", "trainer.lr=3e-3",
+       "rewards=[{name: exact_match}]")
+
+
 def test_vlm_ddp_lora_ranks_stay_identical(tmp_path):
-    ranks = launch(
-        tmp_path, "vlm_rlvr", "vlm", "model.path=checkpoints/shapes_vlm", "model.device=cpu", "data.image_size=64",
-        "data.train_limit=64", "data.eval_limit=14", "generation.max_new_tokens=8", "trainer.mode=single",
-        "trainer.prompts_per_step=8", "trainer.minibatch_size=8", "trainer.steps=2", "trainer.eval_every=2",
-        "trainer.lr=3e-3", "rewards=[{name: exact_match}]",
-    )
+    ranks = launch(tmp_path, "vlm_rlvr", "vlm", *VLM)
     w0, w1 = ranks[0]["weights"], ranks[1]["weights"]
     assert w0 and all("lora_" in n for n in w0)
     assert all(torch.equal(w0[n], w1[n]) for n in w0)
@@ -108,3 +116,39 @@ def test_vlm_ddp_lora_ranks_stay_identical(tmp_path):
     assert ranks[0]["metrics"] == ranks[1]["metrics"]
     lines = (tmp_path / "vlm/metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [0, 1, 2]
+
+
+def test_vlm_fsdp_full_finetune_matches_ddp_and_resumes_exactly(tmp_path):
+    # full fine-tuning (vision tower frozen), KL to a sharded reference, 3 LM-head chunks per scoring forward
+    common = (*VLM, "model.lora=null", "trainer.beta=0.04", "trainer.lr=1e-3", "trainer.logprob_chunk_size=3",
+              "run.save_every=1")
+    ddp = launch(tmp_path, "vlm_rlvr", "full_ddp", *common, "trainer.steps=3")
+    fsdp = launch(tmp_path, "vlm_rlvr", "full_fsdp", *common, env=fsdp_env())
+    base = assert_fsdp_two_steps_equal_ddp(tmp_path, ddp, fsdp)
+    assert not any("visual" in n for n in base)  # the vision tower stays frozen
+    assert fsdp[0]["metrics"] == fsdp[1]["metrics"]
+    # resumed on 2 ranks (sharded optimizer state and each rank's RNG restored), the third step is DDP's third
+    resumed = launch(tmp_path, "vlm_rlvr", "full_fsdp", *common, "trainer.steps=3", "run.resume=true", env=fsdp_env())
+    for n in base:
+        torch.testing.assert_close(resumed[0]["weights"][n], ddp[0]["weights"][n], rtol=0, atol=1e-6)
+    assert resumed[0]["metrics"]["eval/accuracy"] == pytest.approx(ddp[0]["metrics"]["eval/accuracy"], abs=1e-6)
+
+
+def test_vlm_fsdp_pairs_up_uneven_completion_lengths(tmp_path):
+    # one sequence per minibatch and one position per LM-head chunk: the ranks' completions need different numbers
+    # of head calls, and each call of the sharded head is a collective; the ranks agree on the largest count.
+    # (One step: with several minibatches FSDP reduces each one's gradients on its own, a different order of float
+    # sums than DDP's, which Adam's normalisation can amplify on later steps.)
+    common = (*VLM, "model.lora=null", "trainer.beta=0", "trainer.lr=1e-3", "trainer.minibatch_size=1",
+              "trainer.logprob_chunk_size=1", "trainer.steps=1", "trainer.eval_every=1")
+    ddp = launch(tmp_path, "vlm_rlvr", "uneven_ddp", *common)
+    fsdp = launch(tmp_path, "vlm_rlvr", "uneven_fsdp", *common, env=fsdp_env())
+    base = ddp[0]["initial"]
+    assert max(float((ddp[0]["weights"][n] - base[n]).abs().max()) for n in base) > 1e-4
+    for n in base:
+        torch.testing.assert_close(fsdp[0]["weights"][n], ddp[0]["weights"][n], rtol=0, atol=1e-6)
+
+
+def test_vlm_fsdp_refuses_lora_with_the_ddp_config_named(tmp_path):
+    with pytest.raises(AssertionError, match=r"LoRA \(model\.lora\).*launch with configs/accelerate/ddp\.yaml"):
+        launch(tmp_path, "vlm_rlvr", "vlm_fsdp_lora", *VLM, env=fsdp_env())
