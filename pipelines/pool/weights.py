@@ -83,19 +83,21 @@ def make_update(module: torch.nn.Module, version: int) -> WeightUpdate:
 def apply_update(module: torch.nn.Module, update: WeightUpdate) -> None:
     """Load ``update`` into a worker's copy of the trained module, in place.
 
-    A LoRA payload injects the adapter first if the module has none yet (``add_adapter`` with the trainer's
-    config), then loads the tensors; every adapter tensor must be present, so a payload for another adapter
+    A LoRA payload injects the adapter first if the module has none yet (peft's ``inject_adapter_in_model``
+    with the trainer's config), then loads the tensors; every adapter tensor must be present, so a payload for another adapter
     layout fails loudly instead of leaving stale factors. A full payload must match the module's names.
 
     Raises:
         ValueError: names that do not match the module.
     """
     if update.kind == "lora":
-        from peft import set_peft_model_state_dict
+        from peft import inject_adapter_in_model, set_peft_model_state_dict
 
         target, is_peft = _adapted(module)
         if not has_lora(module):
-            target.add_adapter(update.lora_config)
+            # peft's own injection, not the model's add_adapter(): transformers >= 5.24 gates that on a peft
+            # release newer than any published, and the result (layers and peft_config) is the same
+            inject_adapter_in_model(update.lora_config, target, adapter_name="default")
         state = {(_PEFT_PREFIX + k if is_peft else k): v for k, v in update.state.items()}
         result = set_peft_model_state_dict(module, state)
         missing = [k for k in result.missing_keys if ".lora_" in k]
