@@ -745,6 +745,25 @@ class FlowGRPOTrainer:
         layers = get_peft_model_state_dict(self.adapter.transformer)
         type(self.adapter.pipe).save_lora_weights(directory, transformer_lora_layers=layers)
 
+    def save_transformer(self, directory: Path, trainable: dict[str, torch.Tensor]) -> None:
+        """The fully fine-tuned transformer in diffusers format (``config.json`` and
+        ``diffusion_pytorch_model.safetensors``): ``SD3Transformer2DModel.from_pretrained(directory)`` (or the
+        family's class) loads it, and ``pipe.transformer = ...`` puts it into the base pipeline. ``trainable`` are
+        the whole trained tensors (gathered from the shards under FSDP); buffers come from the model itself."""
+        from safetensors.torch import save_file
+
+        transformer = self.adapter.transformer
+        weights = {name: t.detach().cpu() for name, t in transformer.state_dict().items() if name not in trainable}
+        weights.update(trainable)
+        directory.mkdir()
+        save_file({name: t.contiguous() for name, t in weights.items()}, directory / "diffusion_pytorch_model.safetensors")
+        transformer.save_config(directory)
+        if self.dist.fsdp:  # FSDP2 swapped in a subclass named FSDP<Class>: record the class diffusers knows
+            config_file = directory / "config.json"
+            config = json.loads(config_file.read_text())
+            config["_class_name"] = config["_class_name"].removeprefix("FSDP")
+            config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
     def _load_lora(self, directory: Path) -> None:
         from peft.utils import set_peft_model_state_dict
 
@@ -768,7 +787,13 @@ class FlowGRPOTrainer:
         state = self.state_dict()
         if self.run is None:
             return
-        extra = (lambda d: self.save_lora(d / "adapter")) if self.cfg.model.lora is not None else None
+
+        def extra(directory: Path) -> None:  # what diffusers loads, beside the trainer's state.pt
+            if self.cfg.model.lora is not None:
+                self.save_lora(directory / "adapter")
+            else:
+                self.save_transformer(directory / "transformer", state["trainable"])
+
         save_checkpoint(self.run.checkpoint_dir, self.step, state, extra=extra, keep_last=self.cfg.run.keep_last)
 
     def cleanup(self) -> None:

@@ -88,6 +88,11 @@ def test_flow_fsdp_full_finetune_matches_ddp_and_resumes_exactly(tmp_path):
     ddp = launch(tmp_path, "flow_grpo", "full_ddp", *common, "trainer.steps=3", "trainer.eval_every=3")
     fsdp = launch(tmp_path, "flow_grpo", "full_fsdp", *common, env=fsdp_env())
     base = assert_fsdp_two_steps_equal_ddp(tmp_path, ddp, fsdp)
+    # and the diffusers folder beside it, though FSDP2 renamed the model's class
+    from diffusers import SD3Transformer2DModel
+
+    loaded = SD3Transformer2DModel.from_pretrained(tmp_path / "full_fsdp/checkpoints/step_00000002/transformer")
+    assert all(torch.equal(p, fsdp[0]["weights"][n]) for n, p in loaded.named_parameters())
     # resumed on 2 ranks (sharded optimizer state and each rank's RNG restored), the third step is DDP's third
     resumed = launch(tmp_path, "flow_grpo", "full_fsdp", *common, "trainer.steps=3", "trainer.eval_every=3",
                      "run.resume=true", env=fsdp_env())

@@ -75,6 +75,21 @@ def test_lora_checkpoint_loads_in_diffusers(model_dir, tmp_path):
         assert match and torch.equal(match[0], value)
 
 
+def test_full_finetune_checkpoint_loads_in_diffusers(model_dir, tmp_path):
+    from diffusers import SD3Transformer2DModel
+
+    main(make_cfg(model_dir, tmp_path, "full", "model.lora=null", "trainer.objective=nft", "trainer.steps=1",
+                  "trainer.eval_every=1"))
+    checkpoint = tmp_path / "full/checkpoints/step_00000001"
+    state = torch.load(checkpoint / "state.pt", weights_only=False)
+    base = SD3Transformer2DModel.from_pretrained(model_dir, subfolder="transformer")
+    loaded = SD3Transformer2DModel.from_pretrained(checkpoint / "transformer")
+    named = dict(loaded.named_parameters())
+    assert set(named) == set(state["trainable"]) == set(dict(base.named_parameters()))
+    assert all(torch.equal(named[n], state["trainable"][n]) for n in named)
+    assert any(not torch.equal(p, named[n]) for n, p in base.named_parameters())  # the step trained them
+
+
 def test_nft_objective_and_cfg_free_logprobs(model_dir, tmp_path):
     for extra in (["trainer.objective=nft"], ["sampling.guidance_scale=2.0", "trainer.train_cfg=false"]):
         cfg = make_cfg(model_dir, tmp_path, "x" + str(len(extra)), "trainer.steps=1", *extra)
