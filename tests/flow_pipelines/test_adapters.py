@@ -8,7 +8,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from peft import LoraConfig
 
 from mmrl.data.shapes import all_prompts
-from pipelines.flow.adapters import ShapesAdapter, get_adapter, list_adapters
+from pipelines.flow.adapters import ShapesAdapter, get_adapter, list_adapters, load_adapter
 from pipelines.flow.rollout import SamplingConfig, rescore, rollout
 from pipelines.flow.tiny import TINY_LOAD_KWARGS as LOAD_KWARGS
 from pipelines.flow.tiny import TINY_SIZES as SIZES
@@ -218,3 +218,10 @@ def test_shapes_model_loads_through_the_sd3_path_in_pixel_space(tmp_path):
     assert result.images.shape == (2, 3, 32, 32)
     log_probs, _, _ = rescore(adapter, result.transitions())
     torch.testing.assert_close(log_probs, result.transitions().log_probs, rtol=0, atol=1e-4)
+
+
+def test_missing_model_names_the_folder_and_the_hub(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(OSError, match=r"'checkpoints/shapes_flow': there is no such folder under .*Hub could not"):
+        load_adapter("shapes", "checkpoints/shapes_flow")

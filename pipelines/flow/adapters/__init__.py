@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from pipelines.flow.adapters.base import Conditioning, FlowAdapter, flow_match_sigmas
@@ -40,14 +42,25 @@ def load_adapter(
     quantization_config: object | None = None,
     **kwargs,
 ) -> FlowAdapter:
-    """``get_adapter(family).from_pretrained(model_id_or_path, ...)``."""
-    return get_adapter(family).from_pretrained(
-        model_id_or_path,
-        torch_dtype=torch_dtype,
-        device=device,
-        quantization_config=quantization_config,
-        **kwargs,
-    )
+    """``get_adapter(family).from_pretrained(model_id_or_path, ...)``.
+
+    Raises:
+        OSError: ``model_id_or_path`` is neither a local folder nor a Hub repository that can be reached; the
+            message names both places looked at (a relative path is relative to the working directory).
+    """
+    cls = get_adapter(family)
+    try:
+        return cls.from_pretrained(
+            model_id_or_path, torch_dtype=torch_dtype, device=device, quantization_config=quantization_config, **kwargs
+        )
+    except OSError as error:
+        if Path(model_id_or_path).exists():
+            raise
+        raise OSError(
+            f"cannot load the {family!r} model {model_id_or_path!r}: there is no such folder under "
+            f"{Path.cwd()} (a relative path is relative to the working directory) and the Hugging Face Hub "
+            f"could not supply it ({type(error).__name__}: {error})"
+        ) from error
 
 
 __all__ = [
