@@ -8,7 +8,8 @@
     splitting at steps 2, 4, 6, 8 (factor 2; --splits), every depth of every tree in one batch. Goals: NFE per final sample
     <= 0.6x flat; wall-clock ratio within 1.2x of the NFE ratio (the saving is real).
 (b) trains the three demo configs (flat, branch, explore) from the committed base checkpoint and reports held-out
-    score against NFE spent and wall-clock (goal: branch or explore reaches flat's final score with <= 0.6x the NFE).
+    score against NFE spent and wall-clock (goal: branch or explore reaches flat's final score with <= 0.6x the NFE),
+    per seed (--seeds) and as the mean over seeds; --eval-every sets how finely "reaches" is resolved.
 (c) weight memory of quantized explorers (goal nf4 >= 3.5x smaller than fp32) and rank agreement of previews with
     full-precision samples of the same seeds (goal >= 0.8 on the demo).
 """
@@ -129,29 +130,41 @@ DEMO_CONFIGS = {
 }
 
 
-def part_b(steps: int | None) -> dict[str, object]:
+def part_b(steps: int | None, seeds: list[int], eval_every: int | None, variants: list[str]) -> dict[str, object]:
     from mmrl.config import load_config
     from mmrl.flow.config import FlowGRPOConfig
     from mmrl.flow.trainer import main
     from mmrl.run import read_metrics
 
-    results: dict[str, object] = {}
-    for name, path in DEMO_CONFIGS.items():
-        overrides = [f"run.name=bench_{name}", "run.overwrite=true", "run.progress=false"]
-        cfg = load_config(FlowGRPOConfig, path, overrides + ([f"trainer.steps={steps}"] if steps else []))
-        start = time.perf_counter()
-        main(cfg)
-        records = [r for r in read_metrics(Path(cfg.run.output_dir) / cfg.run.name) if "eval/reward_mean" in r]
-        curve = [(r["step"], r.get("nfe/total", 0.0), r["time"], r["eval/reward_mean"]) for r in records]
-        results[name] = {"curve": curve, "wall_s": time.perf_counter() - start}
-        print(name, json.dumps(results[name]))
-    flat_final_nfe, flat_final = results["flat"]["curve"][-1][1], results["flat"]["curve"][-1][3]
-    for name in ("branch", "explore"):
-        # NFE at this variant's first evaluation that reaches flat's final held-out score (goal <= 0.6x flat's)
-        reached = [nfe for step, nfe, _, score in results[name]["curve"] if step > 0 and score >= flat_final]
+    results: dict[str, dict[str, object]] = {}
+    for name in variants:
+        runs = {}
+        for seed in seeds:
+            overrides = [f"run.name=bench_{name}_s{seed}", f"run.seed={seed}", "run.overwrite=true",
+                         "run.progress=false"]
+            overrides += [f"trainer.steps={steps}"] if steps else []
+            overrides += [f"trainer.eval_every={eval_every}"] if eval_every else []
+            cfg = load_config(FlowGRPOConfig, DEMO_CONFIGS[name], overrides)
+            start = time.perf_counter()
+            main(cfg)
+            records = [r for r in read_metrics(Path(cfg.run.output_dir) / cfg.run.name) if "eval/reward_mean" in r]
+            curve = [(r["step"], r.get("nfe/total", 0.0), r["time"], r["eval/reward_mean"]) for r in records]
+            runs[seed] = {"curve": curve, "wall_s": time.perf_counter() - start}
+            print(name, seed, json.dumps(runs[seed]))
+        # the mean over seeds at each evaluation (NFE and wall-clock of the first seed: the same steps)
+        first = runs[seeds[0]]["curve"]
+        mean = [(step, nfe, wall, statistics.fmean(runs[s]["curve"][k][3] for s in seeds))
+                for k, (step, nfe, wall, _) in enumerate(first)]
+        results[name] = {"seeds": runs, "mean_curve": mean}
+    if "flat" not in results:
+        return results
+    flat_final_nfe, flat_final = results["flat"]["mean_curve"][-1][1], results["flat"]["mean_curve"][-1][3]
+    for name in results.keys() - {"flat"}:
+        # NFE at this variant's first evaluation whose seed-mean reaches flat's final seed-mean (goal <= 0.6x)
+        reached = [nfe for step, nfe, _, score in results[name]["mean_curve"] if step > 0 and score >= flat_final]
         ratio = reached[0] / flat_final_nfe if reached else None
         results[name]["nfe_to_flat_final_ratio"] = ratio
-        print(f"(b) {name}: reaches flat's final score {flat_final:.3f} "
+        print(f"(b) {name}: reaches flat's final score {flat_final:.3f} (mean of {len(seeds)} seeds) "
               + (f"at {ratio:.2f}x flat's NFE" if ratio is not None else "never within the run"))
     return results
 
@@ -163,6 +176,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--candidates", type=int, default=8)
     parser.add_argument("--steps", type=int, default=None, help="(b) override trainer.steps of the demo configs")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="(b) run.seed of each run")
+    parser.add_argument("--eval-every", type=int, default=None, help="(b) override trainer.eval_every")
+    parser.add_argument("--variants", nargs="+", choices=list(DEMO_CONFIGS), default=list(DEMO_CONFIGS),
+                        help="(b) which demo configs to train")
     parser.add_argument("--guidance", type=float, default=1.0, help="(c) CFG scale of the samplers (the demo's: 1)")
     parser.add_argument("--splits", type=int, nargs=4, default=[2, 4, 6, 8], help="four split steps (factor 2)")
     args = parser.parse_args(argv)
@@ -176,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.part in ("c", "all"):
             results["c"] = part_c(adapter, args.prompts, args.candidates, args.guidance)
     if args.part in ("b", "all"):
-        results["b"] = part_b(args.steps)
+        results["b"] = part_b(args.steps, args.seeds, args.eval_every, args.variants)
     print(json.dumps(results, default=str))
 
 
