@@ -8,7 +8,7 @@ from pathlib import Path
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from mmrl.data.shapes_vqa import make_vqa_items
-from mmrl.vlm.sft_shapes import SFTConfig, blind_baselines, caption, evaluate, train
+from mmrl.vlm.sft_shapes import SFTConfig, blind_baselines, caption, evaluate, max_objects, train
 
 CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "shapes_vlm"
 
@@ -26,9 +26,14 @@ def test_sft_runs_and_writes_a_loadable_checkpoint_with_card(tmp_path):
         num_layers=1,
         intermediate_size=64,
         vision_depth=1,
+        eval_every=1,
+        curve_items=7,
+        curriculum=0.5,
     )
     report = train(cfg)
     assert report["steps"] == 2
+    assert [point["step"] for point in report["curve"]] == [1, 2]
+    assert all(0.0 <= point["overall"] <= 1.0 for point in report["curve"])
     assert set(report["heldout_accuracy"]) >= {"overall", "count_total", "relation"}
     card = (out / "card.md").read_text()
     assert "seed: 0" in card and "| overall |" in card
@@ -37,6 +42,11 @@ def test_sft_runs_and_writes_a_loadable_checkpoint_with_card(tmp_path):
     assert not out.with_name("ckpt.tmp").exists()  # written atomically: temp dir renamed into place
     AutoProcessor.from_pretrained(out)
     AutoModelForImageTextToText.from_pretrained(out)
+
+
+def test_curriculum_grows_scenes_from_one_object_to_four():
+    assert [max_objects(p, 0.6) for p in (0.0, 0.19, 0.2, 0.39, 0.4, 0.59, 0.6, 1.0)] == [1, 1, 2, 2, 3, 3, 4, 4]
+    assert max_objects(0.0, 0.0) == 4  # off: every scene from the start
 
 
 def test_blind_baselines_and_caption():
