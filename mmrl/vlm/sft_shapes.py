@@ -341,7 +341,6 @@ def pretrain_vision(
     n_colours, n_shapes = len(COLOURS) + 1, len(SHAPES) + 1
     head = torch.nn.Linear(width, n_colours + n_shapes)
     optimizer = torch.optim.AdamW([*visual.parameters(), *head.parameters()], lr=cfg.vision_pretrain_lr)
-    labels: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def logits(items: Sequence[VQAItem]) -> torch.Tensor:
         vision = processor.image_processor(images=[item.image for item in items], return_tensors="pt")
@@ -349,7 +348,7 @@ def pretrain_vision(
         return head(tokens.view(len(items), grid * grid, width))
 
     def targets(items: Sequence[VQAItem]) -> tuple[torch.Tensor, torch.Tensor]:
-        pairs = [labels.setdefault(id(item), token_labels(item.scene, grid)) for item in items]
+        pairs = [token_labels(item.scene, grid) for item in items]
         return torch.stack([c for c, _ in pairs]), torch.stack([s for _, s in pairs])
 
     for _ in range(cfg.vision_pretrain_steps):

@@ -7,8 +7,17 @@ from pathlib import Path
 
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
+from mmrl.data.shapes import COLOURS, SHAPES, Scene, SceneObject
 from mmrl.data.shapes_vqa import make_vqa_items
-from mmrl.vlm.sft_shapes import SFTConfig, blind_baselines, caption, evaluate, max_objects, train
+from mmrl.vlm.sft_shapes import (
+    SFTConfig,
+    blind_baselines,
+    caption,
+    evaluate,
+    max_objects,
+    token_labels,
+    train,
+)
 
 CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "shapes_vlm"
 
@@ -29,19 +38,35 @@ def test_sft_runs_and_writes_a_loadable_checkpoint_with_card(tmp_path):
         eval_every=1,
         curve_items=7,
         curriculum=0.5,
+        vision_pretrain_steps=2,
     )
     report = train(cfg)
     assert report["steps"] == 2
     assert [point["step"] for point in report["curve"]] == [1, 2]
     assert all(0.0 <= point["overall"] <= 1.0 for point in report["curve"])
+    assert 0.0 <= report["vision_pretraining"]["shape"] <= 1.0
     assert set(report["heldout_accuracy"]) >= {"overall", "count_total", "relation"}
     card = (out / "card.md").read_text()
     assert "seed: 0" in card and "| overall |" in card
+    assert "vision pretraining first: 2 steps" in card and "## Learning curve" in card
     assert f"python -m mmrl.vlm.sft_shapes --out {out} --minutes 15.0 --steps 2 --seed 0" in card
     assert json.loads((out / "sft_report.json").read_text())["steps"] == 2
     assert not out.with_name("ckpt.tmp").exists()  # written atomically: temp dir renamed into place
     AutoProcessor.from_pretrained(out)
     AutoModelForImageTextToText.from_pretrained(out)
+
+
+def test_token_labels_name_the_object_covering_each_cell():
+    # 64 px, 4x4 cells of 16 px: a red square on cell (row 1, col 1) exactly; a blue circle with box
+    # [56, 72] x [32, 48] covers half of cell (row 2, col 3), 8 x 16 px, and no other cell
+    square = SceneObject("square", "red", x=24.0, y=24.0, size=16.0)
+    circle = SceneObject("circle", "blue", x=64.0, y=40.0, size=16.0)
+    colours, shapes = token_labels(Scene(64, (200, 200, 200), (square, circle)), grid=4)
+    expected_colours = [len(COLOURS)] * 16
+    expected_shapes = [len(SHAPES)] * 16
+    expected_colours[5], expected_shapes[5] = COLOURS.index("red"), SHAPES.index("square")
+    expected_colours[11], expected_shapes[11] = COLOURS.index("blue"), SHAPES.index("circle")
+    assert colours.tolist() == expected_colours and shapes.tolist() == expected_shapes
 
 
 def test_curriculum_grows_scenes_from_one_object_to_four():
