@@ -53,6 +53,17 @@ def normalize_answer(text: str) -> str:
     return text.strip(END_PUNCTUATION + " ")
 
 
+#: English number words and their digits, for verifiers that accept either (``ExactMatch(number_words=True)``).
+NUMBER_WORDS = {
+    word: str(value)
+    for value, word in enumerate([
+        "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
+        "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen",
+        "twenty",
+    ])
+}
+
+
 def as_answers(ground_truth: Any) -> list[Any]:
     """A ground truth as a list of acceptable answers."""
     if isinstance(ground_truth, (list, tuple, set)):
@@ -137,13 +148,24 @@ class ExactMatch(TextVerifier):
     Args:
         answer_tag: read the answer from the last ``<answer_tag>...</answer_tag>`` span ("" to never look).
         require_answer_tag: score 0 when the span is missing instead of using the whole completion.
+        number_words: read an answer that is one English number word, zero to twenty, as its digits on both
+            sides ("two" == "2"), as VQA v2's evaluation does; off by default, so a task that asks for digits
+            gets digits.
     """
 
+    def __init__(self, answer_tag: str = "answer", require_answer_tag: bool = False, number_words: bool = False):
+        super().__init__(answer_tag, require_answer_tag)
+        self.number_words = number_words
+
+    def normalize(self, text: str) -> str:
+        text = normalize_answer(text)
+        return NUMBER_WORDS.get(text, text) if self.number_words else text
+
     def check(self, answer: str, ground_truth: Any, from_span: bool) -> tuple[float, str | None]:
-        got = normalize_answer(answer)
+        got = self.normalize(answer)
         if not got:
             return 0.0, "empty answer"
-        if any(got == normalize_answer(str(t)) for t in as_answers(ground_truth)):
+        if any(got == self.normalize(str(t)) for t in as_answers(ground_truth)):
             return 1.0, None
         return 0.0, f"answer {got!r} does not match"
 

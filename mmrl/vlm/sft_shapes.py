@@ -41,6 +41,7 @@ from pipelines.vlm.backend import SamplingParams
 from pipelines.vlm.hf_backend import HFBackend
 from pipelines.vlm.inputs import VLMPrompt, mm_token_type_ids, prepare_prompts
 from pipelines.vlm.tiny import TinyVLMConfig, build_model, build_processor, train_tokenizer
+from rewards.text import NUMBER_WORDS
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +136,14 @@ class SFTConfig:
         default=3e-3,
         metadata={"help": "Learning rate (AdamW, constant) of the dense vision pretraining."},
     )
+    number_words: float = field(
+        default=0.0,
+        metadata={
+            "help": "Share of the training items whose count answer is written as an English word (\"two\") "
+            "instead of the digits the question asks for, as in corpora that mix both conventions; the verifier "
+            "of the RL task (exact match) wants digits. Drawn once per item. 0: digits everywhere."
+        },
+    )
     caption_fraction: float = field(
         default=0.6,
         metadata={"help": "Share of training batches that are the auxiliary captioning task instead of VQA."},
@@ -185,6 +194,10 @@ class SFTConfig:
 CAPTION_QUESTION = "list the objects from left to right."
 
 
+#: Count answers written as words (``SFTConfig.number_words``).
+COUNT_WORDS = {int(digit): word for word, digit in NUMBER_WORDS.items()}
+
+
 def caption(item: VQAItem) -> str:
     """``"red triangle, green circle"``: the scene's objects sorted by their centre's x."""
     return ", ".join(f"{o.colour} {o.shape}" for o in sorted(item.scene.objects, key=lambda o: o.x))
@@ -192,7 +205,8 @@ def caption(item: VQAItem) -> str:
 
 def build_corpus(items: Sequence[VQAItem]) -> list[str]:
     """Tokenizer training text: every distinct prompt, every possible answer in its answer tags, the captions."""
-    answers = [*(str(i) for i in range(5)), *COLOURS, *SHAPES, "yes", "no"]
+    counts = range(5)  # a scene has 1-4 objects; a count of a colour or shape can be 0
+    answers = [*(str(i) for i in counts), *(COUNT_WORDS[i] for i in counts), *COLOURS, *SHAPES, "yes", "no"]
     prompts = sorted({item.prompt for item in items})
     captions = sorted({caption(item) for item in items})
     return [*prompts, CAPTION_QUESTION, *(_completion(a) for a in [*answers, *captions])]
@@ -208,19 +222,28 @@ def _completion(answer: str) -> str:
 
 class SFTBatcher:
     """Builds training batches: prompt ids cached per question (every scene has the same size, hence the same
-    image-token count), completion ids per answer, pixels through the image processor."""
+    image-token count), completion ids per answer, pixels through the image processor.
 
-    def __init__(self, processor: Any, items: Sequence[VQAItem]) -> None:
+    ``number_words``: the share of count questions whose answer is written as a word, drawn once per item from
+    ``seed`` (see ``SFTConfig.number_words``)."""
+
+    def __init__(self, processor: Any, items: Sequence[VQAItem], number_words: float = 0.0, seed: int = 0) -> None:
         self.processor = processor
         self.items = items
+        draws = torch.rand(len(items), generator=torch.Generator().manual_seed(seed)).tolist()
+        self.answers = [
+            COUNT_WORDS[int(item.answer)] if item.kind.startswith("count") and draw < number_words else item.answer
+            for item, draw in zip(items, draws, strict=True)
+        ]
         self.pad_id = processor.tokenizer.pad_token_id
         self.end_id = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
         self._prompt_ids: dict[str, list[int]] = {}
         self._answer_ids: dict[str, list[int]] = {}
 
-    def _ids(self, item: VQAItem, as_caption: bool) -> tuple[list[int], list[int]]:
+    def _ids(self, index: int, as_caption: bool) -> tuple[list[int], list[int]]:
+        item = self.items[index]
         question = CAPTION_QUESTION if as_caption else format_prompt(item.question)
-        answer = caption(item) if as_caption else item.answer
+        answer = caption(item) if as_caption else self.answers[index]
         if question not in self._prompt_ids:
             prompt = VLMPrompt.from_question(question, [item.image])
             self._prompt_ids[question] = prepare_prompts(self.processor, [prompt])[0][0].input_ids
@@ -233,7 +256,7 @@ class SFTBatcher:
         """Right-padded ``[B, L]`` inputs with ``labels`` = -100 everywhere but the completion: the items'
         captions when ``as_caption``, else their VQA questions (one task per batch: caption prompts are ~40%
         shorter, which padding to a mixed batch would waste)."""
-        rows = [self._ids(self.items[i], as_caption) for i in indices]
+        rows = [self._ids(i, as_caption) for i in indices]
         B = len(rows)
         L = max(len(p) + len(a) for p, a in rows)
         input_ids = torch.full((B, L), self.pad_id, dtype=torch.long)
@@ -257,10 +280,8 @@ class SFTBatcher:
         }
 
 
-def evaluate(
-    model: torch.nn.Module, processor: Any, items: Sequence[VQAItem], batch_size: int = 64
-) -> dict[str, float]:
-    """Held-out accuracy per kind and ``"overall"``: greedy generation, exact match on the answer span."""
+def greedy_answers(model: torch.nn.Module, processor: Any, items: Sequence[VQAItem], batch_size: int = 64) -> list[str]:
+    """The model's greedy completion of each item's VQA prompt."""
     backend = HFBackend(model, processor, batch_size=batch_size)
     result = backend.generate(
         [_prompt(item) for item in items], SamplingParams(temperature=0.0, max_new_tokens=10)
@@ -268,8 +289,21 @@ def evaluate(
     texts = [""] * len(items)
     for sample in result.samples:
         texts[sample.prompt_index] = sample.text
-    scores = rewards.build("exact_match")(completions=texts, ground_truths=[item.answer for item in items])
+    return texts
+
+
+def score_answers(items: Sequence[VQAItem], texts: Sequence[str], number_words: bool = False) -> dict[str, float]:
+    """Accuracy per kind and ``"overall"``: exact match on the answer span (``number_words``: "two" == "2")."""
+    verifier = rewards.build("exact_match", number_words=number_words)
+    scores = verifier(completions=list(texts), ground_truths=[item.answer for item in items])
     return _accuracy_by_kind(items, scores.tolist())
+
+
+def evaluate(
+    model: torch.nn.Module, processor: Any, items: Sequence[VQAItem], batch_size: int = 64
+) -> dict[str, float]:
+    """Held-out accuracy per kind and ``"overall"``: greedy generation, exact match on the answer span."""
+    return score_answers(items, greedy_answers(model, processor, items, batch_size))
 
 
 def _accuracy_by_kind(items: Sequence[VQAItem], scores: Sequence[float]) -> dict[str, float]:
@@ -414,7 +448,7 @@ def train(cfg: SFTConfig) -> dict:
     tokenizer = train_tokenizer(build_corpus(train_items), vocab_size=model_config.vocab_size)
     processor = build_processor(tokenizer, model_config)
     model = build_model(tokenizer, model_config).train()
-    batcher = SFTBatcher(processor, train_items)
+    batcher = SFTBatcher(processor, train_items, cfg.number_words, seed=cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)
     vision = None
     if cfg.vision_pretrain_steps:
@@ -455,7 +489,9 @@ def train(cfg: SFTConfig) -> dict:
     train_s = time.monotonic() - train_start
     # 4. evaluate
     model.eval()
-    accuracy = evaluate(model, processor, heldout)
+    texts = greedy_answers(model, processor, heldout)
+    accuracy = score_answers(heldout, texts)
+    read_accuracy = score_answers(heldout, texts, number_words=True)
     baselines = blind_baselines(train_items, heldout)
     # 5. save atomically: write next to the target, then swap it in
     out = Path(cfg.out)
@@ -473,6 +509,7 @@ def train(cfg: SFTConfig) -> dict:
         "train_seconds": train_s,
         "wall_seconds": wall_s,
         "heldout_accuracy": accuracy,
+        "heldout_accuracy_number_words": read_accuracy,
         "curve": curve,
         "vision_pretraining": vision,
         "baselines": baselines,
@@ -508,10 +545,20 @@ def render_card(report: dict) -> str:
     majority = report["baselines"]["majority"]
     per_kind = report["baselines"]["majority_per_kind"]
     cfg = report["config"]
+    read = report.get("heldout_accuracy_number_words") if cfg.get("number_words") else None
     rows = "\n".join(
-        f"| {kind} | {accuracy[kind]:.1%} | {majority[kind]:.1%} | {per_kind[kind]:.1%} |"
+        f"| {kind} | {accuracy[kind]:.1%} |{f' {read[kind]:.1%} |' if read else ''} {majority[kind]:.1%} | "
+        f"{per_kind[kind]:.1%} |"
         for kind in [*VQA_KINDS, "overall"]
         if kind in accuracy
+    )
+    header = "| kind | model |" + (" model, number words accepted |" if read else "") + " majority answer | majority per kind |"
+    words = (
+        f"\n- count answers: {cfg['number_words']:.0%} of the training items write theirs as a word (`<answer>two</answer>`), "
+        "the rest in digits as the question asks; the exact-match verifier wants digits, the column \"number words "
+        "accepted\" reads a word as its digits (`rewards.build(\"exact_match\", number_words=True)`)"
+        if read
+        else ""
     )
     curriculum = (
         f"; scenes grow from one object to four over the first {cfg['curriculum']:.0%} of the steps"
@@ -564,7 +611,7 @@ model = AutoModelForImageTextToText.from_pretrained("{cfg["out"]}")
   scenes (16 image tokens), completion `<answer>X</answer><|im_end|>`; {cfg["caption_fraction"]:.0%} of the
   batches are the auxiliary captioning task ("{CAPTION_QUESTION}" -> `<answer>red circle, blue square</answer>`){curriculum}
 - scenes of another size are resized to {cfg["image_size"]}x{cfg["image_size"]} by the processor; for RL and
-  evaluation, render scenes at this size (`make_vqa_items(..., size={cfg["image_size"]})`)
+  evaluation, render scenes at this size (`make_vqa_items(..., size={cfg["image_size"]})`){words}
 
 ## Held-out accuracy
 
@@ -573,8 +620,8 @@ greedy decoding, exact match on the `<answer>` span (`rewards.build("exact_match
 without the image: the most common training answer overall, and the most common training answer of the
 question's kind.
 
-| kind | model | majority answer | majority per kind |
-|---|---|---|---|
+{header}
+|---|---|---|---|{"---|" if read else ""}
 {rows}
 
 Reproduce the evaluation with `python -m mmrl.vlm.sft_shapes --eval-only --out {cfg["out"]}`; the numbers

@@ -10,6 +10,8 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from mmrl.data.shapes import COLOURS, SHAPES, Scene, SceneObject
 from mmrl.data.shapes_vqa import make_vqa_items
 from mmrl.vlm.sft_shapes import (
+    COUNT_WORDS,
+    SFTBatcher,
     SFTConfig,
     blind_baselines,
     caption,
@@ -39,6 +41,7 @@ def test_sft_runs_and_writes_a_loadable_checkpoint_with_card(tmp_path):
         curve_items=7,
         curriculum=0.5,
         vision_pretrain_steps=2,
+        number_words=0.5,
     )
     report = train(cfg)
     assert report["steps"] == 2
@@ -49,6 +52,9 @@ def test_sft_runs_and_writes_a_loadable_checkpoint_with_card(tmp_path):
     card = (out / "card.md").read_text()
     assert "seed: 0" in card and "| overall |" in card
     assert "vision pretraining first: 2 steps" in card and "## Learning curve" in card
+    assert "| model, number words accepted |" in card and "50% of the training items" in card
+    strict, read = report["heldout_accuracy"], report["heldout_accuracy_number_words"]
+    assert all(read[kind] >= strict[kind] for kind in strict)  # accepting words can only add matches
     assert f"python -m mmrl.vlm.sft_shapes --out {out} --minutes 15.0 --steps 2 --seed 0" in card
     assert json.loads((out / "sft_report.json").read_text())["steps"] == 2
     assert not out.with_name("ckpt.tmp").exists()  # written atomically: temp dir renamed into place
@@ -67,6 +73,23 @@ def test_token_labels_name_the_object_covering_each_cell():
     expected_colours[5], expected_shapes[5] = COLOURS.index("red"), SHAPES.index("square")
     expected_colours[11], expected_shapes[11] = COLOURS.index("blue"), SHAPES.index("circle")
     assert colours.tolist() == expected_colours and shapes.tolist() == expected_shapes
+
+
+def test_batcher_writes_the_drawn_share_of_count_answers_as_words():
+    processor = AutoProcessor.from_pretrained(CHECKPOINT)
+    items = make_vqa_items(700, seed=0, size=64)
+    counts = [i for i, item in enumerate(items) if item.kind.startswith("count")]
+    assert SFTBatcher(processor, items).answers == [item.answer for item in items]
+    words = SFTBatcher(processor, items, number_words=1.0).answers
+    assert all(words[i] == COUNT_WORDS[int(items[i].answer)] for i in counts)
+    assert all(words[i] == items[i].answer for i in range(len(items)) if i not in counts)
+    mixed = SFTBatcher(processor, items, number_words=0.75, seed=3)
+    share = sum(mixed.answers[i] != items[i].answer for i in counts) / len(counts)
+    assert 0.68 < share < 0.82 and mixed.answers == SFTBatcher(processor, items, 0.75, seed=3).answers
+    batch = mixed.batch(counts[:4], as_caption=False)
+    answer_ids = batch["labels"][batch["labels"] != -100].tolist()
+    text = processor.tokenizer.decode(answer_ids)
+    assert all(f"<answer>{mixed.answers[i]}</answer>" in text for i in counts[:4])
 
 
 def test_curriculum_grows_scenes_from_one_object_to_four():
