@@ -75,12 +75,15 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         print(f"{mean_curve['group'][i][0]:9d} " + " ".join(f"{c[i][1]:18.3f}" for c in mean_curve.values()))
     if target <= start:
         print(f"group did not improve on the start ({start:.3f} -> {target:.3f}): the rollout ratio is undefined")
+    total = mean_curve["group"][-1][0]
     for name in mean_curve:
         got = reach[name]
         if got is None:
             ratio = "never"
         elif target > start and reach["group"]:
-            ratio = f"{got / reach['group']:.2f}x group's"
+            # against group's whole budget (the goal's reading) and against the rollouts group itself needed to
+            # first reach its final accuracy (stricter when group plateaus early)
+            ratio = f"{got / total:.2f}x group's {total} rollouts, {got / reach['group']:.2f}x group's first reach"
         else:
             ratio = "n/a"
         print(f"{name}: final accuracy {mean_curve[name][-1][1]:.3f}; reaches group's final {target:.3f} after "
