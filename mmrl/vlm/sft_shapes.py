@@ -1,15 +1,19 @@
 """Supervised fine-tuning of the tiny shapes VLM, from random weights to weak-but-meaningful VQA accuracy.
 
-    python -m mmrl.vlm.sft_shapes --out checkpoints/shapes_vlm --minutes 15 --seed 0
+    python -m mmrl.vlm.sft_shapes --out checkpoints/shapes_vlm --minutes 15 --seed 0 --train-items 40000 \
+        --vision-pretrain-steps 2000 --number-words 0.9 --batch-size 32 --lr 0.003 --eval-every 500
+
+(the committed checkpoint's command, from its card)
 
 1. generate a pool of training VQA items (``mmrl.data.shapes_vqa``, train split of scenes);
 2. train a tokenizer on their text and build the tiny Qwen2.5-VL (``pipelines.vlm.tiny``) with random weights;
+   with ``--vision-pretrain-steps``, pretrain the vision tower alone on dense per-token labels first;
 3. train all weights on ``prompt -> <answer>X</answer><|im_end|>`` with the loss on the completion only
    (AdamW, linear warm-up then cosine decay over the time budget), for ``--minutes`` or ``--steps``; a share of
    the batches is an auxiliary captioning task on the same scenes (:data:`CAPTION_QUESTION`);
 4. evaluate on held-out scenes by greedy generation through the transformers backend, scored by
    ``rewards.build("exact_match")``, next to two blind baselines (the most common training answer overall and
-   per question kind);
+   per question kind), and with ``--number-words`` also with number words read as digits;
 5. save model + processor with ``save_pretrained`` (atomically: temp directory, then rename) and a ``card.md``.
 
 The schedule follows the wall clock when ``--steps`` is not given, so the run fits its budget on any machine;
