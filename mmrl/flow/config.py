@@ -62,6 +62,22 @@ class RewardSpec(Config):
     name: str = Field(description="Registered reward name (rewards.list_rewards()).")
     weight: float = Field(1.0, description="Weight in the sum (or in GDPO's weighted sum).")
     options: dict[str, Any] = Field(default_factory=dict, description="Keyword options of rewards.build.")
+    label: str | None = Field(
+        None, description="Name of its metrics (reward/LABEL/mean, eval/LABEL...); null: the reward's name. Needed "
+        "when one reward appears twice with other options.",
+    )
+
+    @property
+    def key(self) -> str:
+        return self.label or self.name
+
+
+def check_reward_keys(specs: list[RewardSpec], where: str) -> None:
+    """Each reward of a list logs under its own key: a repeated name without labels would overwrite metrics."""
+    keys = [spec.key for spec in specs]
+    repeated = sorted({k for k in keys if keys.count(k) > 1})
+    if repeated:
+        raise ValueError(f"{where}: several rewards log as {repeated}; give each a distinct `label`")
 
 
 class FlowSamplingConfig(Config):
@@ -265,6 +281,8 @@ class FlowGRPOConfig(Config):
             raise ValueError("rewards: at least one reward is needed")
         if self.eval_rewards is not None and not self.eval_rewards:
             raise ValueError("eval_rewards: give at least one reward, or null to evaluate with the training rewards")
+        check_reward_keys(self.rewards, "rewards")
+        check_reward_keys(self.eval_rewards or [], "eval_rewards")
         w = self.sampling.sde_window
         if w is not None and w > self.sampling.num_steps:
             raise ValueError(f"sampling.sde_window ({w}) exceeds sampling.num_steps ({self.sampling.num_steps})")

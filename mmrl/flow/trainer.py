@@ -265,7 +265,7 @@ class FlowGRPOTrainer:
                 raise RuntimeError(f"reward {spec.name!r} returned {tuple(scores.shape)} scores with NaN/inf or wrong size")
             columns.append(scores)
             for name, value in out.components.items():
-                components[f"reward/{spec.name}/{name}"] = value.detach().float().cpu()
+                components[f"reward/{spec.key}/{name}"] = value.detach().float().cpu()
         return torch.stack(columns, dim=1), components
 
     def combine(self, raw: torch.Tensor) -> torch.Tensor:
@@ -326,7 +326,7 @@ class FlowGRPOTrainer:
         groups = make_groups(group_index)
         self.metrics.add("reward/mean", total.mean(), count=total.numel())
         for k, spec in enumerate(self.cfg.rewards):
-            self.metrics.add(f"reward/{spec.name}/mean", raw[:, k].mean(), count=total.numel())
+            self.metrics.add(f"reward/{spec.key}/mean", raw[:, k].mean(), count=total.numel())
         for name, value in components.items():
             self.metrics.add(name, value.mean(), count=total.numel())
         self.metrics.add("train/effective_ratio", effective_ratio(total, group_index))
@@ -697,7 +697,7 @@ class FlowGRPOTrainer:
         raw, components = self.score(ro.images, ro.prompts, evaluation=True)
         out = {"eval/reward_mean": float((raw @ self.eval_weights).mean())}
         for k, spec in enumerate(self.eval_specs):
-            out[f"eval/{spec.name}/mean"] = float(raw[:, k].mean())
+            out[f"eval/{spec.key}/mean"] = float(raw[:, k].mean())
         for name, value in components.items():
             out["eval/" + name.removeprefix("reward/")] = float(value.mean())
         if self.run is not None:
@@ -832,12 +832,12 @@ def evaluate(cfg: FlowGRPOConfig, prompts_file: str | None, out_dir: Path, check
     with open(out_dir / "scores.jsonl", "w") as f:
         for i, prompt in enumerate(ro.prompts):
             record = {"prompt": prompt, "image": i, "reward": float(total[i])}
-            record.update({spec.name: float(raw[i, k]) for k, spec in enumerate(trainer.eval_specs)})
+            record.update({spec.key: float(raw[i, k]) for k, spec in enumerate(trainer.eval_specs)})
             record.update({name: float(v[i]) for name, v in components.items()})
             f.write(json.dumps(record) + "\n")
     summary = {"checkpoint": str(checkpoint) if checkpoint else None, "prompts": len(prompts),
                "images": len(ro.prompts), "reward_mean": float(total.mean())}
-    summary.update({f"{spec.name}_mean": float(raw[:, k].mean()) for k, spec in enumerate(trainer.eval_specs)})
+    summary.update({f"{spec.key}_mean": float(raw[:, k].mean()) for k, spec in enumerate(trainer.eval_specs)})
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     make_grid(ro.images[:256]).save(out_dir / "grid.png")
     return summary

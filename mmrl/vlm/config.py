@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import model_validator
 
 from mmrl.config import Config, Field, RunConfig
-from mmrl.flow.config import PoolSettings
+from mmrl.flow.config import PoolSettings, RewardSpec, check_reward_keys
 
 __all__ = ["VLMPoolSettings", "VLMRLVRConfig"]
 
@@ -48,10 +48,8 @@ class VLMDataConfig(Config):
     image_size: int = Field(32, ge=8, description="Side of generated shapes images.")
 
 
-class VLMRewardSpec(Config):
+class VLMRewardSpec(RewardSpec):
     name: str = Field(description="Registered text verifier (exact_match, math_verify, multiple_choice, ...).")
-    weight: float = 1.0
-    options: dict[str, Any] = Field(default_factory=dict)
 
 
 class GenerationConfig(Config):
@@ -143,6 +141,7 @@ class VLMRLVRConfig(Config):
     def _check(self) -> VLMRLVRConfig:
         if not self.rewards:
             raise ValueError("rewards: at least one verifier is needed")
+        check_reward_keys(self.rewards, "rewards")
         t = self.trainer
         if t.mode == "group" and t.advantage == "mc_grpo" and t.allocation != "uniform":
             raise ValueError("mc_grpo needs odd, equal group sizes: use trainer.allocation=uniform")

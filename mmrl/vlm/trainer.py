@@ -342,7 +342,7 @@ class VLMRLVRTrainer:
                 keep &= adv != 0
         self.metrics.add("reward/mean", total.mean(), count=len(pairs))
         for k, spec in enumerate(self.cfg.rewards):
-            self.metrics.add(f"reward/{spec.name}/mean", raw[:, k].mean(), count=len(pairs))
+            self.metrics.add(f"reward/{spec.key}/mean", raw[:, k].mean(), count=len(pairs))
         lengths = torch.tensor([len(s.completion_token_ids) for _, s in pairs], dtype=torch.float32)
         self.metrics.add("gen/length_mean", lengths.mean())
         self.metrics.add("gen/truncated_frac", sum(s.finish_reason == "length" for _, s in pairs) / len(pairs))
@@ -437,7 +437,7 @@ class VLMRLVRTrainer:
         total, raw = self.verify(pairs)
         out = {"eval/accuracy": float(total.mean())}
         for k, spec in enumerate(self.cfg.rewards):
-            out[f"eval/{spec.name}"] = float(raw[:, k].mean())
+            out[f"eval/{spec.key}"] = float(raw[:, k].mean())
         kinds = sorted({ex.kind for ex, _ in pairs if ex.kind})
         for kind in kinds:
             sel = torch.tensor([ex.kind == kind for ex, _ in pairs])

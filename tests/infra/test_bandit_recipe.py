@@ -86,3 +86,13 @@ def test_every_shipped_config_validates():
     assert len(recipes) >= 12
     for path in recipes:
         assert cli_main(["config", str(path)]) == 0, path
+
+
+def test_flow_rewards_used_twice_need_distinct_labels():
+    from mmrl.flow.config import FlowGRPOConfig
+
+    twice = "rewards=[{name: shapes}, {name: shapes, options: {strict: true}}]"
+    with pytest.raises(ConfigError, match=r"rewards: several rewards log as \['shapes'\]"):
+        load_config(FlowGRPOConfig, None, [twice])
+    cfg = load_config(FlowGRPOConfig, None, ["rewards=[{name: shapes}, {name: shapes, label: strict}]"])
+    assert [spec.key for spec in cfg.rewards] == ["shapes", "strict"]

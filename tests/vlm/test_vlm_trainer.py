@@ -106,3 +106,16 @@ def test_single_rollout_rl_from_the_committed_checkpoint_raises_heldout_accuracy
     assert strict_before < 0.45 and read_before > 0.6
     assert strict_after >= strict_before + 0.15
     assert read_after >= read_before - 0.05
+
+
+def test_a_verifier_used_twice_needs_labels_and_logs_under_each(model_dir, tmp_path):
+    twice = "rewards=[{name: exact_match}, {name: exact_match, options: {number_words: true}, weight: 0.0}]"
+    with pytest.raises(ValueError, match=r"several rewards log as \['exact_match'\]; give each a distinct `label`"):
+        make_cfg(model_dir, tmp_path, "r", twice)
+    labelled = ("rewards=[{name: exact_match}, {name: exact_match, options: {number_words: true}, weight: 0.0, "
+                "label: read}]")
+    trainer = VLMRLVRTrainer(make_cfg(model_dir, tmp_path, "r", labelled), None)
+    trainer.setup(for_training=False)
+    out = trainer.evaluate()
+    assert {"eval/exact_match", "eval/read"} <= set(out)
+    assert out["eval/read"] >= out["eval/exact_match"]
