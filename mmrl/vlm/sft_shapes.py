@@ -556,11 +556,13 @@ def render_card(report: dict) -> str:
         for kind in [*VQA_KINDS, "overall"]
         if kind in accuracy
     )
-    header = "| kind | model |" + (" model, number words accepted |" if read else "") + " majority answer | majority per kind |"
+    read_column = " model, number words accepted |" if read else ""
+    header = f"| kind | model |{read_column} majority answer | majority per kind |"
     words = (
-        f"\n- count answers: {cfg['number_words']:.0%} of the training items write theirs as a word (`<answer>two</answer>`), "
-        "the rest in digits as the question asks; the exact-match verifier wants digits, the column \"number words "
-        "accepted\" reads a word as its digits (`rewards.build(\"exact_match\", number_words=True)`)"
+        f"\n- count answers: {cfg['number_words']:.0%} of the training items write theirs as a word "
+        "(`<answer>two</answer>`), the rest in digits as the question asks; the exact-match verifier wants digits, "
+        "the column \"number words accepted\" reads a word as its digits "
+        "(`rewards.build(\"exact_match\", number_words=True)`)"
         if read
         else ""
     )
