@@ -72,17 +72,34 @@ def clipped_surrogate(
 
 
 def clip_fractions(
-    logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float | None = None
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    eps_low: float,
+    eps_high: float | None = None,
+    mask: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Fractions of elements whose ratio was clipped: ``clip/low_frac`` (A<0, rho<1-eps) and ``clip/high_frac``.
+    """Shares of elements whose ratio was clipped, over the elements ``mask`` selects (default: all).
 
-    Only elements where clipping changes the objective are counted (TRL and verl report the same pair).
+        clip/low_frac  = sum(m * [rho < 1 - eps_low  and A < 0]) / sum(m)
+        clip/high_frac = sum(m * [rho > 1 + eps_high and A > 0]) / sum(m)
+
+    Only elements where clipping changes the objective are counted, and padding never is (TRL's
+    ``clip_ratio/low_mean`` and ``clip_ratio/high_mean``, verl's ``pg_clipfrac``: masked means over completion
+    tokens).
+
+    Args:
+        logp, old_logp: ``[...]`` log-probs under the current and the old policy.
+        adv: advantages broadcastable to ``logp``.
+        mask: ``[...]`` 1 on real elements (completion tokens), 0 on padding.
     """
     eps_high = eps_low if eps_high is None else eps_high
     adv = adv.expand_as(logp) if adv.shape != logp.shape else adv
     ratio = torch.exp((logp - old_logp).detach())
-    low = ((ratio < 1 - eps_low) & (adv < 0)).float().mean()
-    high = ((ratio > 1 + eps_high) & (adv > 0)).float().mean()
+    weight = torch.ones_like(ratio) if mask is None else mask.to(ratio.dtype)
+    count = weight.sum().clamp(min=1.0)
+    low = (((ratio < 1 - eps_low) & (adv < 0)).to(ratio.dtype) * weight).sum() / count
+    high = (((ratio > 1 + eps_high) & (adv > 0)).to(ratio.dtype) * weight).sum() / count
     return {"clip/low_frac": low, "clip/high_frac": high}
 
 
@@ -124,14 +141,17 @@ def kl_estimate(
 
 
 def gaussian_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """KL between two Gaussian SDE transitions of equal std, per sample (Flow-GRPO 2505.05470 eq. 10).
+    """KL on the means of two Gaussian SDE transitions, per sample (Flow-GRPO 2505.05470 eq. 10).
 
     ``KL = ||mu_theta - mu_ref||^2 / (2 s^2)``, averaged over the non-batch dimensions to match the per-dimension
-    mean log-probs of the SDE step.
+    mean log-probs of the SDE step. With ``s`` the transition std ``sigma_t sqrt|dt|`` this is the exact KL of the
+    two transitions; Flow-GRPO's code divides by the noise scale ``sigma_t`` alone (``s = sigma_t``: the exact KL
+    times ``|dt|``, a KL per unit time), and its published ``beta`` is for that form
+    (``pipelines.flow.sde.sde_noise_scale``; the flow trainer's ``kl_form``).
 
     Args:
         mean, ref_mean: ``[B, ...]`` transition means under the policy and the reference.
-        std: the transition std, broadcastable to ``mean`` (``[B, 1, ...]`` or a scalar).
+        std: the scale ``s``, broadcastable to ``mean`` (``[B, 1, ...]`` or a scalar).
 
     Returns:
         ``[B]``.

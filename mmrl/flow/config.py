@@ -86,6 +86,12 @@ class FlowSamplingConfig(Config):
     guidance_scale: float = Field(1.0, ge=1.0, description="CFG scale (1: no CFG). SD3.5: 4.5.")
     noise_level: float = Field(0.7, gt=0, description="SDE noise a (Flow-GRPO 0.7) or eta (DanceGRPO).")
     sde_kind: Literal["flow_grpo", "dance", "cps"] = Field("flow_grpo", description="SDE variant.")
+    log_prob_form: Literal["gaussian", "squared_error"] | None = Field(
+        None, description="Log-prob of an SDE action. null (default): the form of the code of the paper the "
+        "sde_kind is named after, so its published clip range carries over: the Gaussian density for flow_grpo "
+        "and dance, Flow-GRPO's squared error -mean((x' - mean)^2) for cps (its log-ratios are 2 std^2 times the "
+        "Gaussian ones). gaussian on cps: the exact density; divide a CPS clip range from Flow-GRPO by 2 std^2.",
+    )
     sde_window: int | None = Field(
         None, ge=1, description="SDE steps per rollout (a window; ODE elsewhere). null: every step is SDE."
     )
@@ -216,11 +222,22 @@ class FlowTrainerConfig(Config):
         "weighted_sum", description="How several rewards combine: weighted sum then GRPO, or GDPO."
     )
     adv_clip_max: float = Field(5.0, gt=0, description="Advantages are clipped to [-x, x] (Flow-GRPO: 5).")
-    epsilon_low: float = Field(1e-4, ge=0, description="Lower clip of the ratio (Flow-GRPO: 1e-4).")
+    epsilon_low: float = Field(
+        1e-4, ge=0, description="Lower clip of the ratio: Flow-GRPO's clip_range (1e-4; DanceGRPO 1e-4). Applies "
+        "to the log-probs of sampling.log_prob_form, Flow-GRPO's form for each sde_kind by default.",
+    )
     epsilon_high: float | None = Field(None, ge=0, description="Upper clip (default epsilon_low).")
     beta: float = Field(
-        0.004, ge=0, description="KL coefficient to the reference: on SDE means (grpo; Flow-GRPO: .004), on the "
-        "velocity at the regressed points (nft, rwr).",
+        0.004, ge=0, description="KL coefficient to the reference: on SDE means (grpo, in the form kl_form names; "
+        "Flow-GRPO: 0.004 for SD3.5-M GenEval/OCR, 0.01 PickScore), on the velocity at the regressed points "
+        "(nft, rwr).",
+    )
+    kl_form: Literal["flow_grpo", "exact"] = Field(
+        "flow_grpo", description="grpo's KL on SDE means. flow_grpo (default, Flow-GRPO's code, so its beta carries "
+        "over): mean((mu - mu_ref)^2) / (2 sigma_t^2) with sigma_t the SDE noise scale (a sqrt(s / (1 - s)); eta "
+        "for dance; the std for cps), a KL per unit time. exact: the Gaussian KL of the transition, divided by "
+        "the step's std^2 = sigma_t^2 |dt|, i.e. flow_grpo / |dt| (3.7-25x stronger on a 10-step shift-3 "
+        "schedule): to keep a beta tuned with exact, multiply it by |dt| when switching to flow_grpo.",
     )
     timestep_fraction: float = Field(
         1.0, gt=0, le=1, description="Share of SDE steps trained per sample (Flow-GRPO-Fast subsampling)."

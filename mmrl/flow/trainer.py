@@ -56,6 +56,7 @@ from pipelines.flow.adapters import Conditioning, FlowAdapter, load_adapter
 from pipelines.flow.branch import TreeConfig, prune_transitions, tree_rollout
 from pipelines.flow.explore import ExploreConfig, ExploreResult, explore, spearman
 from pipelines.flow.rollout import Rollout, SamplingConfig, TransitionBatch, rescore, rollout
+from pipelines.flow.sde import sde_noise_scale
 
 __all__ = ["FlowGRPOTrainer", "evaluate", "main"]
 
@@ -319,6 +320,7 @@ class FlowGRPOTrainer:
             shared_noise=s.shared_noise,
             negative_prompt=s.negative_prompt,
             max_batch_size=s.max_batch_size,
+            log_prob_form=s.log_prob_form,
         )
 
     def _log_rewards(self, total: torch.Tensor, raw: torch.Tensor, components: dict[str, torch.Tensor],
@@ -532,7 +534,7 @@ class FlowGRPOTrainer:
                 if t.beta > 0:
                     with torch.no_grad(), self.reference_policy():
                         _, ref_mean, _ = rescore(self.adapter, mb, cfg_scale)
-                    kl = loss_lib.gaussian_mean_kl(mean, ref_mean, std)
+                    kl = loss_lib.gaussian_mean_kl(mean, ref_mean, self._kl_scale(mb, std))
                     loss = loss + t.beta * kl.mean()
                     self.metrics.add("policy/kl", kl.mean(), count=len(mb))
                     self.nfe_total += len(mb) * nfe_each
@@ -542,6 +544,15 @@ class FlowGRPOTrainer:
                 self.metrics.add_dict(loss_lib.clip_fractions(logp, old, a, t.epsilon_low, t.epsilon_high), count=len(mb))
                 if step_after:
                     self._optimizer_step()
+
+    def _kl_scale(self, mb: TransitionBatch, std: torch.Tensor) -> torch.Tensor:
+        """The ``s`` of ``||mu - mu_ref||^2 / (2 s^2)``: the transition std (``kl_form: exact``) or the SDE noise
+        scale ``sigma_t`` that Flow-GRPO's code divides by (``kl_form: flow_grpo``, ``std / sqrt|dt|``)."""
+        if self.cfg.trainer.kl_form == "exact":
+            return std
+        shape = (-1, *([1] * (std.ndim - 1)))
+        sigma, sigma_next = mb.sigma.to(std.device).view(shape), mb.sigma_next.to(std.device).view(shape)
+        return sde_noise_scale(sigma, sigma_next, mb.noise_level, mb.sde_kind)
 
     def _noised(self, x0: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Forward-process points for the likelihood-free objectives: ``nft_timesteps`` noise levels per image,

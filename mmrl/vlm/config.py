@@ -92,11 +92,24 @@ class VLMTrainerConfig(Config):
     dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal.")
     # shared
     entropy_shaping: EntropyShaping = Field(default_factory=EntropyShaping)
-    epsilon_low: float = Field(0.2, ge=0, description="Lower clip range.")
-    epsilon_high: float = Field(0.28, ge=0, description="Upper clip range (clip-higher).")
-    dual_clip: float | None = Field(None, gt=1, description="Dual-clip constant.")
-    beta: float = Field(0.01, ge=0, description="k3 KL coefficient to the reference (adapter disabled).")
-    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    epsilon_low: float = Field(
+        0.2, ge=0, description="Lower clip range: TRL's epsilon, verl's clip_ratio_low (PPO/GRPO: 0.2).",
+    )
+    epsilon_high: float = Field(
+        0.28, ge=0, description="Upper clip range: TRL's and verl's epsilon_high / clip_ratio_high (DAPO's "
+        "clip-higher: 0.28). TRL defaults it to epsilon: set 0.2 here for TRL's default.",
+    )
+    dual_clip: float | None = Field(None, gt=1, description="Dual-clip constant (verl's clip_ratio_c, 3.0).")
+    beta: float = Field(
+        0.01, ge=0, description="KL coefficient to the reference (adapter disabled): the k3 estimator per token, "
+        "added to the per-token loss before aggregation, as TRL's beta (TRL's default 0.0; DeepSeekMath GRPO 0.04; "
+        "verl's kl_loss_coef with kl_loss_type low_var_kl).",
+    )
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = Field(
+        "token_mean", description="Loss aggregation (verl's loss_agg_mode). TRL's loss_type: dapo and bnpo = "
+        "token_mean, grpo = seq_mean_token_mean, dr_grpo = seq_mean_token_sum_norm (normalised by "
+        "generation.max_new_tokens, TRL's max_completion_length).",
+    )
     tis: Literal["auto", "on", "off"] = Field(
         "auto", description="Truncated importance sampling vs the rollout engine (auto: on for vllm)."
     )

@@ -60,7 +60,7 @@ from mmrl.seeding import get_rng_state, seed_everything, set_rng_state
 from mmrl.vlm.config import VLMRLVRConfig
 from pipelines.vlm.backend import GenerationBackend, GenerationSample, SamplingParams
 from pipelines.vlm.inputs import VLMPrompt
-from pipelines.vlm.logprobs import backbone_and_head, build_scoring_batch, completion_token_stats
+from pipelines.vlm.logprobs import TokenStats, backbone_and_head, build_scoring_batch, completion_token_stats
 
 __all__ = ["VLMRLVRTrainer", "evaluate", "main"]
 
@@ -364,15 +364,19 @@ class VLMRLVRTrainer:
             self.metrics.add("train/skipped_no_signal", 1.0)
             if not self.dist.active:
                 return  # (under data parallelism the rank still takes part in the others' optimizer steps)
-        # old-policy statistics: log-probs for the ratio, entropies for the shaping (no gradient)
-        self.model.eval()
-        with torch.no_grad():
-            old = [self.token_stats([pairs[i] for i in idx.tolist()], temp) for idx in rows.split(t.minibatch_size)]
+        # Old-policy statistics (log-probs for the ratio, entropies for the shaping) are those of the first epoch's
+        # gradient forward, detached: no optimizer step comes before it, so its weights are the old policy's
+        # (TRL does the same at num_iterations=1). One forward per minibatch and epoch, none without gradients.
+        # With dropout on (LoRA dropout > 0) the old statistics are a train-mode draw, as TRL's.
         self.model.train()
+        chunks = rows.split(t.minibatch_size)
+        old: list[TokenStats | None] = [None] * len(chunks)
         for _ in range(t.ppo_epochs):
-            n_chunks = len(old)
-            for chunk, idx in enumerate(rows.split(t.minibatch_size)):
+            for chunk, idx in enumerate(chunks):
                 mb = [pairs[i] for i in idx.tolist()]
+                new = self.token_stats(mb, temp)
+                if old[chunk] is None:
+                    old[chunk] = new.detach()
                 o = old[chunk]
                 mask = o.mask
                 a = adv[idx].to(mask.device).float()
@@ -381,12 +385,10 @@ class VLMRLVRTrainer:
                     a_tok = adv_lib.entropy_shaped(a, entropy, t.entropy_shaping.alpha, t.entropy_shaping.kappa)
                 else:
                     a_tok = a.unsqueeze(1).expand_as(o.logprobs)
-                new = self.token_stats(mb, temp)
                 per_token = loss_lib.clipped_surrogate(new.logprobs, o.logprobs, a_tok, t.epsilon_low,
                                                        t.epsilon_high, t.dual_clip)
                 behaviour = _pad_logprobs([s.logprobs for _, s in mb], mask.shape[1]).to(mask.device)
-                mismatch = ((o.logprobs - behaviour).abs() * mask).sum() / mask.sum()
-                self.metrics.add("tis/logprob_mismatch", mismatch)
+                self.metrics.add("tis/logprob_mismatch", _masked_mean((o.logprobs - behaviour).abs(), mask))
                 w = None
                 if self.rollout_pool is not None:  # stale samples (lag > 0) are always weighted
                     w = self.rollout_pool.tis_weights(o.logprobs, behaviour, mask, idx)
@@ -394,19 +396,20 @@ class VLMRLVRTrainer:
                     w = loss_lib.truncated_is_weights(o.logprobs, behaviour, cap=t.tis_cap, mode=t.tis_mode, mask=mask)
                 if w is not None:
                     per_token = per_token * w
-                    self.metrics.add("tis/weight_mean", (w * mask).sum() / mask.sum())
+                    self.metrics.add("tis/weight_mean", _masked_mean(w, mask))
                 if t.beta > 0:
                     with torch.no_grad(), self.reference_context():
                         ref = self.token_stats(mb, temp, model=self.reference)
                     kl = loss_lib.kl_estimate(new.logprobs, ref.logprobs, kind="k3")
                     per_token = per_token + t.beta * kl
-                    self.metrics.add("policy/kl", (kl * mask).sum() / mask.sum())
+                    self.metrics.add("policy/kl", _masked_mean(kl.detach(), mask))
                 loss = loss_lib.aggregate(per_token, mask, mode=t.loss_agg, max_len=self.cfg.generation.max_new_tokens)
-                (loss / n_chunks).backward()
+                (loss / len(chunks)).backward()
                 self.metrics.add("loss", loss)
-                self.metrics.add("entropy/mean", (entropy * mask).sum() / mask.sum())
+                self.metrics.add("entropy/mean", _masked_mean(entropy, mask))
+                self.metrics.add("policy/ratio_mean", _masked_mean(torch.exp(new.logprobs.detach() - o.logprobs), mask))
                 self.metrics.add_dict(loss_lib.clip_fractions(new.logprobs, o.logprobs, a_tok, t.epsilon_low,
-                                                              t.epsilon_high))
+                                                              t.epsilon_high, mask=mask))
             if not self.dist.fsdp:  # FSDP reduces the gradients of its shards itself
                 all_reduce_grads(self.trainable, self.dist.world_size)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, t.max_grad_norm)
@@ -506,6 +509,12 @@ def _group_index(prompt_ids: list[str]) -> list[int]:
     """Contiguous group index per sample from its prompt id (samples of a prompt share a group)."""
     seen: dict[str, int] = {}
     return [seen.setdefault(p, len(seen)) for p in prompt_ids]
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values [B, T]`` over the completion tokens ``mask`` selects (padding never counts)."""
+    m = mask.to(values.dtype)
+    return (values * m).sum() / m.sum().clamp(min=1.0)
 
 
 def _pad_logprobs(rows: list[torch.Tensor], width: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from pipelines.flow.adapters.base import Conditioning, FlowAdapter
-from pipelines.flow.sde import SDE_KINDS, SDEKind, ode_step, sde_step
+from pipelines.flow.sde import LOG_PROB_FORMS, SDE_KINDS, LogProbForm, SDEKind, ode_step, sde_step
 
 
 @dataclass
@@ -38,6 +38,9 @@ class SamplingConfig:
             per sample.
         negative_prompt: the unconditional prompt for CFG.
         max_batch_size: largest transformer batch per forward (CFG doubles it); ``None`` runs all samples at once.
+        log_prob_form: ``"gaussian"`` or ``"squared_error"`` log-probs of SDE actions; ``None`` (default) takes
+            the form of the code of the paper the kind is named after (squared error for cps), so its published
+            clip range carries over (:data:`pipelines.flow.sde.PEER_LOG_PROB_FORM`).
     """
 
     num_steps: int = 10
@@ -51,6 +54,7 @@ class SamplingConfig:
     shared_noise: bool = False
     negative_prompt: str = ""
     max_batch_size: int | None = None
+    log_prob_form: LogProbForm | None = None
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:
@@ -65,6 +69,8 @@ class SamplingConfig:
                 raise ValueError(
                     f"sde_window {self.sde_window} must satisfy 0 <= start <= stop <= num_steps={self.num_steps}"
                 )
+        if self.log_prob_form is not None and self.log_prob_form not in LOG_PROB_FORMS:
+            raise ValueError(f"unknown log_prob_form {self.log_prob_form!r}. Available: {list(LOG_PROB_FORMS)}")
         if self.max_batch_size is not None and self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1 or None, got {self.max_batch_size}")
 
@@ -88,7 +94,8 @@ class TransitionBatch:
         cond: conditioning with ``N`` rows.
         sample_index: ``[N]`` row of the producing rollout's samples (for advantages).
         step_index: ``[N]`` denoising step of each transition.
-        guidance_scale, noise_level, sde_kind: how they were sampled (re-scoring uses the same by default).
+        guidance_scale, noise_level, sde_kind, log_prob_form: how they were sampled and scored (re-scoring uses
+            the same by default).
     """
 
     latents: torch.Tensor
@@ -102,6 +109,7 @@ class TransitionBatch:
     guidance_scale: float
     noise_level: float
     sde_kind: SDEKind
+    log_prob_form: LogProbForm | None = None
 
     def __len__(self) -> int:
         return self.latents.shape[0]
@@ -178,6 +186,7 @@ class Rollout:
             guidance_scale=self.config.guidance_scale,
             noise_level=self.config.noise_level,
             sde_kind=self.config.sde_kind,
+            log_prob_form=self.config.log_prob_form,
         )
 
 
@@ -290,7 +299,8 @@ def rollout(
         if sde_steps[i]:
             step_noise = torch.randn(x.shape, generator=generator, dtype=torch.float32).to(device)
             x, lp, _, _ = sde_step(
-                x, v, sigmas[i], sigmas[i + 1], config.noise_level, config.sde_kind, noise=step_noise
+                x, v, sigmas[i], sigmas[i + 1], config.noise_level, config.sde_kind, noise=step_noise,
+                log_prob_form=config.log_prob_form,
             )
             log_probs[:, i] = lp.cpu()
         else:
@@ -322,7 +332,7 @@ def rescore(
         v = velocity(x, sigma | c; w);  (mean, std) = SDE(x, v, sigma, sigma_next);  log N(x_next; mean, std^2)
 
     The policy ratio of GRPO is ``exp(log_probs - batch.log_probs)``; the KL to the reference policy uses the
-    means of a second call with the LoRA disabled (``||mean - mean_ref||^2 / (2 std^2)``).
+    means of a second call with the LoRA disabled (``mmrl.core.losses.gaussian_mean_kl``).
 
     Args:
         adapter: the model (its ``transformer`` may carry a LoRA in training mode).
@@ -343,5 +353,6 @@ def rescore(
         batch.noise_level,
         batch.sde_kind,
         prev_sample=batch.next_latents.to(device),
+        log_prob_form=batch.log_prob_form,
     )
     return log_probs, means, stds

@@ -22,6 +22,14 @@ import torch
 SDEKind = Literal["flow_grpo", "dance", "cps"]
 SDE_KINDS: tuple[SDEKind, ...] = ("flow_grpo", "dance", "cps")
 
+LogProbForm = Literal["gaussian", "squared_error"]
+LOG_PROB_FORMS: tuple[LogProbForm, ...] = ("gaussian", "squared_error")
+
+# The log-prob each SDE kind uses in the code of the paper it is named after, so that a published clip range
+# carries over: Flow-GRPO's and DanceGRPO's SDE steps score the full Gaussian density; Flow-GRPO's CPS step drops
+# the constants and the 1 / (2 std^2) factor (its log-ratios are 2 std^2 times the Gaussian ones).
+PEER_LOG_PROB_FORM: dict[SDEKind, LogProbForm] = {"flow_grpo": "gaussian", "dance": "gaussian", "cps": "squared_error"}
+
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 
 
@@ -56,6 +64,32 @@ def ode_step(
     s = _per_sample(sigma, x32)
     s_next = _per_sample(sigma_next, x32)
     return x32 + v.float() * (s_next - s)
+
+
+def sde_noise_scale(
+    sigma: torch.Tensor, sigma_next: torch.Tensor, noise_level: float, kind: SDEKind
+) -> torch.Tensor:
+    """The SDE's noise scale ``sigma_t`` at one step, as the paper of each kind defines it (float32).
+
+        flow_grpo:  sigma_t = a * sqrt(s / (1 - s))   (at s = 1: s' in the denominator)
+        dance:      sigma_t = eta
+        cps:        sigma_t = s' * sin(a * pi / 2)    (CPS's sigma_t is the transition std itself)
+
+    The transition std is ``sigma_t * sqrt(-d)`` for flow_grpo and dance, ``sigma_t`` for cps. Flow-GRPO's KL
+    on SDE means divides by ``2 sigma_t^2`` (see ``mmrl.core.losses.gaussian_mean_kl``).
+
+    Args:
+        sigma, sigma_next: float32 tensors broadcastable against each other (``[B, 1, ..., 1]`` or ``[B]``).
+    """
+    if kind == "cps":
+        return sigma_next * math.sin(noise_level * math.pi / 2)
+    if kind == "flow_grpo":
+        # At s = 1, s / (1 - s) is infinite; Flow-GRPO evaluates the ratio with the next sigma there.
+        denom = 1 - torch.where(sigma >= 1, sigma_next, sigma)
+        return noise_level * torch.sqrt(sigma / denom)
+    if kind == "dance":
+        return torch.full_like(sigma, float(noise_level))
+    raise ValueError(f"unknown SDE kind {kind!r}. Available: {list(SDE_KINDS)}")
 
 
 def sde_mean_std(
@@ -100,19 +134,14 @@ def sde_mean_std(
     s = _per_sample(sigma, x32)
     s_next = _per_sample(sigma_next, x32)
     d = s_next - s  # < 0
+    std_dev_t = sde_noise_scale(s, s_next, noise_level, kind)
     if kind == "cps":
-        std = s_next * math.sin(noise_level * math.pi / 2)
+        std = std_dev_t
         x0_hat = x32 - s * v32
         x1_hat = x32 + (1 - s) * v32
         # clamp: s'^2 - std^2 >= 0 analytically (sin <= 1); rounding could make it -1e-9 and sqrt NaN.
         mean = (1 - s_next) * x0_hat + torch.sqrt((s_next**2 - std**2).clamp_min(0.0)) * x1_hat
         return mean, std
-    if kind == "flow_grpo":
-        # At s = 1, s / (1 - s) is infinite; Flow-GRPO evaluates the ratio with the next sigma there.
-        denom = 1 - torch.where(s >= 1, s_next, s)
-        std_dev_t = noise_level * torch.sqrt(s / denom)
-    else:  # dance
-        std_dev_t = torch.full_like(s, float(noise_level))
     mean = x32 + (v32 + std_dev_t**2 / (2 * s) * (x32 + (1 - s) * v32)) * d
     std = std_dev_t * torch.sqrt(-d)
     return mean, std
@@ -139,6 +168,31 @@ def gaussian_log_prob(sample: torch.Tensor, mean: torch.Tensor, std: torch.Tenso
     return lp.mean(dim=tuple(range(1, lp.ndim)))
 
 
+def squared_error_log_prob(sample: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """Flow-GRPO's CPS log-prob: ``-mean_dims (x' - mean)^2``, the Gaussian log-density without its constants
+    and without the ``1 / (2 std^2)`` factor. Its log-ratios are ``2 std^2`` times the Gaussian ones, so a clip
+    range published for CPS (Flow-GRPO's code) applies to this form, not to :func:`gaussian_log_prob`.
+
+    Returns:
+        ``[B]`` float32.
+    """
+    lp = -((sample.float() - mean.float()) ** 2)
+    return lp.mean(dim=tuple(range(1, lp.ndim)))
+
+
+def transition_log_prob(
+    sample: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, form: LogProbForm
+) -> torch.Tensor:
+    """``[B]`` log-prob of ``x'`` in the given form: ``"gaussian"`` (:func:`gaussian_log_prob`) or
+    ``"squared_error"`` (:func:`squared_error_log_prob`; a point mass, ``std == 0``, still scores 0)."""
+    if form == "gaussian":
+        return gaussian_log_prob(sample, mean, std)
+    if form == "squared_error":
+        deterministic = (std.float().expand_as(mean) == 0).flatten(1).all(1)  # [B]
+        return torch.where(deterministic, torch.zeros((), device=mean.device), squared_error_log_prob(sample, mean))
+    raise ValueError(f"unknown log-prob form {form!r}. Available: {list(LOG_PROB_FORMS)}")
+
+
 def sde_step(
     x: torch.Tensor,
     v: torch.Tensor,
@@ -149,10 +203,12 @@ def sde_step(
     noise: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     prev_sample: torch.Tensor | None = None,
+    log_prob_form: LogProbForm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One stochastic step ``x -> x'`` with the log-prob of ``x'``: ``x' = mean + std * noise``.
 
-    See :func:`sde_mean_std` for the three kinds and their formulas, :func:`gaussian_log_prob` for the log-prob.
+    See :func:`sde_mean_std` for the three kinds and their formulas, :func:`transition_log_prob` for the
+    log-prob forms.
 
     Args:
         x: ``[B, ...]`` latents at ``sigma`` (any float dtype; the step is computed in float32).
@@ -164,6 +220,9 @@ def sde_step(
         generator: RNG for the draw when ``noise`` is ``None``.
         prev_sample: ``[B, ...]`` an already taken ``x'``; when given, nothing is drawn and its log-prob is
             returned (re-scoring under the current weights).
+        log_prob_form: ``"gaussian"`` or ``"squared_error"``; ``None`` takes the form of the code of the paper
+            the kind is named after (:data:`PEER_LOG_PROB_FORM`: squared error for cps, Gaussian otherwise), so
+            its published clip range carries over.
 
     Returns:
         ``(prev_sample [B, ...], log_prob [B], mean [B, ...], std [B, 1, ..., 1])``, all float32.
@@ -182,5 +241,6 @@ def sde_step(
         raise ValueError(f"prev_sample has shape {tuple(prev_sample.shape)}, expected {tuple(mean.shape)}")
     prev_sample = prev_sample.float()
     # detach: the log-prob is a function of the policy's mean only; the action itself is data.
-    log_prob = gaussian_log_prob(prev_sample.detach(), mean, std)
+    form = PEER_LOG_PROB_FORM[kind] if log_prob_form is None else log_prob_form
+    log_prob = transition_log_prob(prev_sample.detach(), mean, std, form)
     return prev_sample, log_prob, mean, std

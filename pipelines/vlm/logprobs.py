@@ -62,6 +62,10 @@ class TokenStats:
     sampled_entropy: torch.Tensor
     mask: torch.Tensor
 
+    def detach(self) -> TokenStats:
+        """The same statistics without gradients (the old policy's, taken from a gradient forward)."""
+        return TokenStats(self.logprobs.detach(), self.entropy.detach(), self.sampled_entropy.detach(), self.mask)
+
 
 def build_scoring_batch(
     processor: Any,

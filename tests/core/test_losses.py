@@ -158,3 +158,54 @@ def test_reward_weighted_fm_loss_hand_values():
     with pytest.raises(ValueError, match="non-negative"):
         L.reward_weighted_fm_loss(v, target, torch.tensor([1.0, -1.0]))
 
+
+
+def test_clip_fractions_count_real_tokens_only():
+    # 2 sequences x 4 positions; the second has one real token. Ratios: exp(+-0.5) = 1.65 / 0.61
+    logp = torch.tensor([[0.5, -0.5, 0.0, 0.5], [0.5, 0.5, 0.5, 0.5]])
+    old = torch.zeros(2, 4)
+    adv = torch.tensor([[1.0], [-1.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
+    out = L.clip_fractions(logp, old, adv, eps_low=0.2, eps_high=0.28, mask=mask)
+    # high: row 0 position 0 only (position 3 is padding) -> 1 of 4 real tokens; low: none (row 1 has A<0, rho>1)
+    assert out["clip/high_frac"].item() == pytest.approx(1 / 4)
+    assert out["clip/low_frac"].item() == 0.0
+    unmasked = L.clip_fractions(logp, old, adv, eps_low=0.2, eps_high=0.28)
+    assert unmasked["clip/high_frac"].item() == pytest.approx(2 / 8)  # padding counted: the bias masking removes
+
+
+def _trl_grpo_loss(logp, old, ref, adv, mask, eps_low, eps_high, beta, loss_type, max_completion_length):
+    """TRL GRPOTrainer's loss, written from its documentation: per-token clipped objective minus beta * k3,
+    reduced per loss_type ("grpo": mean of per-sequence token means; "bnpo"/"dapo": token mean; "dr_grpo":
+    token sum over batch * max_completion_length)."""
+    coef_1 = torch.exp(logp - old)
+    coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
+    per_token = -torch.min(coef_1 * adv.unsqueeze(1), coef_2 * adv.unsqueeze(1))
+    per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
+    per_token = per_token + beta * per_token_kl
+    if loss_type == "grpo":
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    if loss_type in ("bnpo", "dapo"):
+        return (per_token * mask).sum() / mask.sum().clamp(min=1)
+    return (per_token * mask).sum() / (per_token.size(0) * max_completion_length)
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "loss_agg"),
+    [("grpo", "seq_mean_token_mean"), ("dapo", "token_mean"), ("bnpo", "token_mean"),
+     ("dr_grpo", "seq_mean_token_sum_norm")],
+)
+def test_vlm_loss_equals_trls_with_the_same_epsilon_and_beta(loss_type, loss_agg):
+    g = torch.Generator().manual_seed(0)
+    logp = -torch.rand(4, 6, generator=g) * 2
+    old = logp + 0.3 * torch.randn(4, 6, generator=g)
+    ref = logp + 0.2 * torch.randn(4, 6, generator=g)
+    adv = torch.tensor([1.0, -0.5, 0.25, -2.0])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0], [1, 0, 0, 0, 0, 0]])
+    eps_low, eps_high, beta = 0.2, 0.28, 0.04
+    # mmrl's VLM update: clipped_surrogate(epsilon_low, epsilon_high) + beta * k3, then aggregate(loss_agg)
+    per_token = L.clipped_surrogate(logp, old, adv.unsqueeze(1), eps_low, eps_high)
+    per_token = per_token + beta * L.kl_estimate(logp, ref, kind="k3")
+    ours = L.aggregate(per_token, mask, mode=loss_agg, max_len=8)
+    theirs = _trl_grpo_loss(logp, old, ref, adv, mask.float(), eps_low, eps_high, beta, loss_type, 8)
+    torch.testing.assert_close(ours, theirs)

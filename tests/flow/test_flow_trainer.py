@@ -10,6 +10,7 @@ from mmrl.data.shapes import all_prompts
 from mmrl.flow.config import FlowGRPOConfig
 from mmrl.flow.trainer import FlowGRPOTrainer, evaluate, main
 from mmrl.run import Run, read_metrics
+from pipelines.flow.rollout import rollout
 from pipelines.flow.tiny import build_shapes_pipeline
 
 
@@ -185,6 +186,26 @@ def test_likelihood_free_kl_to_reference_is_zero_before_the_first_update(model_d
         metrics = trainer.train_step()  # the JPEG reward always spreads, so rwr has preferred images
         assert metrics["policy/kl"] == 0.0
         assert trainer.train_step()["policy/kl"] > 0.0
+
+
+def test_kl_form_flow_grpo_divides_by_the_noise_scale_exact_by_the_step_std(model_dir, tmp_path):
+    kls = {}
+    for form in ("flow_grpo", "exact"):
+        cfg = make_cfg(model_dir, tmp_path, "klform" + form, "trainer.beta=0.5", f"trainer.kl_form={form}")
+        trainer = FlowGRPOTrainer(cfg, None)
+        trainer.setup()
+        trans = rollout(trainer.adapter, ["a red circle"], 4, trainer.sampling_config(),
+                        generator=torch.Generator().manual_seed(0)).transitions()
+        std = torch.full((len(trans), 1, 1, 1), 0.3)
+        sigma, sigma_next = trans.sigma.view(-1, 1, 1, 1), trans.sigma_next.view(-1, 1, 1, 1)
+        # Flow-GRPO's std_dev_t = a sqrt(s / (1 - s)), the next sigma standing in for s = 1
+        flow_grpo_scale = 0.7 * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_next, sigma)))
+        torch.testing.assert_close(trainer._kl_scale(trans, std), std if form == "exact" else flow_grpo_scale)
+        trainer.train_step()
+        kls[form] = trainer.train_step()["policy/kl"]  # same seed: the same rollouts, the KL in two forms
+        trainer.cleanup()
+    # exact = flow_grpo / |dt| per transition, and every |dt| < 1
+    assert kls["exact"] > kls["flow_grpo"] > 0
 
 
 def test_eval_rewards_replace_the_training_rewards_in_evaluation(model_dir, tmp_path):

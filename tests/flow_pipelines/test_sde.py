@@ -10,7 +10,16 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipelines.flow.sde import SDE_KINDS, gaussian_log_prob, ode_step, sde_mean_std, sde_step
+from mmrl.core.losses import gaussian_mean_kl
+from pipelines.flow.sde import (
+    PEER_LOG_PROB_FORM,
+    SDE_KINDS,
+    gaussian_log_prob,
+    ode_step,
+    sde_mean_std,
+    sde_noise_scale,
+    sde_step,
+)
 
 
 def _batch(seed: int = 0, shape=(3, 4, 5, 6)):
@@ -49,7 +58,7 @@ def test_log_prob_is_mean_of_normal_log_density(kind):
     sigma = torch.tensor([0.9, 0.6, 0.3])
     sigma_next = torch.tensor([0.8, 0.4, 0.1])
     prev, log_prob, mean, std = sde_step(
-        x, v, sigma, sigma_next, 0.5, kind, generator=torch.Generator().manual_seed(0)
+        x, v, sigma, sigma_next, 0.5, kind, generator=torch.Generator().manual_seed(0), log_prob_form="gaussian"
     )
     expected = torch.distributions.Normal(mean, std.expand_as(mean)).log_prob(prev).mean(dim=(1, 2, 3))
     torch.testing.assert_close(log_prob, expected)
@@ -145,11 +154,76 @@ def test_property_log_prob_and_reparametrisation(kind, sigma, frac, noise_level,
     sigma_next = sigma * frac
     x, v = _batch(seed, shape=(2, 3, 4))
     noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 1))
-    prev, lp, mean, std = sde_step(x, v, sigma, sigma_next, noise_level, kind, noise=noise)
+    prev, lp, mean, std = sde_step(x, v, sigma, sigma_next, noise_level, kind, noise=noise, log_prob_form="gaussian")
     assert torch.all(std > 0)
     torch.testing.assert_close(prev, mean + std * noise)
     expected = torch.distributions.Normal(mean, std.expand_as(mean)).log_prob(prev).mean(dim=(1, 2))
     torch.testing.assert_close(lp, expected, rtol=1e-5, atol=1e-5)
     # the log-prob is maximal at the mean
     _, lp_mean, _, _ = sde_step(x, v, sigma, sigma_next, noise_level, kind, prev_sample=mean)
-    assert torch.all(lp_mean >= lp)
+    _, lp_peer, _, _ = sde_step(x, v, sigma, sigma_next, noise_level, kind, prev_sample=prev)
+    assert torch.all(lp_mean >= lp_peer)
+
+
+# --- the conventions of the peers' code (Flow-GRPO's sd3_sde_with_logprob and its KL; DanceGRPO's flux_step) ---
+
+
+def _flow_grpo_noise_scale(sigma: float, sigma_next: float, a: float, first_next: float) -> float:
+    """Flow-GRPO's std_dev_t: a * sqrt(s / (1 - s)), with the schedule's second sigma in place of s = 1."""
+    return a * math.sqrt(sigma / (1 - (first_next if sigma == 1 else sigma)))
+
+
+@pytest.mark.parametrize(("sigma", "sigma_next"), [(1.0, 0.96), (0.9, 0.8), (0.5, 0.3), (0.1, 0.0)])
+def test_noise_scale_is_each_papers_sigma_t(sigma, sigma_next):
+    s, s_next = torch.tensor([sigma]), torch.tensor([sigma_next])
+    expected = _flow_grpo_noise_scale(sigma, sigma_next, 0.7, sigma_next)
+    torch.testing.assert_close(sde_noise_scale(s, s_next, 0.7, "flow_grpo"), torch.tensor([expected]))
+    torch.testing.assert_close(sde_noise_scale(s, s_next, 0.3, "dance"), torch.tensor([0.3]))
+    torch.testing.assert_close(
+        sde_noise_scale(s, s_next, 0.7, "cps"), torch.tensor([sigma_next * math.sin(0.7 * math.pi / 2)])
+    )
+    # the transition std is sigma_t sqrt|dt| for flow_grpo and dance, sigma_t itself for cps
+    x, v = _batch(5, shape=(1, 4))
+    for kind, a in (("flow_grpo", 0.7), ("dance", 0.3)):
+        _, std = sde_mean_std(x, v, s, s_next, a, kind)
+        torch.testing.assert_close(std.flatten(), sde_noise_scale(s, s_next, a, kind) * math.sqrt(sigma - sigma_next))
+
+
+def test_peer_log_prob_forms():
+    assert PEER_LOG_PROB_FORM == {"flow_grpo": "gaussian", "dance": "gaussian", "cps": "squared_error"}
+
+
+def test_cps_log_prob_is_flow_grpos_squared_error_and_its_clip_range_carries_over():
+    x, v = _batch(6)
+    sigma, sigma_next, a = torch.tensor([0.9, 0.6, 0.3]), torch.tensor([0.8, 0.4, 0.1]), 0.6
+    prev, lp, mean, std = sde_step(x, v, sigma, sigma_next, a, "cps", generator=torch.Generator().manual_seed(1))
+    # Flow-GRPO: log_prob = -((prev_sample - prev_sample_mean) ** 2), then the mean over non-batch dims
+    torch.testing.assert_close(lp, (-((prev - mean) ** 2)).mean(dim=(1, 2, 3)))
+    # a policy whose mean moved: Flow-GRPO's log-ratio is 2 std^2 times the Gaussian one, step by step
+    _, lp_new, _, _ = sde_step(x, v + 0.05, sigma, sigma_next, a, "cps", prev_sample=prev)
+    _, g_old, _, _ = sde_step(x, v, sigma, sigma_next, a, "cps", prev_sample=prev, log_prob_form="gaussian")
+    _, g_new, _, _ = sde_step(x, v + 0.05, sigma, sigma_next, a, "cps", prev_sample=prev, log_prob_form="gaussian")
+    torch.testing.assert_close(lp_new - lp, 2 * std.flatten() ** 2 * (g_new - g_old), rtol=1e-4, atol=1e-7)
+
+
+def test_flow_grpo_kl_form_is_exact_kl_times_dt_on_a_shift3_schedule():
+    """Flow-GRPO's KL divides by 2 sigma_t^2; the exact Gaussian KL by 2 sigma_t^2 |dt|. On a 10-step shift-3
+    schedule the exact form is 3.7x to 25x the Flow-GRPO form before the last step (and ~112x at it)."""
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    scheduler.set_timesteps(10)
+    sigmas = scheduler.sigmas.float()
+    x, v = _batch(7, shape=(1, 3, 4, 4))
+    ratios = []
+    for i in range(10):
+        s, s_next = sigmas[i : i + 1], sigmas[i + 1 : i + 2]
+        mean, std = sde_mean_std(x, v, s, s_next, 0.7, "flow_grpo")
+        ref_mean, _ = sde_mean_std(x, v + 0.1, s, s_next, 0.7, "flow_grpo")
+        exact = gaussian_mean_kl(mean, ref_mean, std)
+        sigma_t = _flow_grpo_noise_scale(float(s), float(s_next), 0.7, float(sigmas[1]))
+        flow_grpo = ((mean - ref_mean) ** 2).mean(dim=(1, 2, 3)) / (2 * sigma_t**2)  # Flow-GRPO's kl_loss
+        scale = sde_noise_scale(s.view(-1, 1, 1, 1), s_next.view(-1, 1, 1, 1), 0.7, "flow_grpo")
+        torch.testing.assert_close(gaussian_mean_kl(mean, ref_mean, scale), flow_grpo, rtol=1e-5, atol=0)
+        torch.testing.assert_close(exact, flow_grpo / float(s - s_next), rtol=1e-5, atol=0)
+        ratios.append(float(exact / flow_grpo))
+    assert 3.5 < min(ratios[:-1]) < 4.0 and 24.0 < max(ratios[:-1]) < 26.0
+    assert 100 < ratios[-1] < 120

@@ -66,6 +66,41 @@ def test_one_step_trains_only_lora(model_dir, tmp_path, mode):
     assert all(torch.equal(frozen[n], named[n]) for n in frozen)
 
 
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_update_takes_old_policy_statistics_from_the_gradient_forward(model_dir, tmp_path, epochs):
+    cfg = make_cfg(model_dir, tmp_path, f"fwd{epochs}", "trainer.mode=group", "trainer.beta=0",
+                   f"trainer.ppo_epochs={epochs}")
+    trainer = VLMRLVRTrainer(cfg, None)
+    trainer.setup()
+    pairs, _, keep = trainer.collect()
+    adv = torch.arange(len(pairs), dtype=torch.float32) % 2 - 0.5
+    # with dropout off, a train-mode forward with gradients gives the no-grad eval-mode statistics
+    trainer.model.eval()
+    with torch.no_grad():
+        eval_stats = trainer.token_stats(pairs[:4], 1.0)
+    trainer.model.train()
+    train_stats = trainer.token_stats(pairs[:4], 1.0)
+    assert train_stats.logprobs.requires_grad
+    torch.testing.assert_close(train_stats.detach().logprobs, eval_stats.logprobs, rtol=0, atol=1e-5)
+    torch.testing.assert_close(train_stats.detach().entropy, eval_stats.entropy, rtol=0, atol=1e-5)
+    calls = []
+    original = trainer.token_stats
+
+    def counting(batch, temperature, model=None):
+        calls.append((len(batch), torch.is_grad_enabled()))
+        return original(batch, temperature, model)
+
+    trainer.token_stats = counting
+    trainer.update(pairs, adv, keep)
+    minibatches = -(-int(keep.sum()) // cfg.trainer.minibatch_size)
+    # one forward per minibatch and epoch, all with gradients: as many as TRL's, none spare
+    assert len(calls) == epochs * minibatches and all(grad for _, grad in calls)
+    metrics = trainer.metrics.reduce()
+    if epochs == 1:  # every ratio is exactly 1 under the weights that sampled
+        assert metrics["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+        assert metrics["clip/low_frac"] == metrics["clip/high_frac"] == 0.0
+
+
 def test_main_writes_peft_adapter_and_eval(model_dir, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
