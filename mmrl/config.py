@@ -46,6 +46,12 @@ class RunConfig(Config):
     wandb: bool = Field(False, description="Also log to Weights & Biases (needs `pip install wandb`).")
     progress: bool = Field(True, description="Show a live progress bar with the latest metrics.")
     log_level: str = Field("INFO", description="Python logging level: DEBUG, INFO, WARNING or ERROR.")
+    threads: int | None = Field(
+        None, ge=1, description="torch CPU threads of this process, set in setup (null: torch's default, one per "
+        "core). Waiting OpenMP threads sleep instead of spinning unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is set "
+        "in the environment (pipelines/threads.py), so a shared CPU slows a run by its share, not several times. "
+        "Ray rollout actors: pool.ray.threads.",
+    )
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from mmrl.core.stats import PromptStats
 from mmrl.loop import run_recipe, train_loop
 from mmrl.run import MetricAccumulator, Run
 from mmrl.seeding import get_rng_state, seed_everything, set_rng_state
+from pipelines.threads import set_cpu_threads
 
 __all__ = ["BanditRecipeConfig", "BanditTrainer", "main"]
 
@@ -115,6 +116,7 @@ class BanditTrainer:
     def setup(self) -> None:
         cfg = self.cfg
         self.generator = seed_everything(cfg.run.seed)
+        set_cpu_threads(cfg.run.threads)
         self.world = BanditWorld(**cfg.world.model_dump())
         if cfg.allocation.prompts_per_step > len(self.world.train_ids):
             raise ValueError(

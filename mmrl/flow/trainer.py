@@ -57,6 +57,7 @@ from pipelines.flow.branch import TreeConfig, prune_transitions, tree_rollout
 from pipelines.flow.explore import ExploreConfig, ExploreResult, explore, spearman
 from pipelines.flow.rollout import Rollout, SamplingConfig, TransitionBatch, rescore, rollout
 from pipelines.flow.sde import sde_noise_scale
+from pipelines.threads import set_cpu_threads
 
 __all__ = ["FlowGRPOTrainer", "evaluate", "main"]
 
@@ -118,6 +119,7 @@ class FlowGRPOTrainer:
         self.dist = init_distributed()
         self.rank, self.world_size = self.dist.rank, self.dist.world_size
         self.generator = seed_everything(cfg.run.seed + self.rank)
+        set_cpu_threads(cfg.run.threads)
         self.device = resolve_device(cfg.model.device)
         if self.world_size > 1 and self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())

@@ -58,6 +58,7 @@ from mmrl.loop import run_recipe, train_loop
 from mmrl.run import MetricAccumulator, Run, resume_checkpoint
 from mmrl.seeding import get_rng_state, seed_everything, set_rng_state
 from mmrl.vlm.config import VLMRLVRConfig
+from pipelines.threads import set_cpu_threads
 from pipelines.vlm.backend import GenerationBackend, GenerationSample, SamplingParams
 from pipelines.vlm.inputs import VLMPrompt
 from pipelines.vlm.logprobs import TokenStats, backbone_and_head, build_scoring_batch, completion_token_stats
@@ -94,6 +95,7 @@ class VLMRLVRTrainer:
         if self.dist.fsdp:
             self._check_fsdp()
         self.generator = seed_everything(cfg.run.seed + self.dist.rank)
+        set_cpu_threads(cfg.run.threads)
         self.device = resolve_device(m.device)
         if self.dist.active and self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())

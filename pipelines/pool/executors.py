@@ -9,6 +9,7 @@ alike. Ray is imported only when a :class:`RayExecutor` is built.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -17,6 +18,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from pipelines.threads import set_cpu_threads
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +139,11 @@ class RayOptions:
         num_gpus: GPUs per actor: 1 = one actor per GPU; a fraction (0.5, 0.25) packs several rollout actors on
             one GPU (each must then fit in its share of memory); 0 for CPU actors.
         resources: extra custom resources per actor (e.g. ``{"rollout_node": 1}`` to pin actors to tagged nodes).
-        runtime_env: Ray runtime environment for the actors (``{"env_vars": {...}}``).
+        runtime_env: Ray runtime environment for the actors (``{"env_vars": {...}}``). The OpenMP wait policy of
+            this process (``OMP_WAIT_POLICY`` / ``GOMP_SPINCOUNT``, ``pipelines/threads.py``) is added to its
+            ``env_vars`` unless they set it.
+        threads: torch CPU threads of each actor (``None``: torch's default; Ray itself sets ``OMP_NUM_THREADS``
+            to the actor's ``num_cpus``).
     """
 
     address: str | None = None
@@ -144,6 +151,14 @@ class RayOptions:
     num_gpus: float = 0.0
     resources: dict[str, float] | None = None
     runtime_env: dict[str, Any] | None = None
+    threads: int | None = None
+
+    def actor_runtime_env(self) -> dict[str, Any]:
+        """``runtime_env`` with this process's OpenMP wait policy among its ``env_vars`` (theirs win)."""
+        env = dict(self.runtime_env or {})
+        inherited = {key: os.environ[key] for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if key in os.environ}
+        env["env_vars"] = {**inherited, **env.get("env_vars", {})}
+        return env
 
 
 def import_ray() -> Any:
@@ -189,10 +204,11 @@ def register_tensor_serializer(ray: Any) -> None:
 class _Host:
     """The body of a Ray actor: builds its member from the factory and forwards calls to it."""
 
-    def __init__(self, factory: Callable[[], Any]) -> None:
+    def __init__(self, factory: Callable[[], Any], threads: int | None = None) -> None:
         import ray
 
         register_tensor_serializer(ray)
+        set_cpu_threads(threads)
         self.member = factory()
 
     def ready(self) -> bool:
@@ -230,14 +246,14 @@ class RayExecutor(Executor):
             num_cpus=self.options.num_cpus,
             num_gpus=self.options.num_gpus,
             resources=self.options.resources,
-            runtime_env=self.options.runtime_env,
+            runtime_env=self.options.actor_runtime_env(),
             max_restarts=0,
             max_task_retries=0,
         )
         self.actors: list[Any] = [None] * num_members
 
     def start(self, index: int) -> Future:
-        self.actors[index] = self.actor_class.remote(self.factory)
+        self.actors[index] = self.actor_class.remote(self.factory, self.options.threads)
         return self.actors[index].ready.remote().future()
 
     def call(self, index: int, method: str, *args: Any) -> Future:
