@@ -97,7 +97,8 @@ def _load_dataset(source: str, *args: Any, **kwargs: Any) -> Any:
         cause: BaseException = err
         while cause.__cause__ is not None or cause.__context__ is not None:
             cause = cause.__cause__ or cause.__context__  # type: ignore[assignment]
-        detail = " ".join(f"{type(cause).__name__}: {cause}".split())[:300]
+        detail = f"{type(err).__name__}: {err}" + (f" ({type(cause).__name__}: {cause})" if cause is not err else "")
+        detail = " ".join(detail.split())[:400]
         if Path(source).suffix in _LOCAL_FORMATS:
             detail = _json_problem(Path(source)) or detail
             raise ValueError(f"VQA data file {source} cannot be read: {detail}") from None
