@@ -61,6 +61,9 @@ class Reward:
             ValueError: the prompt is refused (the message says why).
         """
 
+    def __call__(self, *args: Any, **batch: Any) -> torch.Tensor:
+        return self.score(*args, **batch).scores
+
 
 class RewardError(ValueError):
     """A reward raised, or returned scores a trainer cannot use; the message names the reward and the sample."""

@@ -418,10 +418,11 @@ class _Connection(asyncio.Protocol):
         self.transport.close()
 
     def data_received(self, data: bytes) -> None:
+        if self.inner is None:  # refused: closing
+            return
         if self.timer is None and not self.busy:  # the first byte of a new request starts its deadline
             self.reading = True
             self.arm()
-        assert self.inner is not None
         self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
@@ -773,10 +774,10 @@ async def serve(config: ServerConfig, reward: Reward | None = None) -> None:
         await server.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m rewards.server") -> int:
     """``python -m rewards.server --config FILE.yaml [--host H] [--port P]``; a config or start-up error is one
-    line on stderr naming the file or key (exit status 2)."""
-    parser = argparse.ArgumentParser(prog="python -m rewards.server", description=__doc__.split("\n")[0])
+    line on stderr naming the file or key (exit status 2); ``prog`` names the command in it."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument(
         "--config", required=True, help="server YAML file (keys of rewards.server.ServerConfig)"
     )
