@@ -652,7 +652,7 @@ class RewardServer:
         self.runner = web.AppRunner(
             self.make_app(),
             access_log_class=_AccessLogger,
-            access_log=logging.getLogger(f"{__name__}.access"),
+            access_log=logging.getLogger("rewards.server.access"),  # (not __name__: __main__ under -m)
             keepalive_timeout=self.config.keepalive_timeout_s,
         )
         await self.runner.setup()

@@ -146,8 +146,8 @@ def parse_prompt(prompt: str) -> PromptSpec:
     """
     if len(prompt) > MAX_PROMPT_CHARS:  # refused before any text work: a prompt file may hold a megabyte line
         raise ValueError(
-            f"cannot parse shapes prompt {_quote(prompt)}: {len(prompt)} characters, the grammar's prompts have "
-            f"at most {MAX_PROMPT_CHARS}"
+            f"cannot parse shapes prompt {_quote(prompt)}: longer than any prompt of the grammar (at most "
+            f"{MAX_PROMPT_CHARS} characters read)"
         )
     text = " ".join(str(prompt).lower().split())
     for kind, pattern in _TEMPLATES:

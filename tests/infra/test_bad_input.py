@@ -83,7 +83,7 @@ def test_a_megabyte_prompt_line_is_refused_at_once(tmp_path) -> None:
         check_prompts(str(path), load_prompts(str(path)), [ShapesReward()])
     assert time.monotonic() - start < 5.0
     message = str(error.value)
-    assert "huge.txt line 2" in message and f"at most {MAX_PROMPT_CHARS}" in message and len(message) < 400
+    assert "huge.txt line 2" in message and f"at most {MAX_PROMPT_CHARS} characters" in message and len(message) < 400
 
 
 class ScriptedReward(Reward):
