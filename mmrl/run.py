@@ -252,7 +252,9 @@ class Run:
         return path
 
     def write_summary(self, summary: Mapping[str, Any]) -> None:
-        atomic_write_text(self.dir / "summary.json", json.dumps(dict(summary), indent=2) + "\n")
+        """Write ``summary.json``; NaN or infinite numbers are left out, as in :meth:`log_metrics`."""
+        finite = {k: v for k, v in summary.items() if not (isinstance(v, float) and not math.isfinite(v))}
+        atomic_write_text(self.dir / "summary.json", json.dumps(finite, indent=2, allow_nan=False) + "\n")
 
     def close(self) -> None:
         if self._tb is not None:

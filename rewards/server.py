@@ -27,7 +27,8 @@ Limits against hostile or broken clients, each answered without a traceback:
 
 * memory: a request's body is at most ``max_request_mb`` and its images at most ``max_request_pixels`` decoded
   pixels, read from the PNG headers before anything is decoded (413); all requests together hold at most
-  ``max_mb_in_flight`` of bodies and ``max_pixels_in_flight`` decoded pixels (503, retry later);
+  ``max_mb_in_flight`` of bodies (counted as they arrive) and ``max_pixels_in_flight`` decoded pixels (503,
+  retry later); besides these, aiohttp buffers at most 128 KiB of unread input per connection;
 * slow clients: a connection must deliver a request's headers and body within ``read_timeout_s`` of its first
   byte (else 408 and the connection is closed); at most ``max_connections`` connections are open (beyond: 503
   and closed); idle keep-alive connections close after ``keepalive_timeout_s``;
@@ -108,7 +109,10 @@ class ServerConfig(BaseModel):
         "plus the reward's float32 copy), so the default bounds images to about 0.7 GB",
     )
     max_mb_in_flight: float = Field(
-        256.0, gt=0, description="most request-body MiB being read or parsed at once; beyond: 503"
+        256.0,
+        gt=0,
+        description="most request-body MiB held at once by every request being read, parsed, decoded or "
+        "scored, counted as the bytes arrive (a slow body holds only what it has sent); beyond: 503",
     )
     max_connections: int = Field(
         4096,
@@ -348,6 +352,18 @@ def _error(status: int, message: str, **headers: str) -> web.Response:
     return web.json_response({"error": _one_line(message)}, status=status, headers=headers or None)
 
 
+def _busy(what: str) -> web.Response:
+    return _error(503, f"server busy: too many {what} in flight; retry later", **{"Retry-After": "1"})
+
+
+@dataclass
+class _Held:
+    """What one request holds of the in-flight budgets."""
+
+    bytes: int = 0
+    pixels: int = 0
+
+
 def _raw_response(status: int, reason: str, message: str) -> bytes:
     """A whole HTTP/1.1 response that closes the connection, for answers given outside a request handler."""
     body = json.dumps({"error": message}).encode()
@@ -547,7 +563,7 @@ class RewardServer:
 
     def _reserve(self, nbytes: int, pixels: int) -> bool:
         """Take ``nbytes`` of body and ``pixels`` of decoded images from the in-flight budgets, if they fit
-        (a lone request always fits: the per-request limits are below the budgets)."""
+        (a lone request always fits: the per-request limits are not above the budgets)."""
         over_bytes = self.bytes_in_flight and self.bytes_in_flight + nbytes > self.max_bytes_in_flight
         over_pixels = (
             self.pixels_in_flight and self.pixels_in_flight + pixels > self.config.max_pixels_in_flight
@@ -573,24 +589,30 @@ class RewardServer:
             return _error(
                 413, f"request body {request.content_length} bytes exceeds the limit of {self.max_bytes}"
             )
-        # a body without Content-Length may grow to max_bytes: reserve that much
-        nbytes = request.content_length if request.content_length is not None else self.max_bytes
-        if not self._reserve(nbytes, 0):
-            return _error(
-                503, "server busy: too many request bytes in flight; retry later", **{"Retry-After": "1"}
-            )
+        held = _Held()
         try:
-            return await self._score(request, nbytes)
+            return await self._score(request, held)
         finally:
-            self._release(nbytes, 0)
+            self._release(held.bytes, held.pixels)
 
-    async def _score(self, request: web.Request, nbytes: int) -> web.Response:
-        assert self.batcher is not None
-        try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:  # a body without Content-Length grew past client_max_size
-            self.stats.too_large += 1
-            return _error(413, f"request body exceeds the limit of {self.max_bytes} bytes")
+    async def _read_body(self, request: web.Request, held: _Held) -> bytes | web.Response:
+        """The body, taken from the in-flight byte budget as it arrives (a slow body holds only what it has
+        sent), or the 413 / 503 answer that stops reading it."""
+        chunks = []
+        async for chunk in request.content.iter_any():
+            if held.bytes + len(chunk) > self.max_bytes:  # a body without Content-Length grew too big
+                self.stats.too_large += 1
+                return _error(413, f"request body exceeds the limit of {self.max_bytes} bytes")
+            if not self._reserve(len(chunk), 0):
+                return _busy("request bytes")
+            held.bytes += len(chunk)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _score(self, request: web.Request, held: _Held) -> web.Response:
+        body = await self._read_body(request, held)
+        if isinstance(body, web.Response):
+            return body
         self.request_read(request)
         self.stats.requests += 1
         loop = asyncio.get_running_loop()
@@ -600,6 +622,7 @@ class RewardServer:
         except WireError as error:
             self.stats.errors += 1
             return _error(400, f"malformed request: {error}")
+        del body  # the parsed payload holds its own copy of the images
         if pixels > self.config.max_request_pixels:
             self.stats.too_large += 1
             return _error(
@@ -608,15 +631,11 @@ class RewardServer:
                 f"{self.config.max_request_pixels} (max_request_pixels); send fewer or smaller images",
             )
         if not self._reserve(0, pixels):
-            return _error(
-                503, "server busy: too many decoded pixels in flight; retry later", **{"Retry-After": "1"}
-            )
-        try:
-            return await self._decode_and_submit(payload, pixels)
-        finally:
-            self._release(0, pixels)
+            return _busy("decoded pixels")
+        held.pixels = pixels
+        return await self._decode_and_submit(payload)
 
-    async def _decode_and_submit(self, payload: dict[str, Any], pixels: int) -> web.Response:
+    async def _decode_and_submit(self, payload: dict[str, Any]) -> web.Response:
         assert self.batcher is not None
         loop = asyncio.get_running_loop()
         try:

@@ -126,7 +126,9 @@ def test_non_finite_metrics_are_left_out_and_lines_stay_json(tmp_path) -> None:
     cfg = cfg_for(tmp_path, "nan")
     run = Run(cfg.run, cfg)
     run.log_metrics(0, {"eval/accuracy": 0.5, "eval/accuracy_count": float("nan"), "loss": float("inf")})
+    run.write_summary({"step": 0, "eval/accuracy": 0.5, "eval/accuracy_count": float("nan")})
     run.close()
+    assert json.loads((tmp_path / "nan/summary.json").read_text()) == {"step": 0, "eval/accuracy": 0.5}
     text = (tmp_path / "nan/metrics.jsonl").read_text()
     assert "NaN" not in text and "Infinity" not in text
     record = json.loads(text, parse_constant=lambda name: pytest.fail(f"bare {name} in metrics.jsonl"))

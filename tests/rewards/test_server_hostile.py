@@ -361,3 +361,24 @@ def test_client_deadline_bounds_a_dripping_server() -> None:
         with pytest.raises(RemoteRewardError, match=r"within deadline=2\.5s"):
             client(completions=["a"], ground_truths=["a"])
         assert time.monotonic() - start < 3.5
+
+
+def test_body_bytes_are_budgeted_as_they_arrive() -> None:
+    budget = config(max_request_mb=10_000 / 2**20, max_mb_in_flight=15_000 / 2**20, read_timeout_s=3.0)
+    with ServerThread(JPEG, budget) as server:
+        port = server.server.port
+        stalled = socket.create_connection(("127.0.0.1", port))
+        try:
+            stalled.sendall(request_bytes(b"x" * 8_000, length=10_000))  # 8 kB sent of 10 kB, then silence
+            time.sleep(0.3)
+            body, expected = good_body(2)
+            assert len(body) < 15_000 - 8_000
+            answer = exchange(port, request_bytes(body))  # fits beside the 8 kB held
+            assert status_of(answer) == 200 and json_of(answer)["scores"] == expected
+            second = exchange(port, request_bytes(b"y" * 9_000))  # 8 + 9 kB do not fit
+            assert status_of(second) == 503 and "request bytes in flight" in json_of(second)["error"]
+        finally:
+            stalled.close()
+        time.sleep(0.2)
+        assert status_of(exchange(port, request_bytes(body))) == 200  # the stalled bytes were given back
+        assert health(server)["busy"] == 1
