@@ -79,7 +79,7 @@ def _cmd_recipes(args: argparse.Namespace) -> int:
 def _cmd_serve_reward(args: argparse.Namespace) -> int:
     from rewards.server import main as serve
 
-    return int(serve(["--config", args.config, *args.extra]) or 0)
+    return int(serve(["--config", args.config, *args.extra], prog="mmrl serve-reward") or 0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,7 +128,7 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, KeyError, I
 def error_message(err: BaseException) -> str:
     """The one message ``mmrl`` prints for an error: its text (which names the file, row or key), prefixed by
     the type's name where the type says something the text does not."""
-    text = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
+    text = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
     if isinstance(err, OSError) and err.filename is not None and str(err.filename) not in text:
         text = f"{err.filename}: {text}"
     if type(err) in (ValueError, RuntimeError, ConfigError, KeyError) or not text:
