@@ -65,8 +65,9 @@ class Reward:
         return self.score(*args, **batch).scores
 
 
-class RewardError(ValueError):
-    """A reward raised, or returned scores a trainer cannot use; the message names the reward and the sample."""
+class RewardCheckError(ValueError):
+    """A reward raised, or returned scores a trainer cannot use; the message names the reward and the sample.
+    (Not :class:`pipelines.pool.protocol.RewardError`, which is a pool's reward worker failing after every retry.)"""
 
 
 def checked_score(reward: Reward, label: str, size: int, **batch: Any) -> RewardOutput:
@@ -82,18 +83,18 @@ def checked_score(reward: Reward, label: str, size: int, **batch: Any) -> Reward
         **batch: the reward's keyword inputs (``prompts`` is quoted in the message when present).
 
     Raises:
-        RewardError: the reward raised (its error chained), returned a shape other than ``[size]``, or a NaN or
+        RewardCheckError: the reward raised (its error chained), returned a shape other than ``[size]``, or a NaN or
             infinite score (the first one named with its sample index and prompt).
     """
     try:
         out = reward.score(**batch)
     except Exception as err:
-        raise RewardError(
+        raise RewardCheckError(
             f"reward {label!r} failed on a batch of {size} samples: {type(err).__name__}: {err}"
         ) from err
     scores = out.scores.detach().float().cpu()
     if scores.shape != (size,):
-        raise RewardError(
+        raise RewardCheckError(
             f"reward {label!r} returned scores of shape {tuple(scores.shape)} for {size} samples"
         )
     bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
@@ -101,7 +102,7 @@ def checked_score(reward: Reward, label: str, size: int, **batch: Any) -> Reward
         i = bad[0]
         prompts = batch.get("prompts")
         where = f" (prompt {str(prompts[i])[:200]!r})" if prompts is not None else ""
-        raise RewardError(
+        raise RewardCheckError(
             f"reward {label!r} returned {len(bad)} non-finite score(s) of {size}; the first is "
             f"{scores[i].item()} at sample {i}{where}"
         )

@@ -254,7 +254,7 @@ class FlowGRPOTrainer:
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``([B, K] raw rewards, components for logging)`` of the training rewards (or, with ``evaluation``,
         of the evaluation rewards); a reward that raises or returns a non-finite score stops the run with its
-        name (:class:`rewards.base.RewardError`)."""
+        name (:class:`rewards.base.RewardCheckError`)."""
         pil = tensor_to_pil(images) if images.ndim == 4 else None
         columns, components = [], {}
         specs, rewards = (self.eval_specs, self.eval_rewards) if evaluation else (self.cfg.rewards, self.rewards)

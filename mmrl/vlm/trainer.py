@@ -256,7 +256,7 @@ class VLMRLVRTrainer:
 
     def verify(self, pairs: list[tuple[VQAExample, GenerationSample]]) -> tuple[torch.Tensor, torch.Tensor]:
         """``([N] weighted reward, [N, K] per verifier)``; a verifier that raises or returns a non-finite score
-        stops the run with its name (:class:`rewards.base.RewardError`)."""
+        stops the run with its name (:class:`rewards.base.RewardCheckError`)."""
         completions = [s.text for _, s in pairs]
         truths = [ex.answer for ex, _ in pairs]
         columns = []

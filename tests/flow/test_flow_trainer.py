@@ -239,7 +239,7 @@ def test_branch_rollout_mode_trains(model_dir, tmp_path, objective):
 
 def test_non_finite_reward_stops_the_run_before_its_step_writes(model_dir, tmp_path, monkeypatch):
     import rewards
-    from rewards.base import RewardError, RewardOutput
+    from rewards.base import RewardCheckError, RewardOutput
 
     jpeg = rewards.build("jpeg_incompressibility")
     calls = []
@@ -264,7 +264,7 @@ def test_non_finite_reward_stops_the_run_before_its_step_writes(model_dir, tmp_p
         return original_step()
 
     monkeypatch.setattr(trainer, "train_step", step_and_remember)
-    with pytest.raises(RewardError, match=r"'jpeg_incompressibility' returned 1 non-finite score\(s\) of 8; the first is nan at sample 5 \(prompt '"):
+    with pytest.raises(RewardCheckError, match=r"'jpeg_incompressibility' returned 1 non-finite score\(s\) of 8; the first is nan at sample 5 \(prompt '"):
         trainer.train()
     trainer.cleanup()
     assert [r["step"] for r in read_metrics(tmp_path / "nan")] == [0, 1]  # nothing of step 2

@@ -13,7 +13,7 @@ from mmrl.cli import main as cli_main
 from mmrl.config import ConfigError, load_yaml
 from mmrl.data.prompts import check_prompts, load_prompts
 from mmrl.data.vqa import load_vqa
-from rewards.base import Reward, RewardError, RewardOutput, checked_score
+from rewards.base import Reward, RewardCheckError, RewardOutput, checked_score
 from rewards.shapes import MAX_PROMPT_CHARS, ShapesReward
 
 
@@ -83,7 +83,11 @@ def test_a_megabyte_prompt_line_is_refused_at_once(tmp_path) -> None:
         check_prompts(str(path), load_prompts(str(path)), [ShapesReward()])
     assert time.monotonic() - start < 5.0
     message = str(error.value)
-    assert "huge.txt line 2" in message and f"at most {MAX_PROMPT_CHARS} characters" in message and len(message) < 400
+    assert (
+        "huge.txt line 2" in message
+        and f"at most {MAX_PROMPT_CHARS} characters" in message
+        and len(message) < 400
+    )
 
 
 class ScriptedReward(Reward):
@@ -103,14 +107,14 @@ def test_checked_score_names_the_reward_and_the_first_bad_sample() -> None:
     out = checked_score(ScriptedReward([0.0, 1.0, 0.5]), "ok", 3, prompts=prompts)
     assert out.scores.tolist() == [0.0, 1.0, 0.5]
     with pytest.raises(
-        RewardError,
+        RewardCheckError,
         match=r"'clip' returned 2 non-finite score\(s\) of 3; the first is nan at sample 1 \(prompt 'p1'\)",
     ):
         checked_score(ScriptedReward([0.0, float("nan"), float("inf")]), "clip", 3, prompts=prompts)
-    with pytest.raises(RewardError, match=r"'clip' returned scores of shape \(2,\) for 3 samples"):
+    with pytest.raises(RewardCheckError, match=r"'clip' returned scores of shape \(2,\) for 3 samples"):
         checked_score(ScriptedReward([0.0, 1.0]), "clip", 3, prompts=prompts)
     with pytest.raises(
-        RewardError, match=r"'clip' failed on a batch of 3 samples: ZeroDivisionError: boom"
+        RewardCheckError, match=r"'clip' failed on a batch of 3 samples: ZeroDivisionError: boom"
     ) as error:
         checked_score(ScriptedReward(ZeroDivisionError("boom")), "clip", 3, prompts=prompts)
     assert isinstance(error.value.__cause__, ZeroDivisionError)
