@@ -16,7 +16,8 @@ Reported: requests/s, images/s, latency p50/p99, the server's mean batch size (s
 
 ``--abuse`` runs the same good clients while a separate attacker process (localhost only, every loop bounded by
 ``--duration``) holds ``--slow`` slow connections open (each sends a request line and then one header byte per
-second, and reconnects when the server closes it) and ``--bombers`` clients send a stream of decompression
+second, or, for ``--slow-bodies`` of them, whole authorised headers declaring a 1 MB body and then one body byte
+per second; each reconnects when the server closes it) and ``--bombers`` clients send a stream of decompression
 bombs (requests of ``--bomb-images`` 1-bit PNGs of 8192 x 8192 pixels, about 11 kB each, which the server must
 refuse with 413 from their headers). It also samples the server's resident memory (``/proc``, Linux) and
 reports its peak. Goals, checked in the exit status: good requests' p99 under ``--p99-goal-ms`` (1000), peak
@@ -73,21 +74,26 @@ def make_pool(n: int, size: int, seed: int = 0) -> list[Image.Image]:
     return pool
 
 
-def start_server(config: dict[str, Any], token: str) -> tuple[subprocess.Popen[str], str]:
-    path = Path(tempfile.mkdtemp(prefix="reward-bench-")) / "server.yaml"
+def start_server(config: dict[str, Any], token: str) -> tuple[subprocess.Popen[str], str, Path]:
+    """Start the server process; returns it, its URL and the file its log (stderr) goes to."""
+    folder = Path(tempfile.mkdtemp(prefix="reward-bench-"))
+    path = folder / "server.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
+    log = folder / "server.log"
     env = {**os.environ, "MMRL_REWARD_TOKEN": token}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "rewards.server", "--config", str(path)],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    with open(log, "w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "rewards.server", "--config", str(path)],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=env,
+        )
     line = process.stdout.readline() if process.stdout else ""
     if "ready on" not in line:
         process.kill()
-        raise RuntimeError(f"reward server did not start: {line!r}")
-    return process, line.split()[-1]
+        raise RuntimeError(f"reward server did not start: {line!r}; its log: {log.read_text()[-2000:]}")
+    return process, line.split()[-1], log
 
 
 def health(url: str) -> dict[str, Any]:
@@ -158,9 +164,11 @@ def bomb_png(side: int = 8192) -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-async def _slow_connection(host: str, port: int, deadline: float, counts: dict[str, int]) -> None:
-    """Reconnect until ``deadline``; each connection sends a request line, then one header byte per second
-    until the server answers or closes it."""
+async def _slow_connection(
+    host: str, port: int, deadline: float, counts: dict[str, int], start: bytes
+) -> None:
+    """Reconnect until ``deadline``; each connection sends ``start`` (a request line, or whole headers), then
+    one byte per second (of a header, or of the body) until the server answers or closes it."""
     loop = asyncio.get_running_loop()
     while loop.time() < deadline:
         try:
@@ -172,7 +180,7 @@ async def _slow_connection(host: str, port: int, deadline: float, counts: dict[s
         counts["opened"] += 1
         answer = b"open at the end"
         try:
-            writer.write(b"POST /score HTTP/1.1\r\nHost: bench\r\nX-Slow: ")
+            writer.write(start)
             while loop.time() < deadline:
                 try:
                     answer = await asyncio.wait_for(reader.read(64), 1.0)
@@ -215,7 +223,8 @@ async def _bomber(url: str, token: str, body: bytes, deadline: float, counts: di
 
 
 def attacker(url: str, token: str, args: dict[str, Any], deadline_in: float, out: Any) -> None:
-    """The attacker process: ``args["slow"]`` slow connections and ``args["bombers"]`` bomb senders."""
+    """The attacker process: ``args["slow"]`` slow connections (``args["slow_bodies"]`` of them send whole,
+    authorised headers and then drip the body) and ``args["bombers"]`` bomb senders."""
     import collections
     import resource
 
@@ -229,9 +238,15 @@ def attacker(url: str, token: str, args: dict[str, Any], deadline_in: float, out
         loop = asyncio.get_running_loop()
         deadline = loop.time() + deadline_in
         tasks = []
+        slow_header = b"POST /score HTTP/1.1\r\nHost: bench\r\nX-Slow: "
+        slow_body = (
+            f"POST /score HTTP/1.1\r\nHost: bench\r\nAuthorization: Bearer {token}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n"
+        ).encode()
         for i in range(args["slow"]):  # ramp up: 100 new connections per 0.1 s
+            start = slow_body if i < args["slow_bodies"] else slow_header
             tasks.append(
-                asyncio.ensure_future(_slow_connection(parts.hostname, parts.port, deadline, counts))
+                asyncio.ensure_future(_slow_connection(parts.hostname, parts.port, deadline, counts, start))
             )
             if i % 100 == 99:
                 await asyncio.sleep(0.1)
@@ -260,16 +275,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "port": 0,
         "max_batch_size": args.max_batch_size,
         "max_wait_ms": args.max_wait_ms,
-        "log_level": "WARNING",
+        "log_level": args.log_level,
     }
-    process, url = start_server(config, token)
+    process, url, log = start_server(config, token)
     peak_rss = [rss_mb(process.pid)]
     attack = None
     try:
         before = health(url)
         if args.abuse:  # 3a. the attacker, started first so the good clients run under the whole attack
             attack_out: Any = multiprocessing.get_context("spawn").Queue()
-            attack_args = {"slow": args.slow, "bombers": args.bombers, "bomb_images": args.bomb_images}
+            attack_args = {
+                "slow": args.slow,
+                "slow_bodies": args.slow_bodies,
+                "bombers": args.bombers,
+                "bomb_images": args.bomb_images,
+            }
             attack = multiprocessing.get_context("spawn").Process(
                 target=attacker, args=(url, token, attack_args, args.duration + args.ramp_s, attack_out)
             )
@@ -339,6 +359,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "mismatched": sum(log.mismatched for log in logs),
         "errors": [e for log in logs for e in log.errors][:5],
         "server_peak_rss_mb": round(max(peak_rss), 1),
+        "server_log_level": args.log_level,
+        "server_log_bytes": log.stat().st_size,
         "server_counters": {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], int)},
         "attack": attack_counts,
     }
@@ -357,9 +379,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-wait-ms", type=float, default=5.0, help="server max_wait_ms (default 5)")
     parser.add_argument("--output", help="also write the figures as JSON to this file")
     parser.add_argument(
+        "--log-level", default="WARNING", help="server log level (INFO adds one access line per request)"
+    )
+    parser.add_argument(
         "--abuse", action="store_true", help="run the clients under attack (module docstring)"
     )
     parser.add_argument("--slow", type=int, default=1000, help="slow connections held open (default 1000)")
+    parser.add_argument(
+        "--slow-bodies",
+        type=int,
+        default=500,
+        help="how many of the slow connections send whole headers with the token, then drip a 1 MB body (500)",
+    )
     parser.add_argument("--bombers", type=int, default=2, help="decompression-bomb senders (default 2)")
     parser.add_argument(
         "--bomb-images", type=int, default=4, help="8192x8192 PNGs per bomb request (default 4)"
