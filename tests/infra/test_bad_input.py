@@ -148,3 +148,13 @@ def test_cli_errors_are_one_line_and_the_traceback_needs_verbose(tmp_path, capsy
     assert "Traceback (most recent call last)" in err and err.rstrip().splitlines()[-1].startswith(
         "mmrl: error:"
     )
+
+
+def test_missing_vlm_path_names_the_folder_and_the_hub(tmp_path) -> None:
+    from pipelines.vlm.hf_backend import load_vlm
+
+    missing = tmp_path / "no_such_model"
+    with pytest.raises(
+        OSError, match=rf"cannot load the VLM '{missing}': there is no such folder under .*Hub could not"
+    ):
+        load_vlm(str(missing))
