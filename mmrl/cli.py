@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 from pathlib import Path
 
 from mmrl.config import ConfigError, apply_overrides, load_yaml, to_yaml, validate
@@ -78,13 +79,16 @@ def _cmd_recipes(args: argparse.Namespace) -> int:
 def _cmd_serve_reward(args: argparse.Namespace) -> int:
     from rewards.server import main as serve
 
-    return int(serve(["--config", args.config, *args.extra]) or 0)
+    return int(serve(["--config", args.config, *args.extra], prog="mmrl serve-reward") or 0)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mmrl",
         description="RL alignment of multimodal models: flow-matching GRPO, VLM RLVR, quantized rollout pools.",
+    )
+    parser.add_argument(
+        "--verbose", action="store_true", help="on an error, print the full traceback (e.g. mmrl --verbose train ...)"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -117,13 +121,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: errors in what the user gave (a config, a file, a path, data, a reward): exit status 2; anything else is 1
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, KeyError, ImportError)
+
+
+def error_message(err: BaseException) -> str:
+    """The one message ``mmrl`` prints for an error: its text (which names the file, row or key), prefixed by
+    the type's name where the type says something the text does not."""
+    text = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
+    if isinstance(err, OSError) and err.filename is not None and str(err.filename) not in text:
+        text = f"{err.filename}: {text}"
+    if type(err) in (ValueError, RuntimeError, ConfigError, KeyError) or not text:
+        return text or type(err).__name__
+    return f"{type(err).__name__}: {text}"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Every error ends as one ``mmrl: error: ...`` message on stderr (exit status 2 for bad
+    input, 1 for anything else); ``--verbose`` prints the traceback before it."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, FileExistsError, FileNotFoundError, ValueError) as err:
-        print(f"mmrl: error: {err}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print("mmrl: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:
+        if args.verbose:
+            traceback.print_exc()
+        hint = "" if args.verbose else " (mmrl --verbose ... prints the traceback)"
+        user = isinstance(err, USER_ERRORS)
+        print(f"mmrl: error: {error_message(err)}{'' if user else hint}", file=sys.stderr)
+        return 2 if user else 1
 
 
 if __name__ == "__main__":

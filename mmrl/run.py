@@ -126,15 +126,28 @@ class Run:
         run_cfg: the ``run`` section of the recipe config.
         full_cfg: the whole resolved config, written to ``config.yaml``.
 
+    A directory holds a run once it has metrics or checkpoints. What a run that failed during setup leaves
+    (the config record, the log, empty ``samples/``, ``tb/``) does not count: a fresh run replaces it. With
+    ``resume`` and no checkpoint yet, the run starts again at step 0 and every earlier metric line is moved to
+    ``metrics.orphaned.jsonl``, as lines after the last checkpoint are when one exists.
+
     Raises:
-        FileExistsError: if the directory holds a previous run and neither ``resume`` nor ``overwrite`` is set
-            (nothing already written is touched).
+        FileExistsError: if the directory holds a previous run (or files a run does not write) and neither
+            ``resume`` nor ``overwrite`` is set (nothing already written is touched).
+        ValueError: ``run.output_dir`` or the run directory is a file.
     """
 
     def __init__(self, run_cfg: RunConfig, full_cfg: BaseModel) -> None:
         self.cfg = run_cfg
         self.dir = Path(run_cfg.output_dir) / run_cfg.name
+        for folder, key in ((Path(run_cfg.output_dir), "run.output_dir"), (self.dir, "run.name")):
+            if folder.exists() and not folder.is_dir():
+                raise ValueError(f"{key}: {folder} is a file, not a folder; choose another {key}")
         existing = self.dir.exists() and any(self.dir.iterdir())
+        if existing and not run_cfg.resume and not run_cfg.overwrite and _setup_leftovers(self.dir):
+            logger.info("%s holds only what a run that stopped before its first step left; replacing it", self.dir)
+            shutil.rmtree(self.dir)
+            existing = False
         if existing and run_cfg.overwrite and not run_cfg.resume:
             shutil.rmtree(self.dir)
         elif existing and not run_cfg.resume:
@@ -154,6 +167,8 @@ class Run:
         else:
             atomic_write_text(self.dir / "config.yaml", config_text)
         self.metrics_path = self.dir / "metrics.jsonl"
+        if run_cfg.resume and latest_checkpoint(self.checkpoint_dir) is None:
+            self.truncate_metrics(-1)  # the run restarts at step 0: every logged step will be logged again
         self._tb = None
         if run_cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -174,14 +189,30 @@ class Run:
         return resume_checkpoint(self.cfg)
 
     def truncate_metrics(self, step: int) -> None:
-        """On resume from ``step``, move metric lines of later steps to ``metrics.orphaned.jsonl`` (kept, not lost)."""
+        """On resume from ``step``, move metric lines of later steps to ``metrics.orphaned.jsonl`` (kept, not lost).
+
+        A last line cut short (the process was killed while writing it) is moved aside with them, with a warning
+        naming it.
+
+        Raises:
+            ValueError: a line other than the last is not a JSON object (names the file and line).
+        """
         if not self.metrics_path.is_file():
             return
         keep, orphaned = [], []
-        for line in self.metrics_path.read_text().splitlines():
+        lines = self.metrics_path.read_text().splitlines()
+        for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
-            (keep if json.loads(line).get("step", -1) <= step else orphaned).append(line)
+            try:
+                record = _metric_record(line, self.metrics_path, number)
+            except ValueError as err:
+                if number < len(lines):
+                    raise
+                logger.warning("%s; moving it to metrics.orphaned.jsonl", err)
+                orphaned.append(line)
+                continue
+            (keep if record.get("step", -1) <= step else orphaned).append(line)
         if orphaned:
             with open(self.dir / "metrics.orphaned.jsonl", "a") as f:
                 f.write("\n".join(orphaned) + "\n")
@@ -189,11 +220,13 @@ class Run:
 
     # ------------------------------------------------------------------ writers
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
-        """Append one JSON line and the TensorBoard scalars for ``step``."""
-        record = {"step": step, "time": round(time.time() - self._start, 3)}
-        record.update({k: _to_float(v) for k, v in metrics.items()})
+        """Append one JSON line and the TensorBoard scalars for ``step``. A NaN or infinite value (a mean over
+        no samples) is left out: JSON has no such numbers, and the line must stay valid JSON."""
+        record: dict[str, float] = {"step": step, "time": round(time.time() - self._start, 3)}
+        values = {k: _to_float(v) for k, v in metrics.items()}
+        record.update({k: v for k, v in values.items() if math.isfinite(v)})
         with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(record, allow_nan=False) + "\n")
         if self._tb is not None:
             for k, v in record.items():
                 if k not in ("step", "time"):
@@ -219,7 +252,9 @@ class Run:
         return path
 
     def write_summary(self, summary: Mapping[str, Any]) -> None:
-        atomic_write_text(self.dir / "summary.json", json.dumps(dict(summary), indent=2) + "\n")
+        """Write ``summary.json``; NaN or infinite numbers are left out, as in :meth:`log_metrics`."""
+        finite = {k: v for k, v in summary.items() if not (isinstance(v, float) and not math.isfinite(v))}
+        atomic_write_text(self.dir / "summary.json", json.dumps(finite, indent=2, allow_nan=False) + "\n")
 
     def close(self) -> None:
         if self._tb is not None:
@@ -228,7 +263,39 @@ class Run:
             self._wandb.finish()
 
 
+#: what a run writes before its first step; a directory holding only these is what a failed setup left
+_SETUP_FILES = ("config.yaml", "log.txt", "tb", "samples")
+
+
+def _setup_leftovers(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds only what :class:`Run` writes before the first step (no metrics, no
+    checkpoints, nothing else), so that replacing it loses nothing."""
+    for entry in run_dir.iterdir():
+        resumed_config = entry.name.startswith("config.resumed-") and entry.suffix == ".yaml"
+        if entry.name not in _SETUP_FILES and not resumed_config:
+            return False
+        if entry.name == "samples" and any(entry.iterdir()):
+            return False
+    return True
+
+
+def _metric_record(line: str, path: Path, number: int) -> dict[str, Any]:
+    """One metrics line parsed, or a ValueError naming the file and line."""
+    try:
+        record = json.loads(line)
+    except ValueError as err:
+        raise ValueError(f"{path} line {number} is not valid JSON ({err.args[0]}): {line[:120]!r}") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{path} line {number} is not a JSON object: {line[:120]!r}")
+    return record
+
+
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The metric records of a run directory, in order."""
+    """The metric records of a run directory, in order.
+
+    Raises:
+        ValueError: a line is not a JSON object (names the file and line).
+    """
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = path.read_text().splitlines()
+    return [_metric_record(line, path, n) for n, line in enumerate(lines, 1) if line.strip()]

@@ -53,5 +53,57 @@ class Reward:
     def score(self, **batch: Any) -> RewardOutput:
         raise NotImplementedError(f"{type(self).__name__} must implement score(**batch)")
 
+    def check_prompt(self, prompt: str) -> None:
+        """Refuse a prompt this reward cannot score, before anything is generated for it (a verifier with a
+        grammar parses it here). The default accepts every prompt.
+
+        Raises:
+            ValueError: the prompt is refused (the message says why).
+        """
+
     def __call__(self, *args: Any, **batch: Any) -> torch.Tensor:
         return self.score(*args, **batch).scores
+
+
+class RewardCheckError(ValueError):
+    """A reward raised, or returned scores a trainer cannot use; the message names the reward and the sample.
+    (Not :class:`pipelines.pool.protocol.RewardError`, which is a pool's reward worker failing after every retry.)"""
+
+
+def checked_score(reward: Reward, label: str, size: int, **batch: Any) -> RewardOutput:
+    """``reward.score(**batch)``, refused unless it returns ``size`` finite scores.
+
+    Trainers call this before anything of the step is written, so a broken reward stops the run with one
+    message instead of NaN advantages (``(r - mean) / std`` turns one NaN into a whole group of them).
+
+    Args:
+        reward: the reward to call.
+        label: the name to report (the reward's config key).
+        size: the number of samples in ``batch``.
+        **batch: the reward's keyword inputs (``prompts`` is quoted in the message when present).
+
+    Raises:
+        RewardCheckError: the reward raised (its error chained), returned a shape other than ``[size]``, or a NaN or
+            infinite score (the first one named with its sample index and prompt).
+    """
+    try:
+        out = reward.score(**batch)
+    except Exception as err:
+        raise RewardCheckError(
+            f"reward {label!r} failed on a batch of {size} samples: {type(err).__name__}: {err}"
+        ) from err
+    scores = out.scores.detach().float().cpu()
+    if scores.shape != (size,):
+        raise RewardCheckError(
+            f"reward {label!r} returned scores of shape {tuple(scores.shape)} for {size} samples"
+        )
+    bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
+    if bad:
+        i = bad[0]
+        prompts = batch.get("prompts")
+        where = f" (prompt {str(prompts[i])[:200]!r})" if prompts is not None else ""
+        raise RewardCheckError(
+            f"reward {label!r} returned {len(bad)} non-finite score(s) of {size}; the first is "
+            f"{scores[i].item()} at sample {i}{where}"
+        )
+    return out

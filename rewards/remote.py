@@ -8,13 +8,16 @@ Usable anywhere a local reward is (it is one). Not differentiable: images travel
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import logging
 import os
 import random
+import socket
+import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 import uuid
 from typing import Any
 
@@ -26,7 +29,11 @@ from rewards.wire import FIELDS, WireError, batch_length, decode_output, encode_
 logger = logging.getLogger(__name__)
 
 # answers worth retrying: the server is overloaded, restarting, or timed out on this request
-RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+#: what a broken connection raises: resets, refusals, timeouts (OSError); garbage or a cut answer
+#: (http.client.HTTPException: BadStatusLine, IncompleteRead, RemoteDisconnected, LineTooLong)
+TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (OSError, http.client.HTTPException)
 
 
 class RemoteRewardError(RuntimeError):
@@ -38,25 +45,30 @@ class RemoteReward(Reward):
     """A reward served by ``python -m rewards.server``.
 
     Each call sends the batch (in chunks of ``batch_size`` samples when set) and returns the server's
-    :class:`RewardOutput`, in order. Connection errors, timeouts and 429/5xx answers are retried ``retries``
-    times with exponential backoff and jitter, ``sleep = min(max_backoff_s, backoff_s * 2**attempt) * U(1, 1.25)``;
-    scoring is a pure function of the batch, so a retried request cannot be counted twice. 400/401/413 are not
-    retried (the same request would fail again).
+    :class:`RewardOutput`, in order. Every transport failure (refused or reset connections, timeouts, a
+    non-HTTP or cut-off answer, a body that is not the wire format) and 408/429/5xx answers are retried
+    ``retries`` times with exponential backoff and jitter,
+    ``sleep = min(max_backoff_s, backoff_s * 2**attempt) * U(1, 1.25)``; scoring is a pure function of the
+    batch, so a retried request cannot be counted twice. 400/401/413 are not retried (the same request would
+    fail again). Redirects are refused, not followed: the bearer token must not reach another address.
 
     Args:
         url: server base URL, e.g. ``http://127.0.0.1:8765``.
         token: bearer token; when ``None``, read from the environment variable ``token_env``.
         token_env: environment variable holding the token.
-        timeout: seconds to wait for one HTTP answer (connect + scoring).
+        timeout: seconds one attempt may take in all (connect, send, scoring, the whole answer), not per read:
+            a server that drips its answer is cut off at this deadline.
         retries: retries after the first attempt (0 = fail on the first error).
         backoff_s, max_backoff_s: base and cap of the exponential backoff.
         batch_size: most samples per request (``None`` = the whole batch in one request); lower it if the
             server answers 413.
+        deadline: seconds a whole ``score`` call may take, every chunk, attempt and backoff included
+            (``None``: bounded only by ``timeout`` and ``retries``).
 
     Raises (from ``score``):
         ValueError: the server rejected the batch (400) or it is too large (413).
         PermissionError: missing or wrong token (401).
-        RemoteRewardError: no valid answer after every retry.
+        RemoteRewardError: no valid answer after every retry or within ``deadline``, or a redirect.
     """
 
     def __init__(
@@ -69,6 +81,7 @@ class RemoteReward(Reward):
         backoff_s: float = 0.5,
         max_backoff_s: float = 10.0,
         batch_size: int | None = None,
+        deadline: float | None = None,
     ):
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"url must start with http:// or https://, got {url!r}")
@@ -78,6 +91,8 @@ class RemoteReward(Reward):
             )
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
+        if deadline is not None and deadline <= 0:
+            raise ValueError(f"deadline must be > 0 seconds or None, got {deadline}")
         self.url = url.rstrip("/")
         self.token = token if token is not None else os.environ.get(token_env) or None
         self.timeout = timeout
@@ -85,6 +100,7 @@ class RemoteReward(Reward):
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.batch_size = batch_size
+        self.deadline = deadline
 
     def score(self, **batch: Any) -> RewardOutput:
         """Score ``batch`` (the fields of :data:`rewards.wire.FIELDS`) on the server."""
@@ -94,14 +110,16 @@ class RemoteReward(Reward):
             raise ValueError(f"remote rewards take the batch fields {list(FIELDS)}; got also {unknown}")
         size = batch_length(batch)
         step = self.batch_size or max(size, 1)
+        end = None if self.deadline is None else time.monotonic() + self.deadline
         outputs = []
         for start in range(0, size, step):
             chunk = {k: v[start : start + step] for k, v in batch.items()}
-            outputs.append(self.request(chunk, start))
+            outputs.append(self.request(chunk, start, end))
         return concat_outputs(outputs)
 
-    def request(self, batch: dict[str, Any], offset: int = 0) -> RewardOutput:
-        """One ``POST /score`` with retries; checks that the answer belongs to this request."""
+    def request(self, batch: dict[str, Any], offset: int = 0, end: float | None = None) -> RewardOutput:
+        """One ``POST /score`` with retries until ``end`` (a ``time.monotonic()`` value, ``None``: no end);
+        checks that the answer belongs to this request."""
         request_id = uuid.uuid4().hex
         body = json.dumps(encode_batch(batch, request_id)).encode()
         headers = {"Content-Type": "application/json"}
@@ -109,53 +127,113 @@ class RemoteReward(Reward):
             headers["Authorization"] = f"Bearer {self.token}"
         size = batch_length(batch)
         last_error: Exception | None = None
+        attempts = 0
         for attempt in range(self.retries + 1):
             if attempt:
                 delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)) * random.uniform(
                     1.0, 1.25
                 )
+                if end is not None and time.monotonic() + delay >= end:
+                    break  # no time left for another attempt
                 logger.warning(
                     "reward server %s: %s; retry %d in %.2fs", self.url, last_error, attempt, delay
                 )
                 time.sleep(delay)
-            http = urllib.request.Request(f"{self.url}/score", data=body, headers=headers, method="POST")
+            timeout = self.timeout if end is None else min(self.timeout, end - time.monotonic())
+            if timeout <= 0:
+                break
+            attempts += 1
             try:
-                with urllib.request.urlopen(http, timeout=self.timeout) as response:
-                    data = json.loads(response.read())
-            except urllib.error.HTTPError as error:
-                message = _error_message(error)
-                if error.code in RETRY_STATUS:
-                    last_error = RemoteRewardError(f"HTTP {error.code}: {message}")
-                    continue
-                if error.code == 401:
-                    raise PermissionError(f"reward server {self.url}: {message}") from None
-                if error.code == 413:
-                    raise ValueError(f"reward server {self.url}: {message}; lower batch_size") from None
-                raise ValueError(f"reward server {self.url} rejected samples {offset}..: {message}") from None
-            except (OSError, json.JSONDecodeError) as error:  # URLError, refused, reset, timeout
+                status, data, location = self._post(body, headers, timeout)
+            except TRANSPORT_ERRORS as error:
                 last_error = error
+                continue
+            if 300 <= status < 400:
+                raise RemoteRewardError(
+                    f"reward server {self.url} answered {status} redirecting to {location!r}; redirects are "
+                    "not followed (the bearer token would be sent to another address): set url to the "
+                    "server's own address"
+                )
+            if status != 200:
+                message = _error_message(data, status)
+                if status in RETRY_STATUS:
+                    last_error = RemoteRewardError(f"HTTP {status}: {message}")
+                    continue
+                if status == 401:
+                    raise PermissionError(f"reward server {self.url}: {message}")
+                if status == 413:
+                    raise ValueError(f"reward server {self.url}: {message}; lower batch_size")
+                if 400 <= status < 500:
+                    raise ValueError(f"reward server {self.url} rejected samples {offset}..: {message}")
+                last_error = RemoteRewardError(f"unexpected HTTP {status}: {message}")
                 continue
             output = self._check(data, request_id, size)
             if output is not None:
                 return output
-            last_error = WireError(f"answer does not match request {request_id}")
+            last_error = WireError(f"answer does not match request {request_id}: {data[:200]!r}")
+        within = "" if end is None else f" within deadline={self.deadline}s"
         raise RemoteRewardError(
-            f"reward server {self.url}: no valid answer after {self.retries + 1} attempts: {last_error}"
+            f"reward server {self.url}: no valid answer after {attempts} attempts{within}: "
+            f"{type(last_error).__name__}: {last_error}"
         )
 
+    def _post(self, body: bytes, headers: dict[str, str], timeout: float) -> tuple[int, bytes, str | None]:
+        """``(status, body, Location header)`` of one POST, all of it within ``timeout`` seconds.
+
+        A socket timeout bounds each read only, so a watchdog shuts the socket down at the deadline; the
+        blocked read then fails and the attempt ends with :class:`TimeoutError`.
+
+        Raises:
+            OSError, http.client.HTTPException: see :data:`TRANSPORT_ERRORS`.
+        """
+        parts = urllib.parse.urlsplit(self.url)
+        factory = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        connection = factory(parts.hostname or "", parts.port, timeout=timeout)
+        expired = threading.Event()
+
+        def cut() -> None:
+            expired.set()
+            sock = connection.sock
+            if sock is not None:
+                with contextlib.suppress(OSError):  # already closed
+                    sock.shutdown(socket.SHUT_RDWR)
+
+        watchdog = threading.Timer(timeout, cut)
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            connection.request("POST", f"{parts.path}/score", body=body, headers=headers)
+            response = connection.getresponse()
+            data = response.read()
+            if expired.is_set():  # the watchdog cut the answer short
+                raise TimeoutError(f"no complete answer within timeout={timeout:.3g}s")
+            return response.status, data, response.getheader("Location")
+        except TRANSPORT_ERRORS:
+            if expired.is_set():
+                raise TimeoutError(f"no complete answer within timeout={timeout:.3g}s") from None
+            raise
+        finally:
+            watchdog.cancel()
+            connection.close()
+
     @staticmethod
-    def _check(data: Any, request_id: str, size: int) -> RewardOutput | None:
-        if not isinstance(data, dict) or data.get("id") != request_id:
+    def _check(data: bytes, request_id: str, size: int) -> RewardOutput | None:
+        try:
+            parsed = json.loads(data)
+        except (ValueError, RecursionError):  # not JSON (or not UTF-8)
+            return None
+        if not isinstance(parsed, dict) or parsed.get("id") != request_id:
             return None
         try:
-            output = decode_output(data)
+            output = decode_output(parsed)
         except WireError:
             return None
         return output if len(output.scores) == size else None
 
 
-def _error_message(error: urllib.error.HTTPError) -> str:
+def _error_message(data: bytes, status: int) -> str:
+    """The server's one-line ``error`` field, else the start of the body."""
     try:
-        return str(json.loads(error.read()).get("error", error.reason))
-    except (ValueError, AttributeError, OSError):
-        return str(error.reason)
+        return str(json.loads(data).get("error", status))
+    except (ValueError, AttributeError, RecursionError):
+        return " ".join(data[:200].decode("utf-8", "replace").split()) or f"HTTP {status}"

@@ -131,6 +131,10 @@ _GRAMMAR_HELP = (
 )
 
 
+#: longest prompt :func:`parse_prompt` reads (the grammar's longest has 55; room for runs of spaces)
+MAX_PROMPT_CHARS = 200
+
+
 def parse_prompt(prompt: str) -> PromptSpec:
     """Parse a shapes-world prompt into the objects (and relation) it asks for.
 
@@ -140,6 +144,11 @@ def parse_prompt(prompt: str) -> PromptSpec:
         ValueError: the prompt follows none of the templates, or names the same coloured shape twice in a
             two-object prompt (which would be a counting prompt in disguise).
     """
+    if len(prompt) > MAX_PROMPT_CHARS:  # refused before any text work: a prompt file may hold a megabyte line
+        raise ValueError(
+            f"cannot parse shapes prompt {_quote(prompt)}: longer than any prompt of the grammar (at most "
+            f"{MAX_PROMPT_CHARS} characters read)"
+        )
     text = " ".join(str(prompt).lower().split())
     for kind, pattern in _TEMPLATES:
         m = pattern.fullmatch(text)
@@ -154,11 +163,17 @@ def parse_prompt(prompt: str) -> PromptSpec:
         second = ObjectSpec(m["s2"], m["c2"])
         if first == second:
             raise ValueError(
-                f"cannot parse shapes prompt {prompt!r}: it names the {first.colour} {first.shape} twice; "
+                f"cannot parse shapes prompt {_quote(prompt)}: it names the {first.colour} {first.shape} twice; "
                 "two-object prompts need two different objects"
             )
         return PromptSpec(kind, (first, second), m.groupdict().get("rel"))
-    raise ValueError(f"cannot parse shapes prompt {prompt!r}: {_GRAMMAR_HELP}")
+    raise ValueError(f"cannot parse shapes prompt {_quote(prompt)}: {_GRAMMAR_HELP}")
+
+
+def _quote(prompt: str, limit: int = 80) -> str:
+    """``repr`` of a prompt, cut to ``limit`` characters (error messages quote user input)."""
+    text = str(prompt)
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
 
 
 @dataclass(frozen=True)
@@ -504,6 +519,10 @@ class ShapesReward(Reward):
     def __init__(self, config: ParseConfig | None = None, partial: bool = False) -> None:
         self.config = config or ParseConfig()
         self.partial = partial
+
+    def check_prompt(self, prompt: str) -> None:
+        """Parse ``prompt``: the verifier scores only prompts of the shapes grammar (:func:`parse_prompt`)."""
+        parse_prompt(prompt)
 
     def score(  # type: ignore[override]
         self, images: ImageBatch | None = None, prompts: Sequence[str] | None = None, **_: Any

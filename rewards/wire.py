@@ -15,9 +15,16 @@ Response (200)::
 
     {"id": "...", "scores": [float, ...], "components": {"name": [float, ...]}, "reasons": [str | null, ...]}
 
-Errors: ``{"error": "message"}`` with 400 (malformed payload or input the reward rejects), 401 (missing or wrong
-bearer token), 413 (body over the size limit), 504 (not scored within the per-request timeout), 500 (reward
-failure). PNG is lossless, so a tensor image travels exactly as its ``round(255 x)`` uint8 version.
+Errors: ``{"error": "one-line message"}`` with 400 (malformed payload or input the reward rejects), 401
+(missing or wrong bearer token), 408 (request not received within the server's read timeout), 413 (body or
+decoded pixels over the per-request limit), 503 (the server's in-flight budget or connection cap is full: retry
+later), 504 (not scored within the per-request timeout), 500 (reward failure). PNG is lossless, so a tensor
+image travels exactly as its ``round(255 x)`` uint8 version.
+
+Decoded size is known before decoding: a PNG's first chunk (IHDR) holds its width and height, and it sits in
+the first 24 bytes of the file, so :func:`decoded_pixels` reads only the first 32 base64 characters of each
+image. A few kB of PNG can declare a 8192 x 8192 image (a decompression bomb); such requests are refused from
+their headers.
 """
 
 from __future__ import annotations
@@ -39,8 +46,8 @@ from rewards.images import ImageBatch, images_to_uint8
 FIELDS: tuple[str, ...] = ("images", "videos", "prompts", "completions", "ground_truths", "metadata")
 
 
-#: largest decoded image accepted (pixels): a few kB of PNG can declare a huge all-zero image
-MAX_IMAGE_PIXELS = 2**26
+#: the eight bytes every PNG file starts with
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 class WireError(ValueError):
@@ -58,14 +65,71 @@ def encode_png(images: ImageBatch) -> list[str]:
     return out
 
 
-def decode_png(data: Any, where: str) -> Image.Image:
+def png_size(data: Any, where: str) -> tuple[int, int]:
+    """``(width, height)`` of a base64 PNG from its IHDR chunk, decoding only the first 32 base64 characters.
+
+    Layout of a PNG's first 24 bytes: signature (8), IHDR length (4), ``b"IHDR"`` (4), width (4), height (4),
+    both big-endian.
+
+    Raises:
+        WireError: not a string, or not the start of a PNG.
+    """
     if not isinstance(data, str):
         raise WireError(f"{where}: expected a base64 PNG string, got {type(data).__name__}")
     try:
+        head = base64.b64decode(data[:32], validate=True)
+    except (binascii.Error, ValueError) as error:
+        raise WireError(f"{where}: not a base64-encoded PNG ({error})") from None
+    if len(head) < 24 or head[:8] != PNG_SIGNATURE or head[12:16] != b"IHDR":
+        raise WireError(f"{where}: not a base64-encoded PNG (no PNG signature and IHDR header)")
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+
+def _image_fields(payload: dict[str, Any]) -> list[tuple[Any, str]]:
+    """Every (base64 PNG, location) of a request, images then video frames, with the structure checked."""
+    out: list[tuple[Any, str]] = []
+    images = payload.get("images")
+    if images is not None:
+        if not isinstance(images, list):
+            raise WireError(f"'images' must be a list (one entry per sample), got {type(images).__name__}")
+        out += [(item, f"images[{i}]") for i, item in enumerate(images)]
+    videos = payload.get("videos")
+    if videos is not None:
+        if not isinstance(videos, list):
+            raise WireError(f"'videos' must be a list (one entry per sample), got {type(videos).__name__}")
+        for i, frames in enumerate(videos):
+            if not isinstance(frames, list) or not frames:
+                raise WireError(f"videos[{i}] must be a non-empty list of base64 PNG frames")
+            out += [(frame, f"videos[{i}][{t}]") for t, frame in enumerate(frames)]
+    return out
+
+
+def decoded_pixels(payload: Any) -> int:
+    """Pixels a request's images and video frames will decode to, ``sum(width * height)``, read from the PNG
+    headers without decoding anything (see the module docstring).
+
+    Raises:
+        WireError: the body is not a JSON object, or an image is not a base64 PNG.
+    """
+    if not isinstance(payload, dict):
+        raise WireError(f"request body must be a JSON object, got {type(payload).__name__}")
+    total = 0
+    for data, where in _image_fields(payload):
+        width, height = png_size(data, where)
+        total += width * height
+    return total
+
+
+def decode_png(data: Any, where: str) -> Image.Image:
+    """A base64 PNG -> RGB PIL image (callers bound its size first with :func:`decoded_pixels`).
+
+    Raises:
+        WireError: not a base64-encoded PNG.
+    """
+    png_size(data, where)  # a clear error for what is not a PNG at all
+    try:
         raw = base64.b64decode(data, validate=True)
         image = Image.open(io.BytesIO(raw), formats=["PNG"])  # reads the header only
-        if image.width * image.height > MAX_IMAGE_PIXELS:
-            raise WireError(f"{where}: {image.width}x{image.height} exceeds {MAX_IMAGE_PIXELS} pixels")
         image.load()
     except WireError:
         raise
@@ -102,13 +166,13 @@ def batch_length(batch: dict[str, Any]) -> int:
 
 
 def decode_batch(payload: Any) -> tuple[str | None, dict[str, Any]]:
-    """A request body (parsed JSON) -> (request id, batch for ``Reward.score``).
+    """A request body (parsed JSON) -> (request id, batch for ``Reward.score``). Decodes every image: bound
+    the request's :func:`decoded_pixels` first.
 
     Raises:
         WireError: wrong structure, unknown field, lengths that differ, an image that is not a PNG.
     """
-    if not isinstance(payload, dict):
-        raise WireError(f"request body must be a JSON object, got {type(payload).__name__}")
+    decoded_pixels(payload)  # checks that the body is an object whose images are PNGs
     request_id = payload.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise WireError("'id' must be a string")
@@ -120,14 +184,11 @@ def decode_batch(payload: Any) -> tuple[str | None, dict[str, Any]]:
         if key not in payload:
             continue
         value = payload[key]
-        if not isinstance(value, list):
+        if not isinstance(value, list):  # (images and videos were checked by decoded_pixels)
             raise WireError(f"{key!r} must be a list (one entry per sample), got {type(value).__name__}")
         if key == "images":
             value = [decode_png(item, f"images[{i}]") for i, item in enumerate(value)]
         elif key == "videos":
-            for i, frames in enumerate(value):
-                if not isinstance(frames, list) or not frames:
-                    raise WireError(f"videos[{i}] must be a non-empty list of base64 PNG frames")
             value = [
                 [decode_png(f, f"videos[{i}][{t}]") for t, f in enumerate(v)] for i, v in enumerate(value)
             ]

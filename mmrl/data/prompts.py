@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-__all__ = ["load_prompts"]
+__all__ = ["check_prompts", "load_prompts"]
 
 _SHAPES_SPLITS = ("train", "heldout", "all")
 
@@ -38,11 +40,44 @@ def load_prompts(source: str) -> list[str]:
     path = Path(source)
     if not path.is_file():
         raise ValueError(f"prompt file not found: {path} (or use shapes:train / shapes:heldout)")
+    prompts = [prompt for _, prompt in _numbered_prompts(path)]
+    if not prompts:
+        raise ValueError(f"prompt file {path} holds no prompt (one prompt per line expected)")
+    return prompts
+
+
+def _numbered_prompts(path: Path) -> list[tuple[int, str]]:
+    """``(line number, prompt)`` of a prompt file, blank lines and ``#`` comments skipped, spaces collapsed."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as err:
         raise ValueError(f"prompt file {path} is not UTF-8 text: {err}") from None
-    prompts = [" ".join(line.split()) for line in lines if line.strip() and not line.lstrip().startswith("#")]
-    if not prompts:
-        raise ValueError(f"prompt file {path} holds no prompt (one prompt per line expected)")
-    return prompts
+    return [
+        (n, " ".join(line.split()))
+        for n, line in enumerate(lines, 1)
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+
+
+def check_prompts(source: str, prompts: Sequence[str], rewards: Sequence[Any]) -> None:
+    """Let every reward refuse the prompts it cannot score (``Reward.check_prompt``, e.g. the shapes verifier's
+    grammar) before anything is generated for them.
+
+    Args:
+        source: where the prompts came from (:func:`load_prompts`'s argument), named in the error.
+        prompts: the prompts, as :func:`load_prompts` returned them.
+        rewards: the rewards that will score them.
+
+    Raises:
+        ValueError: the first refused prompt, named by file and line (or by index for a shapes split).
+    """
+    for reward in rewards:
+        for i, prompt in enumerate(prompts):
+            try:
+                reward.check_prompt(prompt)
+            except ValueError as err:
+                path = Path(source)
+                where = f"prompt {i}"
+                if path.is_file():
+                    where = f"line {_numbered_prompts(path)[i][0]}"
+                raise ValueError(f"{source} {where}: {err} (reward {reward.name!r})") from None

@@ -59,6 +59,55 @@ def _open_image(value: Any, root: Path, where: str) -> Image.Image:
         raise ValueError(f"{where}: cannot read image {str(value)[:200]!r}: {err}") from None
 
 
+def _json_problem(path: Path) -> str | None:
+    """Where a ``.json`` / ``.jsonl`` file stops being JSON (``line N: ...``), or None (then the error lies
+    elsewhere: a parquet file, columns that differ between rows)."""
+    if path.suffix not in (".json", ".jsonl"):
+        return None
+    import json
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        return f"not UTF-8 text (byte {err.start})"
+    try:
+        json.loads(text)
+        return None  # one JSON document
+    except ValueError as err:
+        whole = f"line {getattr(err, 'lineno', '?')} is not valid JSON ({getattr(err, 'msg', err)})"
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    for number, line in lines:  # JSON lines: one object per line
+        try:
+            json.loads(line)
+        except ValueError as err:
+            if number == lines[0][0]:
+                return whole  # not JSON lines either: where the single document breaks
+            return f"line {number} is not valid JSON ({getattr(err, 'msg', err)}): {line.strip()[:120]!r}"
+    return None
+
+
+def _load_dataset(source: str, *args: Any, **kwargs: Any) -> Any:
+    """``datasets.load_dataset(*args, **kwargs)`` with its failures as one ValueError naming ``source`` and the
+    innermost cause (a JSON parse error with its row, an unreachable hub)."""
+    import datasets
+
+    try:
+        return datasets.load_dataset(*args, **kwargs)
+    except (Exception, StopIteration) as err:  # (datasets raises StopIteration on some empty files)
+        cause: BaseException = err
+        while cause.__cause__ is not None or cause.__context__ is not None:
+            cause = cause.__cause__ or cause.__context__  # type: ignore[assignment]
+        detail = f"{type(err).__name__}: {err}" + (f" ({type(cause).__name__}: {cause})" if cause is not err else "")
+        detail = " ".join(detail.split())[:400]
+        if Path(source).suffix in _LOCAL_FORMATS:
+            detail = _json_problem(Path(source)) or detail
+            raise ValueError(f"VQA data file {source} cannot be read: {detail}") from None
+        raise ValueError(
+            f"cannot load the hub dataset {source!r}: {detail}. Without network, use a local .json/.jsonl/.parquet "
+            "file or shapes:train / shapes:heldout"
+        ) from None
+
+
 def load_vqa(
     source: str,
     *,
@@ -87,8 +136,9 @@ def load_vqa(
         question_template: formats the question, e.g. ``"{question} Put the answer in <answer></answer>."``.
 
     Raises:
-        ValueError: an unknown shapes split, a missing column (named, with the columns present), an unreadable
-            image (named, with the row), or an empty dataset.
+        ValueError: an unknown shapes split, an empty, malformed or unsupported file, a hub dataset that cannot
+            be reached, a missing column (named, with the columns present), a row without a question or answer
+            or with an unreadable image (named, with the row), or an empty dataset.
     """
     if source.startswith("shapes:"):
         which = source.split(":", 1)[1]
@@ -96,16 +146,18 @@ def load_vqa(
             raise ValueError(f"unknown shapes VQA split {which!r} in {source!r}; use shapes:train or shapes:heldout")
         return _shapes(which, 1000 if limit is None else limit, seed, image_size)
 
-    import datasets
-
     path = Path(source)
     if path.suffix in _LOCAL_FORMATS:
         if not path.is_file():
             raise ValueError(f"VQA data file not found: {path}")
-        ds = datasets.load_dataset(_LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
+        if path.stat().st_size == 0:
+            raise ValueError(f"VQA data file {path} is empty")
+        ds = _load_dataset(source, _LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
         root = Path(image_root) if image_root else path.parent
+    elif path.exists():
+        raise ValueError(f"VQA data file {path}: unsupported format; use {sorted(_LOCAL_FORMATS)} or shapes:train")
     else:
-        ds = datasets.load_dataset(source, split=split)
+        ds = _load_dataset(source, source, split=split)
         root = Path(image_root) if image_root else Path(".")
     needed = [c for c in (question_column, answer_column, image_column, id_column) if c]
     missing = [c for c in needed if c not in ds.column_names]
@@ -121,6 +173,9 @@ def load_vqa(
             value = row[image_column]
             values: Sequence[Any] = value if isinstance(value, list) else [value]
             images = [_open_image(v, root, where) for v in values if v is not None]
+        for column in (question_column, answer_column):
+            if row[column] is None or not str(row[column]).strip():
+                raise ValueError(f"{where}: no {column!r} (the value is {row[column]!r}); every row needs one")
         question = question_template.format(question=row[question_column])
         answer = row[answer_column]
         answer = answer if isinstance(answer, str) else str(answer)

@@ -34,7 +34,7 @@ from mmrl.core import allocation as alloc_lib
 from mmrl.core import losses as loss_lib
 from mmrl.core.groups import effective_ratio, make_groups
 from mmrl.core.stats import PromptStats
-from mmrl.data.prompts import load_prompts
+from mmrl.data.prompts import check_prompts, load_prompts
 from mmrl.device import DTYPES, resolve_device
 from mmrl.distributed import (
     all_reduce_grads,
@@ -58,6 +58,7 @@ from pipelines.flow.explore import ExploreConfig, ExploreResult, explore, spearm
 from pipelines.flow.rollout import Rollout, SamplingConfig, TransitionBatch, rescore, rollout
 from pipelines.flow.sde import sde_noise_scale
 from pipelines.threads import set_cpu_threads
+from rewards.base import checked_score
 
 __all__ = ["FlowGRPOTrainer", "evaluate", "main"]
 
@@ -175,9 +176,11 @@ class FlowGRPOTrainer:
         )
         self.eval_weights = torch.tensor([spec.weight for spec in self.eval_specs], dtype=torch.float32)
         self.eval_pool = load_prompts(cfg.eval_prompts)
+        check_prompts(cfg.eval_prompts, self.eval_pool, self.eval_rewards)  # before anything is generated
         if not for_training:
             return
         self.train_pool = load_prompts(cfg.train_prompts)
+        check_prompts(cfg.train_prompts, self.train_pool, self.rewards)
         overlap = set(self.train_pool) & set(self.eval_pool)
         if overlap:
             logger.warning("%d prompts are both train and eval prompts, e.g. %r", len(overlap), next(iter(overlap)))
@@ -253,20 +256,15 @@ class FlowGRPOTrainer:
         self, images: torch.Tensor, prompts: list[str], evaluation: bool = False
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``([B, K] raw rewards, components for logging)`` of the training rewards (or, with ``evaluation``,
-        of the evaluation rewards); a reward that raises stops the run with its name."""
+        of the evaluation rewards); a reward that raises or returns a non-finite score stops the run with its
+        name (:class:`rewards.base.RewardCheckError`)."""
         pil = tensor_to_pil(images) if images.ndim == 4 else None
         columns, components = [], {}
         specs, rewards = (self.eval_specs, self.eval_rewards) if evaluation else (self.cfg.rewards, self.rewards)
         for spec, reward in zip(specs, rewards, strict=True):
             batch = {"images": pil, "prompts": prompts} if pil is not None else {"videos": images, "prompts": prompts}
-            try:
-                out = reward.score(**batch)
-            except Exception as err:
-                raise RuntimeError(f"reward {spec.name!r} failed on a batch of {len(prompts)} samples: {err}") from err
-            scores = out.scores.detach().float().cpu()
-            if scores.shape != (len(prompts),) or not bool(torch.isfinite(scores).all()):
-                raise RuntimeError(f"reward {spec.name!r} returned {tuple(scores.shape)} scores with NaN/inf or wrong size")
-            columns.append(scores)
+            out = checked_score(reward, spec.key, len(prompts), **batch)
+            columns.append(out.scores.detach().float().cpu())
             for name, value in out.components.items():
                 components[f"reward/{spec.key}/{name}"] = value.detach().float().cpu()
         return torch.stack(columns, dim=1), components

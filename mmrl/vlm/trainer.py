@@ -62,6 +62,7 @@ from pipelines.threads import set_cpu_threads
 from pipelines.vlm.backend import GenerationBackend, GenerationSample, SamplingParams
 from pipelines.vlm.inputs import VLMPrompt
 from pipelines.vlm.logprobs import TokenStats, backbone_and_head, build_scoring_batch, completion_token_stats
+from rewards.base import checked_score
 
 __all__ = ["VLMRLVRTrainer", "evaluate", "main"]
 
@@ -86,7 +87,7 @@ class VLMRLVRTrainer:
 
     # ------------------------------------------------------------------ setup
     def setup(self, for_training: bool = True) -> None:
-        from transformers import AutoModelForImageTextToText, AutoProcessor
+        from pipelines.vlm.hf_backend import load_vlm
 
         cfg = self.cfg
         m = cfg.model
@@ -107,8 +108,7 @@ class VLMRLVRTrainer:
             kwargs["quantization_config"] = BitsAndBytesConfig(
                 load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=DTYPES[m.dtype]
             )
-        self.processor = AutoProcessor.from_pretrained(m.path)
-        model = AutoModelForImageTextToText.from_pretrained(m.path, **kwargs)
+        self.processor, model = load_vlm(m.path, **kwargs)
         if not m.load_in_4bit:
             model.to(self.device)
         model.requires_grad_(False)
@@ -257,15 +257,13 @@ class VLMRLVRTrainer:
         return [(examples[s.prompt_index], s) for s in result.samples]
 
     def verify(self, pairs: list[tuple[VQAExample, GenerationSample]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``([N] weighted reward, [N, K] per verifier)``; a verifier that raises stops the run with its name."""
+        """``([N] weighted reward, [N, K] per verifier)``; a verifier that raises or returns a non-finite score
+        stops the run with its name (:class:`rewards.base.RewardCheckError`)."""
         completions = [s.text for _, s in pairs]
         truths = [ex.answer for ex, _ in pairs]
         columns = []
         for spec, reward in zip(self.cfg.rewards, self.rewards, strict=True):
-            try:
-                out = reward.score(completions=completions, ground_truths=truths)
-            except Exception as err:
-                raise RuntimeError(f"verifier {spec.name!r} failed: {err}") from err
+            out = checked_score(reward, spec.key, len(pairs), completions=completions, ground_truths=truths)
             columns.append(out.scores.detach().float().cpu())
         raw = torch.stack(columns, dim=1)
         return raw @ self.reward_weights, raw

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from pipelines.hub import model_not_found
 from pipelines.vlm.backend import GenerationBackend, GenerationResult, GenerationSample, SamplingParams
 from pipelines.vlm.inputs import (
     PreparedPrompt,
@@ -31,6 +33,24 @@ from pipelines.vlm.inputs import (
     vision_token_ids,
 )
 from pipelines.vlm.weight_sync import merged_state_dict
+
+
+def load_vlm(model_id_or_path: str, **kwargs: Any) -> tuple[Any, torch.nn.Module]:
+    """``(AutoProcessor, AutoModelForImageTextToText)`` from a local folder or a Hub id; ``kwargs`` go to the
+    model's ``from_pretrained`` (``dtype``, ``quantization_config``...).
+
+    Raises:
+        OSError: neither a local folder nor a reachable Hub repository (both places named).
+    """
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(model_id_or_path)
+        return processor, AutoModelForImageTextToText.from_pretrained(model_id_or_path, **kwargs)
+    except (OSError, ValueError) as error:  # (a path that is no repo id fails the Hub's id check: ValueError)
+        if Path(model_id_or_path).exists():
+            raise
+        raise model_not_found("VLM", model_id_or_path, error) from error
 
 
 def _stop_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:

@@ -256,3 +256,48 @@ def test_branch_rollout_mode_trains(model_dir, tmp_path, objective):
     assert metrics["tree/nodes"] == 2 * (1 + 2 + 4)
     assert metrics["nfe/rollout"] < 8 * 4  # shared prefixes: fewer evaluations than 8 flat samples
     assert any(not torch.equal(b, p) for b, p in zip(before, trainer.trainable, strict=True))
+
+
+def test_non_finite_reward_stops_the_run_before_its_step_writes(model_dir, tmp_path, monkeypatch):
+    import rewards
+    from rewards.base import RewardCheckError, RewardOutput
+
+    jpeg = rewards.build("jpeg_incompressibility")
+    calls = []
+
+    def nan_on_third_call(**batch):  # evaluation at step 0, training steps 1 and 2
+        out = jpeg.score(**batch)
+        calls.append(len(out.scores))
+        if len(calls) == 3:
+            out.scores[5] = float("nan")
+        return RewardOutput(scores=out.scores)
+
+    cfg = make_cfg(model_dir, tmp_path, "nan", "trainer.steps=3", "trainer.eval_every=3")
+    trainer = FlowGRPOTrainer(cfg, Run(cfg.run, cfg))
+    trainer.setup()
+    monkeypatch.setattr(trainer.rewards[0], "score", nan_on_third_call)
+    stats_before = None
+    original_step = trainer.train_step
+
+    def step_and_remember():
+        nonlocal stats_before
+        stats_before = trainer.stats.state_dict() if trainer.step == 1 else stats_before
+        return original_step()
+
+    monkeypatch.setattr(trainer, "train_step", step_and_remember)
+    with pytest.raises(RewardCheckError, match=r"'jpeg_incompressibility' returned 1 non-finite score\(s\) of 8; the first is nan at sample 5 \(prompt '"):
+        trainer.train()
+    trainer.cleanup()
+    assert [r["step"] for r in read_metrics(tmp_path / "nan")] == [0, 1]  # nothing of step 2
+    after = trainer.stats.state_dict()  # the statistics store did not see step 2's rewards either
+    assert after["ids"] == stats_before["ids"] and after["global_count"] == stats_before["global_count"]
+    assert all(torch.equal(after["tensors"][k], v) for k, v in stats_before["tensors"].items())
+
+
+def test_eval_prompts_outside_the_grammar_are_refused_before_generation(model_dir, tmp_path, monkeypatch):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a photo of a red circle\n# fine so far\na photo of three dragons\n")
+    cfg = make_cfg(model_dir, tmp_path, "g", "rewards=[{name: shapes}]")
+    monkeypatch.setattr(FlowGRPOTrainer, "generate", lambda *a, **k: pytest.fail("generated before checking"))
+    with pytest.raises(ValueError, match=r"p\.txt line 3: cannot parse shapes prompt 'a photo of three dragons'"):
+        evaluate(cfg, str(prompts), tmp_path / "eval", None, images_per_prompt=1)

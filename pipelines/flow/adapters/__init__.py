@@ -12,6 +12,7 @@ from pipelines.flow.adapters.sana import SanaAdapter
 from pipelines.flow.adapters.sd3 import SD3Adapter
 from pipelines.flow.adapters.shapes import ShapesAdapter
 from pipelines.flow.adapters.wan import WanAdapter
+from pipelines.hub import model_not_found
 
 _ADAPTERS: dict[str, type[FlowAdapter]] = {
     cls.family: cls for cls in (SD3Adapter, FluxAdapter, SanaAdapter, WanAdapter, ShapesAdapter)
@@ -56,11 +57,7 @@ def load_adapter(
     except OSError as error:
         if Path(model_id_or_path).exists():
             raise
-        raise OSError(
-            f"cannot load the {family!r} model {model_id_or_path!r}: there is no such folder under "
-            f"{Path.cwd()} (a relative path is relative to the working directory) and the Hugging Face Hub "
-            f"could not supply it ({type(error).__name__}: {error})"
-        ) from error
+        raise model_not_found(f"{family!r} model", model_id_or_path, error) from error
 
 
 __all__ = [

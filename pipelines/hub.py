@@ -1,0 +1,16 @@
+"""Where a model path comes from: a local folder, else the Hugging Face Hub."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def model_not_found(what: str, model_id_or_path: str, error: BaseException) -> OSError:
+    """The one-line error for a model that is neither a local folder nor a Hub repository that can be reached,
+    naming both places looked at (a relative path is relative to the working directory) and the loader's
+    own reason."""
+    reason = " ".join(f"{type(error).__name__}: {error}".split())
+    return OSError(
+        f"cannot load the {what} {model_id_or_path!r}: there is no such folder under {Path.cwd()} (a relative "
+        f"path is relative to the working directory) and the Hugging Face Hub could not supply it ({reason})"
+    )

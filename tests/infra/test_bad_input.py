@@ -1,0 +1,160 @@
+"""Bad input ends in one clear error naming the file, row or key: VQA files, prompt files against a reward's
+grammar, configs that are not UTF-8, rewards that raise or return NaN, the CLI's one-line errors."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from mmrl.cli import main as cli_main
+from mmrl.config import ConfigError, load_yaml
+from mmrl.data.prompts import check_prompts, load_prompts
+from mmrl.data.vqa import load_vqa
+from rewards.base import Reward, RewardCheckError, RewardOutput, checked_score
+from rewards.shapes import MAX_PROMPT_CHARS, ShapesReward
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.mark.parametrize("missing", ["question", "answer"])
+@pytest.mark.parametrize("value", [None, "  "])
+def test_vqa_row_without_question_or_answer_is_named(tmp_path, missing, value) -> None:
+    rows = [{"question": "how many?", "answer": "2"}, {"question": "what colour?", "answer": "red"}]
+    rows[1][missing] = value
+    source = write_jsonl(tmp_path / "vqa.jsonl", rows)
+    with pytest.raises(ValueError, match=rf"vqa\.jsonl row 1: no '{missing}'"):
+        load_vqa(source, image_column=None)
+
+
+def test_vqa_rows_load_when_complete(tmp_path) -> None:
+    source = write_jsonl(tmp_path / "vqa.jsonl", [{"question": "how many?", "answer": 2}])
+    [example] = load_vqa(source, image_column=None, question_template="Q: {question}")
+    assert (example.question, example.answer, example.prompt_id) == ("Q: how many?", "2", "vqa-0")
+
+
+def test_malformed_empty_and_unsupported_vqa_files_are_named(tmp_path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q", "answer": "a"}\n{"question": "q2", "answer": \n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl cannot be read: line 2 is not valid JSON"):
+        load_vqa(str(bad), image_column=None)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match=r"empty\.jsonl is empty"):
+        load_vqa(str(empty), image_column=None)
+    csv = tmp_path / "data.csv"
+    csv.write_text("question,answer\n")
+    with pytest.raises(ValueError, match="unsupported format"):
+        load_vqa(str(csv))
+
+
+def test_unreachable_hub_dataset_is_named(monkeypatch) -> None:
+    import datasets.config
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError, match=r"cannot load the hub dataset 'someorg/vqa-set'.*local \.json"):
+        load_vqa("someorg/vqa-set")
+
+
+def test_prompt_file_is_checked_against_the_grammar_with_its_line(tmp_path) -> None:
+    path = tmp_path / "prompts.txt"
+    path.write_text("# eval prompts\na photo of a red circle\n\na photo of a green dragon\n")
+    prompts = load_prompts(str(path))
+    with pytest.raises(
+        ValueError, match=r"prompts\.txt line 4: cannot parse shapes prompt 'a photo of a green dragon'"
+    ):
+        check_prompts(str(path), prompts, [ShapesReward()])
+    check_prompts(str(path), prompts, [Reward()])  # a reward without a grammar accepts every prompt
+    check_prompts("shapes:heldout", load_prompts("shapes:heldout"), [ShapesReward()])
+
+
+def test_a_megabyte_prompt_line_is_refused_at_once(tmp_path) -> None:
+    path = tmp_path / "huge.txt"
+    path.write_text("a photo of a red circle\na photo of " + "x" * 9_600_000 + "\n")
+    start = time.monotonic()
+    with pytest.raises(ValueError) as error:
+        check_prompts(str(path), load_prompts(str(path)), [ShapesReward()])
+    assert time.monotonic() - start < 5.0
+    message = str(error.value)
+    assert (
+        "huge.txt line 2" in message
+        and f"at most {MAX_PROMPT_CHARS} characters" in message
+        and len(message) < 400
+    )
+
+
+class ScriptedReward(Reward):
+    """Returns the scores it is given, or raises them if they are an exception."""
+
+    def __init__(self, result: list[float] | Exception) -> None:
+        self.result = result
+
+    def score(self, **batch) -> RewardOutput:
+        if isinstance(self.result, Exception):
+            raise self.result
+        return RewardOutput(scores=torch.tensor(self.result))
+
+
+def test_checked_score_names_the_reward_and_the_first_bad_sample() -> None:
+    prompts = ["p0", "p1", "p2"]
+    out = checked_score(ScriptedReward([0.0, 1.0, 0.5]), "ok", 3, prompts=prompts)
+    assert out.scores.tolist() == [0.0, 1.0, 0.5]
+    with pytest.raises(
+        RewardCheckError,
+        match=r"'clip' returned 2 non-finite score\(s\) of 3; the first is nan at sample 1 \(prompt 'p1'\)",
+    ):
+        checked_score(ScriptedReward([0.0, float("nan"), float("inf")]), "clip", 3, prompts=prompts)
+    with pytest.raises(RewardCheckError, match=r"'clip' returned scores of shape \(2,\) for 3 samples"):
+        checked_score(ScriptedReward([0.0, 1.0]), "clip", 3, prompts=prompts)
+    with pytest.raises(
+        RewardCheckError, match=r"'clip' failed on a batch of 3 samples: ZeroDivisionError: boom"
+    ) as error:
+        checked_score(ScriptedReward(ZeroDivisionError("boom")), "clip", 3, prompts=prompts)
+    assert isinstance(error.value.__cause__, ZeroDivisionError)
+
+
+def test_non_utf8_yaml_names_the_file(tmp_path, capsys) -> None:
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("recipe: bandit\nrun:\n  name: caf\xe9\n".encode("latin-1"))
+    offset = len(b"recipe: bandit\nrun:\n  name: caf")  # where the Latin-1 e-acute sits
+    with pytest.raises(ConfigError, match=rf"latin1\.yaml: not UTF-8 text \(byte {offset}:"):
+        load_yaml(path)
+    assert cli_main(["config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mmrl: error: {path}: not UTF-8") and err.count("\n") == 1
+
+
+def test_cli_errors_are_one_line_and_the_traceback_needs_verbose(tmp_path, capsys) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("recipe: bandit\ntrainer:\n  steps: 1\n")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    args = ["train", str(config), f"run.output_dir={blocker}", "run.progress=false"]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err
+    assert (
+        err
+        == f"mmrl: error: run.output_dir: {blocker} is a file, not a folder; choose another run.output_dir\n"
+    )
+    assert cli_main(["--verbose", *args]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and err.rstrip().splitlines()[-1].startswith(
+        "mmrl: error:"
+    )
+
+
+def test_missing_vlm_path_names_the_folder_and_the_hub(tmp_path) -> None:
+    from pipelines.vlm.hf_backend import load_vlm
+
+    missing = tmp_path / "no_such_model"
+    with pytest.raises(
+        OSError, match=rf"cannot load the VLM '{missing}': there is no such folder under .*Hub could not"
+    ):
+        load_vlm(str(missing))

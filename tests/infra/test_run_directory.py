@@ -1,0 +1,135 @@
+"""The run directory across failures: resume with or without a checkpoint, cut metric lines, setup leftovers,
+non-finite metrics (the core demo recipe, which runs in seconds)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mmrl.bandit.trainer import BanditRecipeConfig, BanditTrainer, main
+from mmrl.config import load_config
+from mmrl.run import Run, read_metrics
+
+
+def cfg_for(tmp_path, name, *overrides):
+    return load_config(
+        BanditRecipeConfig,
+        None,
+        [
+            f"run.output_dir={tmp_path}",
+            f"run.name={name}",
+            "run.progress=false",
+            "run.tensorboard=false",
+            "world.num_prompts=200",
+            "allocation.prompts_per_step=8",
+            "allocation.rollouts_per_step=32",
+            "trainer.eval_every=3",
+            "trainer.steps=8",
+            *overrides,
+        ],
+    )
+
+
+def strip(records):
+    return [{k: v for k, v in r.items() if k != "time"} for r in records]
+
+
+@pytest.fixture
+def straight(tmp_path):
+    final = main(cfg_for(tmp_path, "straight"))
+    return final, strip(read_metrics(tmp_path / "straight"))
+
+
+def test_resume_before_the_first_checkpoint_is_exact(tmp_path, straight, interrupted_then_resumed) -> None:
+    # no checkpoint until the end: a run stopped in step 6 restarts at 0, and steps 0-5 are logged once
+    resumed = interrupted_then_resumed(
+        BanditTrainer, main, cfg_for(tmp_path, "split"), cfg_for(tmp_path, "split", "run.resume=true"), at=5
+    )
+    assert resumed == straight[0]
+    records = strip(read_metrics(tmp_path / "split"))
+    assert records == straight[1] and [r["step"] for r in records] == list(range(9))
+    orphaned = (tmp_path / "split/metrics.orphaned.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in orphaned] == [0, 1, 2, 3, 4, 5]  # kept aside, not lost
+
+
+def test_resume_after_a_crash_during_the_first_save_is_exact(tmp_path, straight, monkeypatch) -> None:
+    original = BanditTrainer.save_checkpoint
+
+    def crash(self):
+        raise KeyboardInterrupt  # killed while writing the first checkpoint (step 4)
+
+    monkeypatch.setattr(BanditTrainer, "save_checkpoint", crash)
+    with pytest.raises(KeyboardInterrupt):
+        main(cfg_for(tmp_path, "split", "run.save_every=4"))
+    monkeypatch.setattr(BanditTrainer, "save_checkpoint", original)
+    resumed = main(cfg_for(tmp_path, "split", "run.save_every=4", "run.resume=true"))
+    assert resumed == straight[0]
+    assert [r["step"] for r in read_metrics(tmp_path / "split")] == list(range(9))
+
+
+def test_a_cut_last_metrics_line_is_named_and_moved_aside(tmp_path, straight, monkeypatch) -> None:
+    original = BanditTrainer.train_step
+
+    def crash(self):
+        if self.step == 5:
+            raise KeyboardInterrupt
+        return original(self)
+
+    monkeypatch.setattr(BanditTrainer, "train_step", crash)
+    with pytest.raises(KeyboardInterrupt):
+        main(cfg_for(tmp_path, "cut", "run.save_every=3"))
+    monkeypatch.setattr(BanditTrainer, "train_step", original)
+    metrics = tmp_path / "cut/metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("\n".join(lines) + '\n{"step": 6, "rew')  # killed while writing the line of step 6
+    resumed = main(cfg_for(tmp_path, "cut", "run.save_every=3", "run.resume=true"))
+    log = (tmp_path / "cut/log.txt").read_text()
+    assert f"WARNING mmrl.run: {metrics} line {len(lines) + 1} is not valid JSON" in log
+    assert resumed == straight[0]
+    assert strip(read_metrics(tmp_path / "cut")) == straight[1]
+    assert '{"step": 6, "rew' in (tmp_path / "cut/metrics.orphaned.jsonl").read_text()
+
+
+def test_a_corrupt_metrics_line_is_named_with_file_and_line(tmp_path) -> None:
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 0}\nnot json\n{"step": 1}\n')
+    with pytest.raises(ValueError, match=r"r/metrics\.jsonl line 2 is not valid JSON"):
+        read_metrics(run_dir)
+    cfg = cfg_for(tmp_path, "r", "run.resume=true")
+    with pytest.raises(ValueError, match=r"r/metrics\.jsonl line 2 is not valid JSON"):
+        Run(cfg.run, cfg)  # (resume without a checkpoint moves every line aside: it reads them first)
+
+
+def test_a_run_that_failed_in_setup_does_not_block_the_rerun(tmp_path, monkeypatch) -> None:
+    def broken(self):
+        raise ValueError("setup failed")
+
+    original = BanditTrainer.setup
+    monkeypatch.setattr(BanditTrainer, "setup", broken)
+    with pytest.raises(ValueError, match="setup failed"):
+        main(cfg_for(tmp_path, "again", "run.tensorboard=true"))
+    assert {p.name for p in (tmp_path / "again").iterdir()} == {"config.yaml", "log.txt", "samples", "tb"}
+    monkeypatch.setattr(BanditTrainer, "setup", original)
+    final = main(cfg_for(tmp_path, "again", "trainer.steps=2"))
+    assert final and [r["step"] for r in read_metrics(tmp_path / "again")] == [0, 1, 2]
+    # a file a run does not write makes the directory someone's: refused, with the way out
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine/notes.txt").write_text("keep")
+    with pytest.raises(FileExistsError, match=r"run\.overwrite=true"):
+        main(cfg_for(tmp_path, "mine", "trainer.steps=2"))
+    assert (tmp_path / "mine/notes.txt").read_text() == "keep"
+
+
+def test_non_finite_metrics_are_left_out_and_lines_stay_json(tmp_path) -> None:
+    cfg = cfg_for(tmp_path, "nan")
+    run = Run(cfg.run, cfg)
+    run.log_metrics(0, {"eval/accuracy": 0.5, "eval/accuracy_count": float("nan"), "loss": float("inf")})
+    run.write_summary({"step": 0, "eval/accuracy": 0.5, "eval/accuracy_count": float("nan")})
+    run.close()
+    assert json.loads((tmp_path / "nan/summary.json").read_text()) == {"step": 0, "eval/accuracy": 0.5}
+    text = (tmp_path / "nan/metrics.jsonl").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    record = json.loads(text, parse_constant=lambda name: pytest.fail(f"bare {name} in metrics.jsonl"))
+    assert record["eval/accuracy"] == 0.5 and "eval/accuracy_count" not in record and "loss" not in record
