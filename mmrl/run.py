@@ -140,9 +140,12 @@ class Run:
     def __init__(self, run_cfg: RunConfig, full_cfg: BaseModel) -> None:
         self.cfg = run_cfg
         self.dir = Path(run_cfg.output_dir) / run_cfg.name
-        for folder, key in ((Path(run_cfg.output_dir), "run.output_dir"), (self.dir, "run.name")):
-            if folder.exists() and not folder.is_dir():
-                raise ValueError(f"{key}: {folder} is a file, not a folder; choose another {key}")
+        for folder in (self.dir, *self.dir.parents):  # the nearest existing one must be a folder
+            if folder.exists():
+                if not folder.is_dir():
+                    key = "run.name" if folder == self.dir else "run.output_dir"
+                    raise ValueError(f"{key}: {folder} is a file, not a folder; choose another {key}")
+                break
         existing = self.dir.exists() and any(self.dir.iterdir())
         if existing and not run_cfg.resume and not run_cfg.overwrite and _setup_leftovers(self.dir):
             logger.info("%s holds only what a run that stopped before its first step left; replacing it", self.dir)

@@ -143,6 +143,8 @@ def test_cli_errors_are_one_line_and_the_traceback_needs_verbose(tmp_path, capsy
         err
         == f"mmrl: error: run.output_dir: {blocker} is a file, not a folder; choose another run.output_dir\n"
     )
+    assert cli_main(["train", str(config), f"run.output_dir={blocker}/runs", "run.progress=false"]) == 2
+    assert f"run.output_dir: {blocker} is a file" in capsys.readouterr().err
     assert cli_main(["--verbose", *args]) == 2
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and err.rstrip().splitlines()[-1].startswith(

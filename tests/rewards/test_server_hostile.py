@@ -25,6 +25,7 @@ import torch
 from PIL import Image
 
 import rewards
+from mmrl.cli import main as cli_main
 from rewards.base import Reward, RewardOutput
 from rewards.remote import RemoteRewardError
 from rewards.server import ServerConfig, ServerThread, main
@@ -264,6 +265,13 @@ def test_start_up_config_errors_name_the_key(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):
         main(["--config", str(path)])
     assert "max_request_pixels (100) exceeds max_pixels_in_flight (10)" in capsys.readouterr().err
+    path.write_text("reward: jpeg_incompressibility\noptions: {qualty: 80}\n")
+    with pytest.raises(SystemExit) as error:
+        cli_main(["serve-reward", str(path)])
+    assert error.value.code == 2
+    err = capsys.readouterr().err
+    assert "mmrl serve-reward: error: cannot build reward 'jpeg_incompressibility' with options" in err
+    assert "qualty" in err and "Traceback" not in err
 
 
 # ---------------------------------------------------------------------------------------------- the client
