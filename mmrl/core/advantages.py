@@ -293,7 +293,11 @@ def entropy_shaped(
         adv = adv.unsqueeze(1).expand_as(entropy)
     check_same_shape(adv=adv, entropy=entropy)
     bonus = torch.minimum(alpha * entropy.detach(), adv.abs() / kappa)
-    return adv + bonus
+    shaped = adv + bonus
+    # In floating point |A| / kappa can round up to |A| for tiny (subnormal) A, and A + bonus would reach 0:
+    # a negative advantage is kept at least one representable step below zero, as the exact formula keeps it.
+    below_zero = torch.nextafter(torch.zeros_like(shaped), torch.full_like(shaped, -1.0))
+    return torch.where(adv < 0, torch.minimum(shaped, below_zero), shaped)
 
 
 def clip_advantages(adv: torch.Tensor, max_abs: float) -> torch.Tensor:

@@ -179,6 +179,13 @@ def test_entropy_shaping_never_flips_sign(advs, alpha, kappa):
     assert (shaped >= base).all()
 
 
+def test_entropy_shaping_keeps_a_subnormal_negative_advantage_negative():
+    # |A| / kappa rounds up to |A| at the smallest subnormal; the shaped value must still be below zero
+    adv = torch.tensor([-5e-324, 5e-324, 0.0], dtype=torch.float64)
+    shaped = A.entropy_shaped(adv, torch.full((3, 2), 10.0, dtype=torch.float64), alpha=1.0, kappa=1.5)
+    assert (shaped[0] < 0).all() and (shaped[1] > 0).all() and (shaped[2] == 0).all()
+
+
 def test_entropy_shaping_hand_value_and_detached():
     adv = torch.tensor([[1.0, -1.0, 0.2]])
     ent = torch.tensor([[0.5, 5.0, 5.0]], requires_grad=True)
