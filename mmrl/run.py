@@ -256,8 +256,7 @@ class Run:
 
     def write_summary(self, summary: Mapping[str, Any]) -> None:
         """Write ``summary.json``; NaN or infinite numbers are left out, as in :meth:`log_metrics`."""
-        finite = {k: v for k, v in summary.items() if not (isinstance(v, float) and not math.isfinite(v))}
-        atomic_write_text(self.dir / "summary.json", json.dumps(finite, indent=2, allow_nan=False) + "\n")
+        write_summary_json(self.dir / "summary.json", summary)
 
     def close(self) -> None:
         if self._tb is not None:
@@ -302,3 +301,10 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
     lines = path.read_text().splitlines()
     return [_metric_record(line, path, n) for n, line in enumerate(lines, 1) if line.strip()]
+
+
+def write_summary_json(path: Path, summary: Mapping[str, Any]) -> None:
+    """Write ``summary`` as JSON at ``path`` (atomically), leaving out NaN or infinite numbers so the file stays
+    valid JSON (a mean over no sample is NaN)."""
+    finite = {k: v for k, v in summary.items() if not (isinstance(v, float) and not math.isfinite(v))}
+    atomic_write_text(path, json.dumps(finite, indent=2, allow_nan=False) + "\n")

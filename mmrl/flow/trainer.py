@@ -50,7 +50,7 @@ from mmrl.ema import EMA
 from mmrl.flow.config import FlowGRPOConfig
 from mmrl.images import make_grid, tensor_to_pil
 from mmrl.loop import run_recipe, train_loop
-from mmrl.run import MetricAccumulator, Run, resume_checkpoint
+from mmrl.run import MetricAccumulator, Run, resume_checkpoint, write_summary_json
 from mmrl.seeding import get_rng_state, seed_everything, set_rng_state
 from pipelines.flow.adapters import Conditioning, FlowAdapter, load_adapter
 from pipelines.flow.branch import TreeConfig, prune_transitions, tree_rollout
@@ -849,7 +849,7 @@ def evaluate(cfg: FlowGRPOConfig, prompts_file: str | None, out_dir: Path, check
     summary = {"checkpoint": str(checkpoint) if checkpoint else None, "prompts": len(prompts),
                "images": len(ro.prompts), "reward_mean": float(total.mean())}
     summary.update({f"{spec.key}_mean": float(raw[:, k].mean()) for k, spec in enumerate(trainer.eval_specs)})
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_summary_json(out_dir / "summary.json", summary)
     make_grid(ro.images[:256]).save(out_dir / "grid.png")
     return summary
 

@@ -55,7 +55,7 @@ from mmrl.distributed import (
     shard_model,
 )
 from mmrl.loop import run_recipe, train_loop
-from mmrl.run import MetricAccumulator, Run, resume_checkpoint
+from mmrl.run import MetricAccumulator, Run, resume_checkpoint, write_summary_json
 from mmrl.seeding import get_rng_state, seed_everything, set_rng_state
 from mmrl.vlm.config import VLMRLVRConfig
 from pipelines.threads import set_cpu_threads
@@ -546,5 +546,5 @@ def evaluate(cfg: VLMRLVRConfig, prompts_file: str | None, out_dir: Path, checkp
             f.write(json.dumps({"id": ex.prompt_id, "question": ex.question, "answer": ex.answer,
                                 "completion": s.text, "reward": r}) + "\n")
     summary = {"checkpoint": str(checkpoint) if checkpoint else None, "questions": len(pairs), **summary}
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_summary_json(out_dir / "summary.json", summary)
     return summary
