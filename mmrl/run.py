@@ -6,7 +6,7 @@
       config.yaml        the resolved config (every field), the record of the run
       metrics.jsonl      one JSON object per logged step: {"step": ..., "time": ..., "reward/mean": ...}
       tb/                TensorBoard event files
-      samples/           image grids and sample text, named by step
+      samples/           per step: {tag}_{step}.jsonl (each sample's prompt and scores) and the image grid .png
       checkpoints/       see mmrl/checkpoint.py
       log.txt            the run's log
       summary.json       final metrics, written at the end
@@ -201,22 +201,33 @@ class Run:
         if self._wandb is not None:
             self._wandb.log(record, step=step)
 
-    def save_image_grid(
-        self, step: int, images: torch.Tensor | Sequence[Any], captions: Sequence[str] | None = None, tag: str = "samples"
+    def save_samples(
+        self, step: int, tag: str, records: Sequence[Mapping[str, Any]],
+        images: torch.Tensor | Sequence[Any] | None = None,
     ) -> Path:
-        """Save a grid of images (``[B, 3, H, W]`` in [0, 1] or PIL images) as ``samples/{tag}_{step}.png``."""
-        from mmrl.images import make_grid
+        """Write one step's samples as ``samples/{tag}_{step:08d}.jsonl``: one JSON object per sample (its prompt or
+        question, its scores, ...). With ``images`` (``[B, 3, H, W]`` in [0, 1] or PIL images, one per record) also
+        the grid ``samples/{tag}_{step:08d}.png``; each record then gets ``grid_box``, the ``[left, top, right,
+        bottom]`` pixels of its image in that grid. Returns the JSONL path."""
+        from mmrl.images import grid_boxes, make_grid
 
-        grid = make_grid(images)
-        path = self.samples_dir / f"{tag}_{step:08d}.png"
-        grid.save(path)
-        if captions is not None:
-            atomic_write_text(path.with_suffix(".txt"), "\n".join(f"{i}: {c}" for i, c in enumerate(captions)) + "\n")
-        if self._tb is not None:
-            import numpy as np
+        stem = self.samples_dir / f"{tag}_{step:08d}"
+        rows = [dict(r) for r in records]
+        if images is not None:
+            if len(images) != len(rows):
+                raise ValueError(f"save_samples: {len(images)} images for {len(rows)} records")
+            grid = make_grid(images)
+            first = images[0]
+            height, width = (first.shape[-2], first.shape[-1]) if isinstance(first, torch.Tensor) else first.size[::-1]
+            for row, box in zip(rows, grid_boxes(len(rows), int(width), int(height)), strict=True):
+                row["grid_box"] = list(box)
+            grid.save(stem.with_suffix(".png"))
+            if self._tb is not None:
+                import numpy as np
 
-            self._tb.add_image(tag, np.asarray(grid), step, dataformats="HWC")
-        return path
+                self._tb.add_image(tag, np.asarray(grid), step, dataformats="HWC")
+        atomic_write_text(stem.with_suffix(".jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
+        return stem.with_suffix(".jsonl")
 
     def write_summary(self, summary: Mapping[str, Any]) -> None:
         atomic_write_text(self.dir / "summary.json", json.dumps(dict(summary), indent=2) + "\n")
@@ -229,6 +240,18 @@ class Run:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The metric records of a run directory, in order."""
+    """The metric records of a run directory, in order. A run still writing may have a half-written last line,
+    which is left out; a malformed line anywhere else is an error naming the file and line."""
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = path.read_text().splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if number == len(lines):
+                break  # the writer is appending this line right now
+            raise ValueError(f"{path}:{number}: not a JSON object: {err}") from None
+    return records

@@ -70,6 +70,20 @@ def prompt_ids(prompts: list[str]) -> torch.Tensor:
     return torch.tensor([ids.setdefault(p, len(ids)) for p in prompts])
 
 
+def sample_records(prompts: list[str], raw: torch.Tensor, components: dict[str, torch.Tensor],
+                   specs: list[Any], weights: torch.Tensor) -> list[dict[str, Any]]:
+    """One record per sample for the run's sample files: its prompt, the weighted ``reward``, each reward by its
+    key and each component (``{key}/{component}``)."""
+    total = (raw @ weights).tolist()
+    records = []
+    for i, prompt in enumerate(prompts):
+        record: dict[str, Any] = {"prompt": prompt, "reward": total[i]}
+        record.update({spec.key: float(raw[i, k]) for k, spec in enumerate(specs)})
+        record.update({name.removeprefix("reward/"): float(v[i]) for name, v in components.items()})
+        records.append(record)
+    return records
+
+
 @dataclass
 class StepBatch:
     """What one rollout step hands to the update, whatever the rollout mode.
@@ -671,7 +685,12 @@ class FlowGRPOTrainer:
             self.old_policy.update()
         self.metrics.add("time/train_s", time.perf_counter() - start)
         if self.run is not None and (self.step + 1) % self.cfg.trainer.sample_every == 0:
-            self.run.save_image_grid(self.step + 1, batch.images[:16], batch.prompts[:16], tag="train")
+            images, prompts = batch.images[:16], batch.prompts[:16]
+            raw, components = self.score(images, prompts)  # (the step batch keeps advantages, not rewards)
+            records = sample_records(prompts, raw, components, self.cfg.rewards, self.reward_weights)
+            for record, adv in zip(records, batch.sample_adv[:16].tolist(), strict=True):
+                record["advantage"] = adv
+            self.run.save_samples(self.step + 1, "train", records, images)
         metrics = self.metrics.reduce()
         metrics["nfe/total"] = float(self.nfe_total)
         return metrics
@@ -701,7 +720,10 @@ class FlowGRPOTrainer:
         for name, value in components.items():
             out["eval/" + name.removeprefix("reward/")] = float(value.mean())
         if self.run is not None:
-            self.run.save_image_grid(self.step, ro.images[:64], ro.prompts[:64], tag="eval")
+            n = min(64, len(ro.prompts))
+            records = sample_records(ro.prompts[:n], raw[:n], {k: v[:n] for k, v in components.items()},
+                                     self.eval_specs, self.eval_weights)
+            self.run.save_samples(self.step, "eval", records, ro.images[:n])
         return out
 
     # ------------------------------------------------------------------ loop
