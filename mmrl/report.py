@@ -162,7 +162,6 @@ def _axes(title: str) -> tuple[Any, Any]:
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
-
     from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(4.4, 2.8))
@@ -189,7 +188,9 @@ def _plot_panel(panel: Panel, runs: Sequence[_Run]) -> bytes:
                 steps, values = _series(run.records, key)
                 if not steps:
                     continue
-                label = key if len(runs) == 1 else (run.name if len(panel.keys) == 1 else f"{run.name}: {key}")
+                label = (
+                    key if len(runs) == 1 else (run.name if len(panel.keys) == 1 else f"{run.name}: {key}")
+                )
                 marker = "o" if len(steps) <= 30 else None
                 ax.plot(steps, values, label=label, marker=marker, markersize=3, linewidth=1.2)
     if ax.get_legend_handles_labels()[0]:
@@ -228,8 +229,10 @@ def _thumbnail_uri(grid: Any, box: Sequence[int]) -> str:
     longest = max(image.size)
     if longest > THUMBNAIL:
         scale = THUMBNAIL / longest
-        image = image.resize((max(1, round(image.width * scale)), max(1, round(image.height * scale))),
-                             Image.Resampling.LANCZOS)
+        image = image.resize(
+            (max(1, round(image.width * scale)), max(1, round(image.height * scale))),
+            Image.Resampling.LANCZOS,
+        )
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return _png_data_uri(buffer.getvalue())
@@ -260,7 +263,9 @@ def _sample_card(record: Mapping[str, Any], image_uri: str | None) -> str:
         parts.append(_verdict(record.get("reward")))
     scores = [(k, v) for k, v in record.items() if k not in _TEXT_FIELDS and k not in _HIDDEN_FIELDS]
     if scores:
-        rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(_fmt(v))}</td></tr>" for k, v in scores)
+        rows = "".join(
+            f"<tr><td>{html.escape(k)}</td><td>{html.escape(_fmt(v))}</td></tr>" for k, v in scores
+        )
         parts.append(f'<table class="scores">{rows}</table>')
     parts.append("</div>")
     return "".join(parts)
@@ -277,14 +282,18 @@ def _gallery(run: _Run) -> str:
             grid_file = file.with_suffix(".png")
             grid = Image.open(grid_file).convert("RGB") if grid_file.is_file() else None
             cards = "".join(
-                _sample_card(r, _thumbnail_uri(grid, r["grid_box"]) if grid is not None and "grid_box" in r else None)
+                _sample_card(
+                    r, _thumbnail_uri(grid, r["grid_box"]) if grid is not None and "grid_box" in r else None
+                )
                 for r in records
             )
             mean = [r["reward"] for r in records if isinstance(r.get("reward"), int | float)]
             mean_text = f" — mean reward {sum(mean) / len(mean):.3f} over {len(mean)} shown" if mean else ""
             opened = " open" if position == 0 else ""
-            blocks.append(f"<details{opened}><summary>step {step}{mean_text}</summary>"
-                          f'<div class="cards">{cards}</div></details>')
+            blocks.append(
+                f"<details{opened}><summary>step {step}{mean_text}</summary>"
+                f'<div class="cards">{cards}</div></details>'
+            )
         sections.append(f"<h3>{html.escape(tag)} samples</h3>" + "".join(blocks))
     return "".join(sections) or "<p>No samples written yet.</p>"
 
@@ -295,26 +304,37 @@ def _summary_rows(run: _Run) -> list[tuple[str, str]]:
     total = (config.get("trainer") or {}).get("steps")
     last = run.records[-1]["step"] if run.records else 0
     done = run.summary is not None
-    rows = [("run", run.name), ("recipe", str(config.get("recipe", "?"))),
-            ("status", "finished" if done else "in progress (or stopped)"),
-            ("steps", f"{last} of {total}" if total is not None else str(last))]
+    rows = [
+        ("run", run.name),
+        ("recipe", str(config.get("recipe", "?"))),
+        ("status", "finished" if done else "in progress (or stopped)"),
+        ("steps", f"{last} of {total}" if total is not None else str(last)),
+    ]
     if run.command:
         rows.append(("command", run.command))
     if run.records:
         rows.append(("wall time", f"{run.records[-1].get('time', 0.0) / 60:.1f} min"))
-    main_evals = [k for p in metric_panels({k for r in run.records for k in r}) if p.title == "Held-out scores"
-                  for k in p.keys]
+    main_evals = [
+        k
+        for p in metric_panels({k for r in run.records for k in r})
+        if p.title == "Held-out scores"
+        for k in p.keys
+    ]
     for key in main_evals:
         steps, values = _series(run.records, key)
         if values:
-            rows.append((key, f"{values[0]:.4g} (step {steps[0]:.0f}) → {values[-1]:.4g} (step {steps[-1]:.0f})"))
+            rows.append(
+                (key, f"{values[0]:.4g} (step {steps[0]:.0f}) → {values[-1]:.4g} (step {steps[-1]:.0f})")
+            )
     return rows
 
 
 def _latest_values(run: _Run) -> dict[str, float]:
     latest: dict[str, float] = {}
     for r in run.records:
-        latest.update({k: v for k, v in r.items() if k not in ("step", "time") and isinstance(v, int | float)})
+        latest.update(
+            {k: v for k, v in r.items() if k not in ("step", "time") and isinstance(v, int | float)}
+        )
     return latest
 
 
@@ -343,13 +363,18 @@ pre{background:#f6f6f6;padding:12px;font-size:12px;overflow:auto}
 
 
 def _page(title: str, body: str) -> str:
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
-            f"<style>{_STYLE}</style></head><body>{body}</body></html>\n")
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+        f"<style>{_STYLE}</style></head><body>{body}</body></html>\n"
+    )
 
 
 def _plots_html(panels: Sequence[Panel], runs: Sequence[_Run]) -> str:
-    images = "".join(f'<img src="{_png_data_uri(_plot_panel(p, runs))}" alt="{html.escape(p.title)}" '
-                     f'title="{html.escape(", ".join(p.keys))}">' for p in panels)
+    images = "".join(
+        f'<img src="{_png_data_uri(_plot_panel(p, runs))}" alt="{html.escape(p.title)}" '
+        f'title="{html.escape(", ".join(p.keys))}">'
+        for p in panels
+    )
     return f'<div class="plots">{images}</div>' if images else "<p>No metrics logged yet.</p>"
 
 
@@ -367,11 +392,16 @@ def render_report(run_dir: str | Path) -> str:
         f"<h1>{html.escape(run.name)}</h1>",
         f"<p>Run directory <code>{html.escape(str(run.path))}</code>; refresh with "
         f"<code>mmrl report {html.escape(str(run.path))}</code>.</p>",
-        "<h2>Summary</h2>", _table(_summary_rows(run)),
-        "<h2>Curves</h2>", _plots_html(panels, [run]),
-        "<h2>Samples</h2>", _gallery(run),
-        "<h2>Latest value of every metric</h2>", _table((k, _fmt(v)) for k, v in latest),
-        "<h2>Config</h2>", f"<details><summary>config.yaml</summary><pre>{html.escape(run.config_text)}</pre></details>",
+        "<h2>Summary</h2>",
+        _table(_summary_rows(run)),
+        "<h2>Curves</h2>",
+        _plots_html(panels, [run]),
+        "<h2>Samples</h2>",
+        _gallery(run),
+        "<h2>Latest value of every metric</h2>",
+        _table((k, _fmt(v)) for k, v in latest),
+        "<h2>Config</h2>",
+        f"<details><summary>config.yaml</summary><pre>{html.escape(run.config_text)}</pre></details>",
     ]
     return _page(f"mmrl report: {run.name}", "".join(body))
 
@@ -395,13 +425,22 @@ def render_comparison(run_dirs: Sequence[str | Path]) -> str:
         raise ValueError(f"compare needs at least two run directories, got {len(run_dirs)}")
     runs = [_load_run(d) for d in run_dirs]
     keys = {k for run in runs for r in run.records for k in r}
-    panels = [Panel(f"{p.title}: {k}" if len(p.keys) > 1 else p.title, (k,))
-              for p in metric_panels(keys) for k in p.keys]
-    summaries = "".join(f'<div class="card" style="width:420px">{_table(_summary_rows(run))}</div>' for run in runs)
+    panels = [
+        Panel(f"{p.title}: {k}" if len(p.keys) > 1 else p.title, (k,))
+        for p in metric_panels(keys)
+        for k in p.keys
+    ]
+    summaries = "".join(
+        f'<div class="card" style="width:420px">{_table(_summary_rows(run))}</div>' for run in runs
+    )
     names = ", ".join(run.name for run in runs)
-    body = [f"<h1>Compare: {html.escape(names)}</h1>",
-            "<h2>Runs</h2>", f'<div class="cards">{summaries}</div>',
-            "<h2>Curves</h2>", _plots_html(panels, runs)]
+    body = [
+        f"<h1>Compare: {html.escape(names)}</h1>",
+        "<h2>Runs</h2>",
+        f'<div class="cards">{summaries}</div>',
+        "<h2>Curves</h2>",
+        _plots_html(panels, runs),
+    ]
     return _page(f"mmrl compare: {names}", "".join(body))
 
 

@@ -4,12 +4,14 @@
 
     runs/NAME/
       config.yaml        the resolved config (every field), the record of the run
+      command.txt        the command that started it
       metrics.jsonl      one JSON object per logged step: {"step": ..., "time": ..., "reward/mean": ...}
       tb/                TensorBoard event files
       samples/           per step: {tag}_{step}.jsonl (each sample's prompt and scores) and the image grid .png
       checkpoints/       see mmrl/checkpoint.py
       log.txt            the run's log
       summary.json       final metrics, written at the end
+      report.html        plots and samples on one page, written at the end (``mmrl report`` refreshes it)
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shlex
 import shutil
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -29,7 +33,7 @@ from pydantic import BaseModel
 from mmrl.checkpoint import atomic_write_text, latest_checkpoint
 from mmrl.config import RunConfig, to_yaml
 
-__all__ = ["MetricAccumulator", "Run", "resume_checkpoint", "setup_logging"]
+__all__ = ["MetricAccumulator", "Run", "launch_command", "read_metrics", "resume_checkpoint", "setup_logging"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +42,12 @@ def setup_logging(level: str = "INFO", log_file: Path | None = None) -> None:
     """Configure the ``mmrl`` / ``pipelines`` / ``rewards`` loggers once: console via rich, plus a file."""
     from rich.logging import RichHandler
 
+    from mmrl.progress import CONSOLE
+
     numeric = logging.getLevelName(level.upper())
     if not isinstance(numeric, int):
         raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {level!r}")
-    handlers: list[logging.Handler] = [RichHandler(show_path=False, rich_tracebacks=False)]
+    handlers: list[logging.Handler] = [RichHandler(console=CONSOLE, show_path=False, rich_tracebacks=False)]
     if log_file is not None:
         fh = logging.FileHandler(log_file)
         fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -51,6 +57,13 @@ def setup_logging(level: str = "INFO", log_file: Path | None = None) -> None:
         lg.handlers = list(handlers)
         lg.setLevel(numeric)
         lg.propagate = False
+
+
+def launch_command() -> str:
+    """This process's command line as a shell line, the ``mmrl`` console script (or ``python -m mmrl.cli``) written
+    as ``mmrl``."""
+    program = Path(sys.argv[0]).name
+    return shlex.join(["mmrl" if program in ("mmrl", "cli.py", "__main__.py") else program, *sys.argv[1:]])
 
 
 def _to_float(value: Any) -> float:
@@ -153,6 +166,8 @@ class Run:
             atomic_write_text(self.dir / f"config.resumed-{int(time.time())}.yaml", config_text)
         else:
             atomic_write_text(self.dir / "config.yaml", config_text)
+        if not (self.dir / "command.txt").is_file():  # (a resumed run keeps the launch command)
+            atomic_write_text(self.dir / "command.txt", launch_command() + "\n")
         self.metrics_path = self.dir / "metrics.jsonl"
         self._tb = None
         if run_cfg.tensorboard:
