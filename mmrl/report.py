@@ -29,7 +29,15 @@ from typing import Any
 
 from mmrl.run import read_metrics
 
-__all__ = ["Panel", "metric_panels", "render_comparison", "render_report", "write_comparison", "write_report"]
+__all__ = [
+    "Panel",
+    "metric_panels",
+    "moving_average",
+    "render_comparison",
+    "render_report",
+    "write_comparison",
+    "write_report",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +152,17 @@ def _series(records: Sequence[Mapping[str, Any]], key: str) -> tuple[list[float]
 
 
 # ---------------------------------------------------------------------------------------------- plots
+def moving_average(values: Sequence[float], window: int) -> list[float]:
+    """Trailing mean ``m_i = mean(v_{max(0, i-window+1)}, ..., v_i)`` (same length as ``values``)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def _png_data_uri(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
@@ -175,7 +194,8 @@ def _axes(title: str) -> tuple[Any, Any]:
 
 def _plot_panel(panel: Panel, runs: Sequence[_Run]) -> bytes:
     """One panel as a PNG: every key of every run against the step (stacked areas for a single run's time split).
-    Sparse series (evaluations) get markers."""
+    Sparse series (evaluations) get markers; dense ones are drawn faintly with their moving average over a
+    twentieth of the points on top."""
     fig, ax = _axes(panel.title)
     if panel.stacked and len(runs) == 1:
         records = runs[0].records
@@ -191,8 +211,18 @@ def _plot_panel(panel: Panel, runs: Sequence[_Run]) -> bytes:
                 label = (
                     key if len(runs) == 1 else (run.name if len(panel.keys) == 1 else f"{run.name}: {key}")
                 )
-                marker = "o" if len(steps) <= 30 else None
-                ax.plot(steps, values, label=label, marker=marker, markersize=3, linewidth=1.2)
+                if len(steps) <= 30:  # sparse (evaluations): every point marked
+                    ax.plot(steps, values, label=label, marker="o", markersize=3, linewidth=1.2)
+                else:  # dense and noisy: the raw curve faint, its moving average on top
+                    (line,) = ax.plot(steps, values, linewidth=0.8, alpha=0.3)
+                    window = max(1, len(values) // 20)
+                    ax.plot(
+                        steps,
+                        moving_average(values, window),
+                        label=label,
+                        color=line.get_color(),
+                        linewidth=1.5,
+                    )
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7, loc="best")
     return _figure_png(fig)
