@@ -187,6 +187,24 @@ def _empty_target(to: Path) -> None:
     to.mkdir(parents=True, exist_ok=True)
 
 
+def _none_components(pipeline_dir: str | Path) -> str:
+    """``", vae=None, ..."``: the components a local pipeline folder stores as null (a pipeline without a VAE or a
+    third text encoder) that its class requires, which ``from_pretrained`` must then be given as ``None``."""
+    index = Path(pipeline_dir) / "model_index.json"
+    if not index.is_file():
+        return ""
+    import diffusers
+
+    data = json.loads(index.read_text())
+    optional = set(
+        getattr(getattr(diffusers, str(data.get("_class_name")), None), "_optional_components", [])
+    )
+    names = sorted(
+        k for k, v in data.items() if not k.startswith("_") and v == [None, None] and k not in optional
+    )
+    return "".join(f", {name}=None" for name in names)
+
+
 def _export_flow(cfg: Any, ckpt: Path, to: Path, merge: bool) -> tuple[str, str, str]:
     """Writes the flow export; returns ``(library, what the weights are, usage snippet)``."""
     import torch
@@ -202,7 +220,7 @@ def _export_flow(cfg: Any, ckpt: Path, to: Path, merge: bool) -> tuple[str, str,
         usage = f"""
 from diffusers import DiffusionPipeline
 
-pipe = DiffusionPipeline.from_pretrained("{cfg.model.path}")
+pipe = DiffusionPipeline.from_pretrained("{cfg.model.path}"{_none_components(cfg.model.path)})
 pipe.load_lora_weights("{to.name}")
 """
         return "diffusers", f"LoRA adapter (rank {cfg.model.lora.rank})", usage
@@ -231,7 +249,7 @@ pipe.load_lora_weights("{to.name}")
     usage = f"""
 from diffusers import DiffusionPipeline
 
-pipe = DiffusionPipeline.from_pretrained("{to.name}")
+pipe = DiffusionPipeline.from_pretrained("{to.name}"{_none_components(to)})
 """
     return "diffusers", weights, usage
 
@@ -343,7 +361,8 @@ def push_to_hub(folder: str | Path, repo_id: str, private: bool = False, token: 
     if not (folder / CARD_FILE).is_file():
         raise FileNotFoundError(f"{folder} is not an mmrl export (no {CARD_FILE}); run `mmrl export` first")
     api = HfApi(token=token)
-    api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+    # (private=None: public unless the organisation makes new repositories private)
+    api.create_repo(repo_id, repo_type="model", private=private or None, exist_ok=True)
     commit = api.upload_folder(
         folder_path=folder,
         repo_id=repo_id,

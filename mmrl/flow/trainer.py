@@ -765,7 +765,11 @@ class FlowGRPOTrainer:
         from peft.utils import get_peft_model_state_dict
 
         layers = get_peft_model_state_dict(self.adapter.transformer)
-        type(self.adapter.pipe).save_lora_weights(directory, transformer_lora_layers=layers)
+        # the LoRA config (rank, alpha) goes into the file: without it diffusers loads the update scaled by 1, not
+        # by the trained alpha / r
+        config = self.adapter.transformer.peft_config["default"].to_dict()
+        type(self.adapter.pipe).save_lora_weights(directory, transformer_lora_layers=layers,
+                                                  transformer_lora_adapter_metadata=config)
 
     def save_transformer(self, directory: Path, trainable: dict[str, torch.Tensor]) -> None:
         """The fully fine-tuned transformer in diffusers format (``config.json`` and
