@@ -220,14 +220,19 @@ class Run:
         self, step: int, tag: str, records: Sequence[Mapping[str, Any]],
         images: torch.Tensor | Sequence[Any] | None = None,
     ) -> Path:
-        """Write one step's samples as ``samples/{tag}_{step:08d}.jsonl``: one JSON object per sample (its prompt or
-        question, its scores, ...). With ``images`` (``[B, 3, H, W]`` in [0, 1] or PIL images, one per record) also
-        the grid ``samples/{tag}_{step:08d}.png``; each record then gets ``grid_box``, the ``[left, top, right,
-        bottom]`` pixels of its image in that grid. Returns the JSONL path."""
+        """Write one step's samples as ``samples/{tag}_{step:08d}.jsonl``, one JSON object per sample (its prompt or
+        question, its scores, ...), and with ``images`` (one per record: ``[B, 3, H, W]`` in [0, 1], PIL images, or
+        videos ``[B, T, 3, H, W]`` shown by their middle frame, recorded as ``frame``) the grid of them,
+        ``samples/{tag}_{step:08d}.png``; each record then gets ``grid_box``, the ``[left, top, right, bottom]``
+        pixels of its image in that grid. Returns the JSONL path."""
         from mmrl.images import grid_boxes, make_grid
 
         stem = self.samples_dir / f"{tag}_{step:08d}"
         rows = [dict(r) for r in records]
+        if isinstance(images, torch.Tensor) and images.ndim == 5:  # videos [B, T, 3, H, W]: their middle frame
+            for row in rows:
+                row["frame"] = images.shape[1] // 2
+            images = images[:, images.shape[1] // 2]
         if images is not None:
             if len(images) != len(rows):
                 raise ValueError(f"save_samples: {len(images)} images for {len(rows)} records")

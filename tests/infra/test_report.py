@@ -17,13 +17,13 @@ import torch
 from PIL import Image
 
 from mmrl.cli import main as cli_main
-from mmrl.config import load_config
+from mmrl.config import RunConfig, load_config
 from mmrl.data.shapes import all_prompts
 from mmrl.flow.config import FlowGRPOConfig
 from mmrl.flow.trainer import main as flow_main
 from mmrl.images import grid_boxes, make_grid
 from mmrl.report import metric_panels, moving_average, render_report
-from mmrl.run import read_metrics
+from mmrl.run import Run, read_metrics
 from pipelines.flow.tiny import build_shapes_pipeline
 
 IMG_SRC = re.compile(r'<img[^>]*\ssrc="([^"]+)"')
@@ -68,6 +68,26 @@ def test_grid_boxes_locate_each_image_of_make_grid():
     for image, box in zip(images, grid_boxes(7, 9, 5), strict=True):
         crop = torch.from_numpy(np.array(grid.crop(box))).permute(2, 0, 1).float() / 255
         torch.testing.assert_close(crop, image, atol=0.5 / 255, rtol=0)
+
+
+def test_save_samples_records_where_each_image_is_in_the_grid(tmp_path):
+    run = Run(RunConfig(output_dir=str(tmp_path), name="s", tensorboard=False), RunConfig())
+    torch.manual_seed(0)
+    videos = torch.rand(3, 5, 3, 6, 4)  # [B, T, 3, H, W]
+    path = run.save_samples(7, "eval", [{"prompt": f"p{i}", "reward": float(i)} for i in range(3)], videos)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    grid = Image.open(path.with_suffix(".png"))
+    for i, record in enumerate(records):
+        assert record["prompt"] == f"p{i}" and record["frame"] == 2
+        crop = torch.from_numpy(np.array(grid.crop(tuple(record["grid_box"])))).permute(2, 0, 1).float() / 255
+        torch.testing.assert_close(crop, videos[i, 2], atol=0.5 / 255, rtol=0)
+    pil = [Image.new("RGB", (5, 3), (10 * i, 0, 0)) for i in range(2)]
+    path = run.save_samples(8, "train", [{"question": "q"}, {"question": "r"}], pil)
+    boxes = [json.loads(line)["grid_box"] for line in path.read_text().splitlines()]
+    assert boxes == [[2, 2, 7, 5], [9, 2, 14, 5]]  # 2 pixels of padding, two columns
+    with pytest.raises(ValueError, match="2 images for 1 records"):
+        run.save_samples(9, "train", [{"question": "q"}], pil)
+    run.close()
 
 
 def test_read_metrics_leaves_out_a_half_written_last_line_and_names_a_bad_one(tmp_path):
