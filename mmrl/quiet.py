@@ -6,10 +6,11 @@ Two sources of noise at every start:
   is imported, whether or not anything is quantized. Importing it costs about 2.4 s here, and on CPUs with
   AVX512-BF16 it logs "Failed to load CPU gemm_4bit_forward from kernels-community". :func:`defer_import` puts a
   stand-in module in its place: diffusers' ``import bitsandbytes as bnb`` binds it, and the real import runs at
-  its first use, i.e. only when a quantized explorer, 8-bit AdamW or QLoRA uses it. (The standard library's
-  ``importlib.util.LazyLoader`` does not do here: ``inspect.getmodule`` touches every module while torch is still
-  importing, which starts the lazy import too early and leaves a half-initialised module behind.) Its kernels message is then silenced too, unless
-  verbose.
+  its first use: a quantized explorer, 8-bit AdamW, QLoRA, or peft, which probes ``bnb.nn`` the first time it
+  creates LoRA layers (so LoRA runs still import it then). Its kernels message is silenced unless verbose.
+  (The standard library's ``importlib.util.LazyLoader`` does not do here: ``inspect.getmodule`` touches every
+  module while torch is still importing, which starts the lazy import too early and leaves a half-initialised
+  module behind.)
 * **Loading bars**: diffusers' "Loading pipeline components", transformers' "Loading weights" and the Hub's
   download bars, all tqdm. ``TQDM_DISABLE=1`` (tqdm's own switch for its default) turns them off.
 
