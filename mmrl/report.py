@@ -48,7 +48,7 @@ SAMPLES_PER_STEP = 32
 THUMBNAIL = 192
 _SAMPLE_FILE = re.compile(r"^(?P<tag>.+)_(?P<step>\d{8})\.jsonl$")
 _TEXT_FIELDS = ("prompt", "question", "completion", "answer")
-_HIDDEN_FIELDS = {"grid_box", "index", "image"}
+_HIDDEN_FIELDS = {"grid_box", "index", "image", "verdict"}
 
 
 @dataclass(frozen=True)
@@ -274,12 +274,9 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def _verdict(reward: Any) -> str:
-    """Full credit (weighted reward >= 1), partial (in between) or none (<= 0)."""
-    if not isinstance(reward, int | float):
-        return ""
-    label, css = ("correct", "ok") if reward >= 1 else ("partial", "part") if reward > 0 else ("wrong", "bad")
-    return f'<span class="verdict {css}">{label}</span>'
+def _verdict(verdict: str) -> str:
+    css = {"correct": "ok", "partial": "part", "wrong": "bad"}.get(verdict, "part")
+    return f'<span class="verdict {css}">{html.escape(verdict)}</span>'
 
 
 def _sample_card(record: Mapping[str, Any], image_uri: str | None) -> str:
@@ -289,8 +286,8 @@ def _sample_card(record: Mapping[str, Any], image_uri: str | None) -> str:
     for field in _TEXT_FIELDS:
         if field in record:
             parts.append(f'<div class="f"><b>{field}</b> {html.escape(str(record[field]))}</div>')
-    if "completion" in record:
-        parts.append(_verdict(record.get("reward")))
+    if "verdict" in record:
+        parts.append(_verdict(str(record["verdict"])))
     scores = [(k, v) for k, v in record.items() if k not in _TEXT_FIELDS and k not in _HIDDEN_FIELDS]
     if scores:
         rows = "".join(
@@ -380,7 +377,7 @@ table.summary th{text-align:left;padding:2px 12px 2px 0;font-weight:600;vertical
 table.summary td{font-family:ui-monospace,Menlo,monospace;font-size:13px}
 .plots{display:flex;flex-wrap:wrap;gap:12px} .plots img{border:1px solid #e4e4e4;background:#fff}
 .cards{display:flex;flex-wrap:wrap;gap:10px;margin:8px 0}
-.card{border:1px solid #e4e4e4;border-radius:6px;padding:8px;width:220px;font-size:12px;background:#fafafa}
+.card{border:1px solid #e4e4e4;border-radius:6px;padding:8px;width:180px;font-size:12px;background:#fafafa}
 .card img.sample{width:128px;image-rendering:pixelated;display:block;margin-bottom:6px}
 .card .f{margin-bottom:3px;word-wrap:break-word}
 table.scores{font-family:ui-monospace,Menlo,monospace;font-size:11px;border-collapse:collapse}

@@ -430,12 +430,16 @@ class VLMRLVRTrainer:
 
     def _save_samples(self, step: int, tag: str, pairs: list[tuple[VQAExample, GenerationSample]],
                       total: torch.Tensor, raw: torch.Tensor, adv: list[float] | None = None) -> None:
-        """The run's sample file for ``pairs``: question, answer, completion, reward and each verifier's score (and
-        advantage), with the grid of the question images when every question has one."""
+        """The run's sample file for ``pairs``: question, answer, completion, verdict (``correct``: the full weighted
+        reward, ``wrong``: none, else ``partial``), reward and each verifier's score (and advantage), with the grid
+        of the question images when every question has one."""
+        full_marks = float(self.reward_weights.clamp(min=0).sum())
         records = []
         for i, (ex, sample) in enumerate(pairs):
+            reward = float(total[i])
+            verdict = "correct" if reward >= full_marks - 1e-6 else "wrong" if reward <= 0 else "partial"
             record: dict[str, Any] = {"question": ex.question, "answer": ex.answer, "completion": sample.text,
-                                      "reward": float(total[i])}
+                                      "verdict": verdict, "reward": reward}
             record.update({spec.key: float(raw[i, k]) for k, spec in enumerate(self.cfg.rewards)})
             if adv is not None:
                 record["advantage"] = adv[i]

@@ -241,6 +241,10 @@ def test_vlm_lora_exports_load_with_peft_and_transformers(vlm_model, tmp_path, m
     page = (run / "report.html").read_text()
     record = json.loads((run / "samples/eval_00000001.jsonl").read_text().splitlines()[0])
     assert {"question", "answer", "completion", "reward", "exact_match", "format", "grid_box"} <= set(record)
+    records = [json.loads(line) for line in (run / "samples/eval_00000001.jsonl").read_text().splitlines()]
+    for r in records:  # full marks are the weights' sum, 1.5
+        expected = "correct" if r["reward"] >= 1.5 else "wrong" if r["reward"] <= 0 else "partial"
+        assert r["verdict"] == expected and r["reward"] == pytest.approx(r["exact_match"] + 0.5 * r["format"])
     assert 'class="verdict' in page and "<b>completion</b>" in page and "<b>answer</b>" in page
 
 
