@@ -113,18 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="RL alignment of multimodal models: flow-matching GRPO, VLM RLVR, quantized rollout pools.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--verbose", action="store_true",
-                        help="show the libraries' loading bars and messages (silenced by default)")
 
-    p = sub.add_parser(
-        "train", parents=[common], help="train with a recipe config: mmrl train CONFIG [key.sub=value ...]")
+    p = sub.add_parser("train", help="train with a recipe config: mmrl train CONFIG [key.sub=value ...]")
     p.add_argument("config", help="YAML config (its 'recipe' key picks the trainer)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-5 run.name=try2")
     p.set_defaults(func=_cmd_train)
 
-    p = sub.add_parser(
-        "eval", parents=[common], help="score a base model (CONFIG) or a run's checkpoint (RUN_DIR) on a prompt file")
+    p = sub.add_parser("eval", help="score a base model (CONFIG) or a run's checkpoint (RUN_DIR) on a prompt file")
     p.add_argument("target", help="a recipe config (base model) or a run directory (its latest checkpoint)")
     p.add_argument("overrides", nargs="*", help="dotted config overrides")
     p.add_argument("--prompts", help="prompt file, one per line (default: the config's eval_prompts)")
@@ -133,45 +128,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output folder (default: RUN_DIR/eval/CHECKPOINT or runs/eval/CONFIG)")
     p.set_defaults(func=_cmd_eval)
 
-    p = sub.add_parser(
-        "config", parents=[common], help="validate a config and print it resolved (all defaults filled in)")
+    p = sub.add_parser("config", help="validate a config and print it resolved (all defaults filled in)")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=_cmd_config)
 
-    p = sub.add_parser(
-        "recipes", parents=[common], help="list the available recipes")
+    p = sub.add_parser("recipes", help="list the available recipes")
     p.set_defaults(func=_cmd_recipes)
 
-    p = sub.add_parser("report", parents=[common],
-                       help="write a run's report: one self-contained HTML page with plots and samples")
+    p = sub.add_parser("report", help="write a run's report: one offline HTML page with plots and samples")
     p.add_argument("run", help="a run directory (it may still be training)")
     p.add_argument("--out", help="folder to write report.html into (default: the run directory)")
     p.set_defaults(func=_cmd_report)
 
-    p = sub.add_parser("compare", parents=[common], help="overlay the curves of several runs on one HTML page")
+    p = sub.add_parser("compare", help="overlay the curves of several runs on one HTML page")
     p.add_argument("runs", nargs="+", help="two or more run directories")
     p.add_argument("--out", help="folder to write compare.html into (default: the first run's parent folder)")
     p.set_defaults(func=_cmd_compare)
 
-    p = sub.add_parser("export", parents=[common],
-                       help="export a run's checkpoint as what diffusers / transformers / peft load, with a model card")
+    p = sub.add_parser(
+        "export", help="export a checkpoint as what diffusers / transformers / peft load, with a model card"
+    )
     p.add_argument("run", help="a run directory")
     p.add_argument("--to", required=True, help="output folder (must not exist or be empty)")
-    p.add_argument("--checkpoint", type=int, help="the step of the checkpoint to export (default: the latest)")
+    p.add_argument("--checkpoint", type=int, help="the step of the checkpoint to export (default: latest)")
     p.add_argument("--merge", action="store_true",
                    help="LoRA runs: merge the adapter into the base weights and write the whole model "
                         "(default: the adapter alone, loaded on top of the base model)")
-    p.add_argument("--license", help="license field of the model card (default: the base model card's, else 'other')")
-    p.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the exported folder to this Hugging Face Hub repo")
+    p.add_argument("--license", help="the model card's license (default: the base model card's, or 'other')")
+    p.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the export to this Hub model repository")
     p.add_argument("--private", action="store_true", help="create the Hub repo private")
     p.set_defaults(func=_cmd_export)
 
-    p = sub.add_parser(
-        "serve-reward", parents=[common], help="serve a registered reward over HTTP: mmrl serve-reward CONFIG")
+    p = sub.add_parser("serve-reward", help="serve a registered reward over HTTP: mmrl serve-reward CONFIG")
     p.add_argument("config", help="YAML reward-server config (see docs/rewards.md)")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="further server options")
     p.set_defaults(func=_cmd_serve_reward)
+    for command in sub.choices.values():
+        command.add_argument("--verbose", action="store_true",
+                             help="show the libraries' loading bars and messages (silenced by default)")
     return parser
 
 
