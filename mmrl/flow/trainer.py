@@ -855,12 +855,10 @@ def evaluate(cfg: FlowGRPOConfig, prompts_file: str | None, out_dir: Path, check
     raw, components = trainer.score(ro.images, ro.prompts, evaluation=True)
     total = raw @ trainer.eval_weights
     out_dir.mkdir(parents=True, exist_ok=True)
+    records = sample_records(ro.prompts, raw, components, trainer.eval_specs, trainer.eval_weights)
     with open(out_dir / "scores.jsonl", "w") as f:
-        for i, prompt in enumerate(ro.prompts):
-            record = {"prompt": prompt, "image": i, "reward": float(total[i])}
-            record.update({spec.key: float(raw[i, k]) for k, spec in enumerate(trainer.eval_specs)})
-            record.update({name: float(v[i]) for name, v in components.items()})
-            f.write(json.dumps(record) + "\n")
+        for i, record in enumerate(records):
+            f.write(json.dumps({"image": i, **record}) + "\n")
     summary = {"checkpoint": str(checkpoint) if checkpoint else None, "prompts": len(prompts),
                "images": len(ro.prompts), "reward_mean": float(total.mean())}
     summary.update({f"{spec.key}_mean": float(raw[:, k].mean()) for k, spec in enumerate(trainer.eval_specs)})
