@@ -9,6 +9,7 @@ import traceback
 from pathlib import Path
 
 from mmrl.config import ConfigError, apply_overrides, load_yaml, to_yaml, validate
+from mmrl.quiet import quiet_libraries
 from mmrl.recipes import get_recipe, list_recipes
 
 __all__ = ["main"]
@@ -76,6 +77,31 @@ def _cmd_recipes(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from mmrl.report import write_report
+
+    print(f"report written to {write_report(args.run, args.out)}")
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from mmrl.report import write_comparison
+
+    out = args.out or Path(args.runs[0]).parent
+    print(f"comparison written to {write_comparison(args.runs, out)}")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from mmrl.export import export_run, push_to_hub
+
+    out = export_run(args.run, args.to, checkpoint=args.checkpoint, merge=args.merge, license=args.license)
+    print(f"exported to {out}")
+    if args.push_to_hub:
+        print(f"uploaded to {push_to_hub(out, args.push_to_hub, private=args.private)}")
+    return 0
+
+
 def _cmd_serve_reward(args: argparse.Namespace) -> int:
     from rewards.server import main as serve
 
@@ -114,10 +140,37 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("recipes", help="list the available recipes")
     p.set_defaults(func=_cmd_recipes)
 
+    p = sub.add_parser("report", help="write a run's report: one offline HTML page with plots and samples")
+    p.add_argument("run", help="a run directory (it may still be training)")
+    p.add_argument("--out", help="folder to write report.html into (default: the run directory)")
+    p.set_defaults(func=_cmd_report)
+
+    p = sub.add_parser("compare", help="overlay the curves of several runs on one HTML page")
+    p.add_argument("runs", nargs="+", help="two or more run directories")
+    p.add_argument("--out", help="folder to write compare.html into (default: the first run's parent folder)")
+    p.set_defaults(func=_cmd_compare)
+
+    p = sub.add_parser(
+        "export", help="export a checkpoint as what diffusers / transformers / peft load, with a model card"
+    )
+    p.add_argument("run", help="a run directory")
+    p.add_argument("--to", required=True, help="output folder (must not exist or be empty)")
+    p.add_argument("--checkpoint", type=int, help="the step of the checkpoint to export (default: latest)")
+    p.add_argument("--merge", action="store_true",
+                   help="LoRA runs: merge the adapter into the base weights and write the whole model "
+                        "(default: the adapter alone, loaded on top of the base model)")
+    p.add_argument("--license", help="the model card's license (default: the base model card's, or 'other')")
+    p.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the export to this Hub model repository")
+    p.add_argument("--private", action="store_true", help="create the Hub repo private")
+    p.set_defaults(func=_cmd_export)
+
     p = sub.add_parser("serve-reward", help="serve a registered reward over HTTP: mmrl serve-reward CONFIG")
     p.add_argument("config", help="YAML reward-server config (see docs/rewards.md)")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="further server options")
     p.set_defaults(func=_cmd_serve_reward)
+    for command in sub.choices.values():
+        command.add_argument("--verbose", action="store_true",
+                             help="show the libraries' loading bars and messages (silenced by default)")
     return parser
 
 
@@ -140,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command. Every error ends as one ``mmrl: error: ...`` message on stderr (exit status 2 for bad
     input, 1 for anything else); ``--verbose`` prints the traceback before it."""
     args = build_parser().parse_args(argv)
+    quiet_libraries(args.verbose)
     try:
         return args.func(args)
     except KeyboardInterrupt:

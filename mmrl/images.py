@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-__all__ = ["make_grid", "tensor_to_pil"]
+__all__ = ["grid_boxes", "make_grid", "tensor_to_pil"]
 
 
 def tensor_to_pil(images: torch.Tensor) -> list[Image.Image]:
@@ -21,8 +21,21 @@ def tensor_to_pil(images: torch.Tensor) -> list[Image.Image]:
     return [Image.fromarray(a) for a in arr]
 
 
+def grid_boxes(n: int, width: int, height: int, cols: int | None = None, pad: int = 2) -> list[tuple[int, int, int, int]]:
+    """``(left, top, right, bottom)`` of each of ``n`` cells of ``width x height`` in a :func:`make_grid` grid:
+    cell ``i`` sits at row ``i // cols``, column ``i % cols``, with ``pad`` pixels of padding around every cell."""
+    cols = cols or math.ceil(math.sqrt(n))
+    boxes = []
+    for i in range(n):
+        r, c = divmod(i, cols)
+        x, y = pad + c * (width + pad), pad + r * (height + pad)
+        boxes.append((x, y, x + width, y + height))
+    return boxes
+
+
 def make_grid(images: torch.Tensor | Sequence[Any], cols: int | None = None, pad: int = 2) -> Image.Image:
-    """Tile images into one RGB grid (white padding), ``cols`` defaulting to a near-square layout."""
+    """Tile images into one RGB grid (white padding), ``cols`` defaulting to a near-square layout; every image is
+    resized to the first one's size, and :func:`grid_boxes` gives where each one lands."""
     pils = tensor_to_pil(images) if isinstance(images, torch.Tensor) else [im.convert("RGB") for im in images]
     if not pils:
         raise ValueError("make_grid needs at least one image")
@@ -30,8 +43,6 @@ def make_grid(images: torch.Tensor | Sequence[Any], cols: int | None = None, pad
     cols = cols or math.ceil(math.sqrt(len(pils)))
     rows = math.ceil(len(pils) / cols)
     canvas = np.full((rows * (h + pad) + pad, cols * (w + pad) + pad, 3), 255, dtype=np.uint8)
-    for i, im in enumerate(pils):
-        r, c = divmod(i, cols)
-        y, x = pad + r * (h + pad), pad + c * (w + pad)
-        canvas[y : y + h, x : x + w] = np.asarray(im.resize((w, h)))
+    for im, (x, y, right, bottom) in zip(pils, grid_boxes(len(pils), w, h, cols, pad), strict=True):
+        canvas[y:bottom, x:right] = np.asarray(im.resize((w, h)))
     return Image.fromarray(canvas)

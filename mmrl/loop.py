@@ -3,11 +3,13 @@
 A trainer provides ``step`` (steps done), ``train_step() -> metrics``, ``evaluate() -> metrics`` and
 ``save_checkpoint()``; :func:`train_loop` evaluates at step 0, steps until ``total``, evaluates every
 ``eval_every`` steps and at the end, logs every ``run.log_every`` steps, checkpoints every ``run.save_every``
-steps and at the end, shows the progress bar, and writes the run summary.
+steps and at the end, shows the progress bar, logs (``log.txt`` and the terminal) each logged step's key metrics
+and each evaluation's scores, and writes the run summary and report (``report.html``).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Protocol
 
 from mmrl.config import Config, RunConfig
@@ -15,7 +17,13 @@ from mmrl.distributed import init_distributed
 from mmrl.progress import TrainProgress
 from mmrl.run import Run
 
-__all__ = ["Trainer", "run_recipe", "train_loop"]
+__all__ = ["KEY_METRICS", "Trainer", "format_metrics", "run_recipe", "train_loop"]
+
+logger = logging.getLogger(__name__)
+
+# what the log line of a training step shows besides the recipe's progress-bar keys (those the step logged)
+KEY_METRICS = ("loss", "policy/kl", "entropy/mean", "clip/high_frac", "train/effective_ratio", "time/rollout_s",
+               "time/train_s")
 
 
 class Trainer(Protocol):
@@ -51,15 +59,22 @@ def train_loop(
         latest.update(first)
         if writes:
             run.log_metrics(0, first)
+            logger.info("step 0 evaluation: %s", format_metrics(first))
     with TrainProgress(total, start=trainer.step, show=show, enabled=run_cfg.progress and main_process) as bar:
         while trainer.step < total:
             metrics = trainer.train_step()
             trainer.step += 1
+            scores = None
             if trainer.step % eval_every == 0 or trainer.step == total:
-                metrics.update(trainer.evaluate())
+                scores = trainer.evaluate()
+                metrics.update(scores)
             latest.update(metrics)
             if writes and (trainer.step % run_cfg.log_every == 0 or trainer.step == total):
                 run.log_metrics(trainer.step, metrics)
+                shown = {k: metrics[k] for k in (*show, *KEY_METRICS) if k in metrics and k not in (scores or {})}
+                logger.info("step %d/%d: %s", trainer.step, total, format_metrics(shown))
+            if writes and scores is not None:
+                logger.info("step %d evaluation: %s", trainer.step, format_metrics(scores))
             # every rank: a sharded model gathers its state collectively; the trainer writes on rank 0 only
             if run_cfg.save_every and trainer.step % run_cfg.save_every == 0:
                 trainer.save_checkpoint()
@@ -68,7 +83,26 @@ def train_loop(
         trainer.save_checkpoint()
     if writes:
         run.write_summary({"step": trainer.step, **latest})
+        _write_report(run)
     return latest
+
+
+def format_metrics(metrics: dict[str, float]) -> str:
+    """``key=value`` pairs, 4 significant digits, in the dict's order."""
+    return "  ".join(f"{k}={v:.4g}" for k, v in metrics.items())
+
+
+def _write_report(run: Run) -> None:
+    """The run's ``report.html`` at the end of training; a failure to draw it is logged, not raised (the run's
+    checkpoint and metrics are written; ``mmrl report RUN`` retries)."""
+    from mmrl.report import write_report
+
+    try:
+        path = write_report(run.dir)
+    except Exception as err:
+        logger.warning("could not write the run report (retry with `mmrl report %s`): %s", run.dir, err)
+        return
+    logger.info("report: %s", path)
 
 
 def run_recipe(cfg: Config, trainer_cls: Any) -> dict[str, float]:

@@ -15,7 +15,10 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-__all__ = ["TrainProgress"]
+__all__ = ["CONSOLE", "TrainProgress"]
+
+# the terminal the bar and the log lines share (on stderr), so that log lines print above a live bar
+CONSOLE = Console(stderr=True)
 
 
 class TrainProgress:
@@ -45,7 +48,7 @@ class TrainProgress:
             TextColumn("eta"),
             TimeRemainingColumn(),
             TextColumn("{task.fields[metrics]}"),
-            console=Console(stderr=True),
+            console=CONSOLE,
             disable=not enabled,
             transient=False,
         )

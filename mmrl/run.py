@@ -4,12 +4,14 @@
 
     runs/NAME/
       config.yaml        the resolved config (every field), the record of the run
+      command.txt        the command that started it
       metrics.jsonl      one JSON object per logged step: {"step": ..., "time": ..., "reward/mean": ...}
       tb/                TensorBoard event files
-      samples/           image grids and sample text, named by step
+      samples/           per step: {tag}_{step}.jsonl (each sample's prompt and scores) and the image grid .png
       checkpoints/       see mmrl/checkpoint.py
       log.txt            the run's log
       summary.json       final metrics, written at the end
+      report.html        plots and samples on one page, written at the end (``mmrl report`` refreshes it)
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shlex
 import shutil
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -29,7 +33,7 @@ from pydantic import BaseModel
 from mmrl.checkpoint import atomic_write_text, latest_checkpoint
 from mmrl.config import RunConfig, to_yaml
 
-__all__ = ["MetricAccumulator", "Run", "resume_checkpoint", "setup_logging"]
+__all__ = ["MetricAccumulator", "Run", "launch_command", "read_metrics", "resume_checkpoint", "setup_logging"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +42,12 @@ def setup_logging(level: str = "INFO", log_file: Path | None = None) -> None:
     """Configure the ``mmrl`` / ``pipelines`` / ``rewards`` loggers once: console via rich, plus a file."""
     from rich.logging import RichHandler
 
+    from mmrl.progress import CONSOLE
+
     numeric = logging.getLevelName(level.upper())
     if not isinstance(numeric, int):
         raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {level!r}")
-    handlers: list[logging.Handler] = [RichHandler(show_path=False, rich_tracebacks=False)]
+    handlers: list[logging.Handler] = [RichHandler(console=CONSOLE, show_path=False, rich_tracebacks=False)]
     if log_file is not None:
         fh = logging.FileHandler(log_file)
         fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -51,6 +57,13 @@ def setup_logging(level: str = "INFO", log_file: Path | None = None) -> None:
         lg.handlers = list(handlers)
         lg.setLevel(numeric)
         lg.propagate = False
+
+
+def launch_command() -> str:
+    """This process's command line as a shell line, the ``mmrl`` console script (or ``python -m mmrl.cli``) written
+    as ``mmrl``."""
+    program = Path(sys.argv[0]).name
+    return shlex.join(["mmrl" if program in ("mmrl", "cli.py", "__main__.py") else program, *sys.argv[1:]])
 
 
 def _to_float(value: Any) -> float:
@@ -169,6 +182,8 @@ class Run:
             atomic_write_text(self.dir / f"config.resumed-{int(time.time())}.yaml", config_text)
         else:
             atomic_write_text(self.dir / "config.yaml", config_text)
+        if not (self.dir / "command.txt").is_file():  # (a resumed run keeps the launch command)
+            atomic_write_text(self.dir / "command.txt", launch_command() + "\n")
         self.metrics_path = self.dir / "metrics.jsonl"
         if run_cfg.resume and latest_checkpoint(self.checkpoint_dir) is None:
             self.truncate_metrics(-1)  # the run restarts at step 0: every logged step will be logged again
@@ -237,22 +252,38 @@ class Run:
         if self._wandb is not None:
             self._wandb.log(record, step=step)
 
-    def save_image_grid(
-        self, step: int, images: torch.Tensor | Sequence[Any], captions: Sequence[str] | None = None, tag: str = "samples"
+    def save_samples(
+        self, step: int, tag: str, records: Sequence[Mapping[str, Any]],
+        images: torch.Tensor | Sequence[Any] | None = None,
     ) -> Path:
-        """Save a grid of images (``[B, 3, H, W]`` in [0, 1] or PIL images) as ``samples/{tag}_{step}.png``."""
-        from mmrl.images import make_grid
+        """Write one step's samples as ``samples/{tag}_{step:08d}.jsonl``, one JSON object per sample (its prompt or
+        question, its scores, ...), and with ``images`` (one per record: ``[B, 3, H, W]`` in [0, 1], PIL images, or
+        videos ``[B, T, 3, H, W]`` shown by their middle frame, recorded as ``frame``) the grid of them,
+        ``samples/{tag}_{step:08d}.png``; each record then gets ``grid_box``, the ``[left, top, right, bottom]``
+        pixels of its image in that grid. Returns the JSONL path."""
+        from mmrl.images import grid_boxes, make_grid
 
-        grid = make_grid(images)
-        path = self.samples_dir / f"{tag}_{step:08d}.png"
-        grid.save(path)
-        if captions is not None:
-            atomic_write_text(path.with_suffix(".txt"), "\n".join(f"{i}: {c}" for i, c in enumerate(captions)) + "\n")
-        if self._tb is not None:
-            import numpy as np
+        stem = self.samples_dir / f"{tag}_{step:08d}"
+        rows = [dict(r) for r in records]
+        if isinstance(images, torch.Tensor) and images.ndim == 5:  # videos [B, T, 3, H, W]: their middle frame
+            for row in rows:
+                row["frame"] = images.shape[1] // 2
+            images = images[:, images.shape[1] // 2]
+        if images is not None:
+            if len(images) != len(rows):
+                raise ValueError(f"save_samples: {len(images)} images for {len(rows)} records")
+            grid = make_grid(images)
+            first = images[0]
+            height, width = (first.shape[-2], first.shape[-1]) if isinstance(first, torch.Tensor) else first.size[::-1]
+            for row, box in zip(rows, grid_boxes(len(rows), int(width), int(height)), strict=True):
+                row["grid_box"] = list(box)
+            grid.save(stem.with_suffix(".png"))
+            if self._tb is not None:
+                import numpy as np
 
-            self._tb.add_image(tag, np.asarray(grid), step, dataformats="HWC")
-        return path
+                self._tb.add_image(tag, np.asarray(grid), step, dataformats="HWC")
+        atomic_write_text(stem.with_suffix(".jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
+        return stem.with_suffix(".jsonl")
 
     def write_summary(self, summary: Mapping[str, Any]) -> None:
         """Write ``summary.json``; NaN or infinite numbers are left out, as in :meth:`log_metrics`."""
@@ -293,14 +324,23 @@ def _metric_record(line: str, path: Path, number: int) -> dict[str, Any]:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The metric records of a run directory, in order.
+    """The metric records of a run directory, in order. A run still writing may have a half-written last line,
+    which is left out.
 
     Raises:
-        ValueError: a line is not a JSON object (names the file and line).
+        ValueError: a line before the last is not a JSON object (names the file and line).
     """
     path = Path(run_dir) / "metrics.jsonl"
-    lines = path.read_text().splitlines()
-    return [_metric_record(line, path, n) for n, line in enumerate(lines, 1) if line.strip()]
+    lines = [(number, line) for number, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    records = []
+    for index, (number, line) in enumerate(lines):
+        try:
+            records.append(_metric_record(line, path, number))
+        except ValueError:
+            if index == len(lines) - 1:
+                break  # the writer is appending this line right now
+            raise
+    return records
 
 
 def write_summary_json(path: Path, summary: Mapping[str, Any]) -> None:

@@ -73,6 +73,20 @@ def prompt_ids(prompts: list[str]) -> torch.Tensor:
     return torch.tensor([ids.setdefault(p, len(ids)) for p in prompts])
 
 
+def sample_records(prompts: list[str], raw: torch.Tensor, components: dict[str, torch.Tensor],
+                   specs: list[Any], weights: torch.Tensor) -> list[dict[str, Any]]:
+    """One record per sample for the run's sample files: its prompt, the weighted ``reward``, each reward by its
+    key and each component (``{key}/{component}``)."""
+    total = (raw @ weights).tolist()
+    records = []
+    for i, prompt in enumerate(prompts):
+        record: dict[str, Any] = {"prompt": prompt, "reward": total[i]}
+        record.update({spec.key: float(raw[i, k]) for k, spec in enumerate(specs)})
+        record.update({name.removeprefix("reward/"): float(v[i]) for name, v in components.items()})
+        records.append(record)
+    return records
+
+
 @dataclass
 class StepBatch:
     """What one rollout step hands to the update, whatever the rollout mode.
@@ -682,7 +696,12 @@ class FlowGRPOTrainer:
             self.old_policy.update()
         self.metrics.add("time/train_s", time.perf_counter() - start)
         if self.run is not None and (self.step + 1) % self.cfg.trainer.sample_every == 0:
-            self.run.save_image_grid(self.step + 1, batch.images[:16], batch.prompts[:16], tag="train")
+            images, prompts = batch.images[:16], batch.prompts[:16]
+            raw, components = self.score(images, prompts)  # (the step batch keeps advantages, not rewards)
+            records = sample_records(prompts, raw, components, self.cfg.rewards, self.reward_weights)
+            for record, adv in zip(records, batch.sample_adv[:16].tolist(), strict=True):
+                record["advantage"] = adv
+            self.run.save_samples(self.step + 1, "train", records, images)
         metrics = self.metrics.reduce()
         metrics["nfe/total"] = float(self.nfe_total)
         return metrics
@@ -712,7 +731,10 @@ class FlowGRPOTrainer:
         for name, value in components.items():
             out["eval/" + name.removeprefix("reward/")] = float(value.mean())
         if self.run is not None:
-            self.run.save_image_grid(self.step, ro.images[:64], ro.prompts[:64], tag="eval")
+            n = min(64, len(ro.prompts))
+            records = sample_records(ro.prompts[:n], raw[:n], {k: v[:n] for k, v in components.items()},
+                                     self.eval_specs, self.eval_weights)
+            self.run.save_samples(self.step, "eval", records, ro.images[:n])
         return out
 
     # ------------------------------------------------------------------ loop
@@ -754,7 +776,11 @@ class FlowGRPOTrainer:
         from peft.utils import get_peft_model_state_dict
 
         layers = get_peft_model_state_dict(self.adapter.transformer)
-        type(self.adapter.pipe).save_lora_weights(directory, transformer_lora_layers=layers)
+        # the LoRA config (rank, alpha) goes into the file: without it diffusers loads the update scaled by 1, not
+        # by the trained alpha / r
+        config = self.adapter.transformer.peft_config["default"].to_dict()
+        type(self.adapter.pipe).save_lora_weights(directory, transformer_lora_layers=layers,
+                                                  transformer_lora_adapter_metadata=config)
 
     def save_transformer(self, directory: Path, trainable: dict[str, torch.Tensor]) -> None:
         """The fully fine-tuned transformer in diffusers format (``config.json`` and
@@ -840,12 +866,10 @@ def evaluate(cfg: FlowGRPOConfig, prompts_file: str | None, out_dir: Path, check
     raw, components = trainer.score(ro.images, ro.prompts, evaluation=True)
     total = raw @ trainer.eval_weights
     out_dir.mkdir(parents=True, exist_ok=True)
+    records = sample_records(ro.prompts, raw, components, trainer.eval_specs, trainer.eval_weights)
     with open(out_dir / "scores.jsonl", "w") as f:
-        for i, prompt in enumerate(ro.prompts):
-            record = {"prompt": prompt, "image": i, "reward": float(total[i])}
-            record.update({spec.key: float(raw[i, k]) for k, spec in enumerate(trainer.eval_specs)})
-            record.update({name: float(v[i]) for name, v in components.items()})
-            f.write(json.dumps(record) + "\n")
+        for i, record in enumerate(records):
+            f.write(json.dumps({"image": i, **record}) + "\n")
     summary = {"checkpoint": str(checkpoint) if checkpoint else None, "prompts": len(prompts),
                "images": len(ro.prompts), "reward_mean": float(total.mean())}
     summary.update({f"{spec.key}_mean": float(raw[:, k].mean()) for k, spec in enumerate(trainer.eval_specs)})

@@ -426,10 +426,29 @@ class VLMRLVRTrainer:
         self.update(pairs, adv, keep)
         self.metrics.add("time/train_s", time.perf_counter() - start)
         if self.run is not None and (self.step + 1) % self.cfg.trainer.sample_every == 0:
-            lines = [{"question": ex.question, "answer": ex.answer, "completion": s.text} for ex, s in pairs[:8]]
-            path = self.run.samples_dir / f"train_{self.step + 1:08d}.jsonl"
-            path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+            shown = pairs[:8]
+            total, raw = self.verify(shown)  # (collect keeps the advantages, not the rewards)
+            self._save_samples(self.step + 1, "train", shown, total, raw, adv[:8].tolist())
         return self.metrics.reduce()
+
+    def _save_samples(self, step: int, tag: str, pairs: list[tuple[VQAExample, GenerationSample]],
+                      total: torch.Tensor, raw: torch.Tensor, adv: list[float] | None = None) -> None:
+        """The run's sample file for ``pairs``: question, answer, completion, verdict (``correct``: the full weighted
+        reward, ``wrong``: none, else ``partial``), reward and each verifier's score (and advantage), with the grid
+        of the question images when every question has one."""
+        full_marks = float(self.reward_weights.clamp(min=0).sum())
+        records = []
+        for i, (ex, sample) in enumerate(pairs):
+            reward = float(total[i])
+            verdict = "correct" if reward >= full_marks - 1e-6 else "wrong" if reward <= 0 else "partial"
+            record: dict[str, Any] = {"question": ex.question, "answer": ex.answer, "completion": sample.text,
+                                      "verdict": verdict, "reward": reward}
+            record.update({spec.key: float(raw[i, k]) for k, spec in enumerate(self.cfg.rewards)})
+            if adv is not None:
+                record["advantage"] = adv[i]
+            records.append(record)
+        images = [ex.images[0] for ex, _ in pairs] if pairs and all(ex.images for ex, _ in pairs) else None
+        self.run.save_samples(step, tag, records, images)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -446,6 +465,8 @@ class VLMRLVRTrainer:
             sel = torch.tensor([ex.kind == kind for ex, _ in pairs])
             out[f"eval/accuracy_{kind}"] = float(total[sel].mean())
         self._last_eval = pairs, total
+        if self.run is not None:
+            self._save_samples(self.step, "eval", pairs[:32], total[:32], raw[:32])
         return out
 
     # ------------------------------------------------------------------ loop
@@ -478,9 +499,24 @@ class VLMRLVRTrainer:
         if self.run is None and not self.dist.active:
             return
         state = self.state_dict()
+        lora = self.cfg.model.lora is not None
+        # a full fine-tune under FSDP: every rank gathers the frozen shards too (collectives)
+        weights = full_state_dict(self.model, trainable_only=False) if not lora and self.dist.fsdp else None
         if self.run is None:
             return
-        extra = (lambda d: self.model.save_pretrained(d / "adapter")) if self.cfg.model.lora is not None else None
+
+        def extra(directory: Path) -> None:
+            """What transformers loads, beside the trainer's state.pt: ``adapter/`` (peft) or ``model/``
+            (``AutoModelForImageTextToText.from_pretrained``), each with the processor."""
+            target = directory / ("adapter" if lora else "model")
+            self.model.save_pretrained(target, **({"state_dict": weights} if weights is not None else {}))
+            self.processor.save_pretrained(target)
+            if weights is not None:  # FSDP2 swapped in a subclass named FSDP<Class>: record the class transformers knows
+                config_file = target / "config.json"
+                config = json.loads(config_file.read_text())
+                config["architectures"] = [name.removeprefix("FSDP") for name in config.get("architectures") or []]
+                config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
         save_checkpoint(self.run.checkpoint_dir, self.step, state, extra=extra, keep_last=self.cfg.run.keep_last)
 
     def cleanup(self) -> None:

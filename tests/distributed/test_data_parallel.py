@@ -132,6 +132,16 @@ def test_vlm_fsdp_full_finetune_matches_ddp_and_resumes_exactly(tmp_path):
     base = assert_fsdp_two_steps_equal_ddp(tmp_path, ddp, fsdp)
     assert not any("visual" in n for n in base)  # the vision tower stays frozen
     assert fsdp[0]["metrics"] == fsdp[1]["metrics"]
+    # rank 0 saved the sharded model whole, frozen vision tower included, as a from_pretrained folder
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    folder = tmp_path / "full_fsdp/checkpoints/step_00000002/model"
+    AutoProcessor.from_pretrained(folder)
+    saved = dict(AutoModelForImageTextToText.from_pretrained(folder).named_parameters())
+    reference = dict(AutoModelForImageTextToText.from_pretrained(ROOT / "checkpoints/shapes_vlm").named_parameters())
+    assert saved.keys() == reference.keys() and any("visual" in n for n in saved)
+    assert all(torch.equal(saved[n], fsdp[0]["weights"][n]) for n in base)
+    assert all(torch.equal(saved[n], reference[n]) for n in saved if n not in base)
     # resumed on 2 ranks (sharded optimizer state and each rank's RNG restored), the third step is DDP's third
     resumed = launch(tmp_path, "vlm_rlvr", "full_fsdp", *common, "trainer.steps=3", "run.resume=true", env=fsdp_env())
     for n in base:
