@@ -113,9 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mmrl",
         description="RL alignment of multimodal models: flow-matching GRPO, VLM RLVR, quantized rollout pools.",
     )
-    parser.add_argument(
-        "--verbose", action="store_true", help="on an error, print the full traceback (e.g. mmrl --verbose train ...)"
-    )
+    verbose_help = "print an error's full traceback, and show the libraries' loading bars and messages (silenced by default)"
+    parser.add_argument("--verbose", action="store_true", help=verbose_help)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("train", help="train with a recipe config: mmrl train CONFIG [key.sub=value ...]")
@@ -169,8 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("extra", nargs=argparse.REMAINDER, help="further server options")
     p.set_defaults(func=_cmd_serve_reward)
     for command in sub.choices.values():
-        command.add_argument("--verbose", action="store_true",
-                             help="show the libraries' loading bars and messages (silenced by default)")
+        # SUPPRESS: a subcommand without the flag must not reset `mmrl --verbose COMMAND`'s choice
+        command.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose_help)
     return parser
 
 

@@ -297,7 +297,7 @@ class Run:
 
 
 #: what a run writes before its first step; a directory holding only these is what a failed setup left
-_SETUP_FILES = ("config.yaml", "log.txt", "tb", "samples")
+_SETUP_FILES = ("config.yaml", "command.txt", "log.txt", "tb", "samples")
 
 
 def _setup_leftovers(run_dir: Path) -> bool:

@@ -94,7 +94,7 @@ def test_read_metrics_leaves_out_a_half_written_last_line_and_names_a_bad_one(tm
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "a": 1}\n{"step": 1, "a": 2}\n{"step": 2, "a"')
     assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1]
     (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1,\n{"step": 2}\n')
-    with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
+    with pytest.raises(ValueError, match=r"metrics\.jsonl line 2 is not valid JSON"):
         read_metrics(tmp_path)
 
 
