@@ -331,6 +331,11 @@ def _spread(values: list[float], fmt: str) -> str:
     return f"{format(statistics.fmean(values), fmt)} [{format(min(values), fmt)}-{format(max(values), fmt)}]"
 
 
+def first_reach(curve: dict[int, float], target: float) -> int | None:
+    """The first mark after the start (mark 0) at which ``curve`` (``{rollouts: accuracy}``) is >= ``target``."""
+    return next((m for m, a in sorted(curve.items()) if m > 0 and a >= target), None)
+
+
 def summarize(records: list[dict]) -> dict[str, Any]:
     """Tables (per seed, and mean [min-max] over seeds) and the goals, from the results file's records."""
     runs = {(r["variant"], r["seed"]): r for r in records if r.get("kind") == "train"}
@@ -371,22 +376,36 @@ def summarize(records: list[dict]) -> dict[str, Any]:
     if {"mmrl_group", "trl"} <= summary["per_1k_s"].keys():
         ratio = summary["per_1k_s"]["mmrl_group"] / summary["per_1k_s"]["trl"]
         summary["group_time_ratio"] = ratio
+        each = [
+            per_1k[("mmrl_group", s)] / per_1k[("trl", s)]
+            for s in seeds
+            if {("mmrl_group", s), ("trl", s)} <= runs.keys()
+        ]
         print(
-            f"goal mmrl group <= 0.8x TRL time per 1k rollouts: {ratio:.2f}x -> {'met' if ratio <= 0.8 else 'NOT met'}"
+            f"goal mmrl group <= 0.8x TRL time per 1k rollouts: {ratio:.2f}x (per seed "
+            + ", ".join(f"{r:.2f}x" for r in each)
+            + f") -> {'met' if ratio <= 0.8 else 'NOT met'}"
         )
     if {"mmrl_single", "trl"} <= summary["accuracy"].keys() and len(summary["accuracy"]["trl"]) > 1:
         trl_curve = summary["accuracy"]["trl"]
         final_mark = max(trl_curve)
         target = trl_curve[final_mark]
-        reach = next(
-            (m for m, a in summary["accuracy"]["mmrl_single"].items() if m > 0 and a >= target), None
-        )
+        reach = first_reach(summary["accuracy"]["mmrl_single"], target)
         summary["single_reach"] = reach
         got = "never" if reach is None else f"after {reach} rollouts ({reach / final_mark:.2f}x)"
         met = reach is not None and reach <= 0.5 * final_mark
+        per_seed = []
+        for s in sorted(evals):
+            trl_s = {int(m): a for m, a in evals[s]["trl"].items()}
+            single_s = {int(m): a for m, a in evals[s]["mmrl_single"].items()}
+            per_seed.append(
+                f"seed {s}: {first_reach(single_s, trl_s[max(trl_s)])} for {trl_s[max(trl_s)]:.3f}"
+            )
         print(
             f"goal mmrl single reaches TRL's final {target:.3f} (at {final_mark}) with <= 0.5x the rollouts: "
-            f"{got} -> {'met' if met else 'NOT met'}"
+            f"{got} -> {'met' if met else 'NOT met'} (per seed, rollouts to reach that seed's TRL final: "
+            + "; ".join(per_seed)
+            + ")"
         )
     if summary["peak_rss_mib"].keys() >= {"trl"}:
         for v in ("mmrl_single", "mmrl_group"):
