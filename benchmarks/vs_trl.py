@@ -19,7 +19,7 @@ in a fresh process, so that its peak resident memory (``VmHWM``) is its own. A r
 mark (rollouts consumed; marks are multiples of 64); one evaluation process per seed then scores the start and
 every saved adapter with mmrl's own greedy evaluation on the run's held-out questions, the same code for all
 three. Timing counts training steps only (rollouts, rewards, update), from the first step to the last, never the
-evaluation or the saving of adapters.
+evaluation or the saving of adapters: wall seconds, and the process's CPU seconds (steadier on a shared CPU).
 
 Both sides get the same examples: the TRL dataset is built from the trainer's own ``load_examples`` (the seed's
 2000 train questions), the rows' chat prompt is the one mmrl builds (the image before the question), and the
@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,23 @@ def peak_rss_mib() -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError("/proc/self/status has no VmHWM line")
+
+
+@dataclass
+class StepTimes:
+    """Wall-clock and process CPU seconds (``time.process_time``: every thread of the process, user + system) of
+    each training step. On a shared CPU the CPU seconds are the steadier measure of work; the wall seconds are what
+    a user waits."""
+
+    wall: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+
+    def start(self) -> None:
+        self._wall, self._cpu = time.perf_counter(), time.process_time()
+
+    def stop(self) -> None:
+        self.wall.append(time.perf_counter() - self._wall)
+        self.cpu.append(time.process_time() - self._cpu)
 
 
 def config_overrides(variant: str, seed: int, threads: int) -> list[str]:
@@ -194,8 +212,8 @@ def trl_config(cfg: Any, steps: int, output_dir: str, suppressed_token_ids: list
     )
 
 
-def run_trl(cfg: Any, marks: dict[int, int], save: Callable[[int, dict[str, Any]], None]) -> list[float]:
-    """Train TRL's GRPOTrainer for ``max(marks)`` steps; returns the seconds of each step (between consecutive
+def run_trl(cfg: Any, marks: dict[int, int], save: Callable[[int, dict[str, Any]], None]) -> StepTimes:
+    """Train TRL's GRPOTrainer for ``max(marks)`` steps; returns the time of each step (between consecutive
     ``on_step_end`` callbacks, without the callback's own saving)."""
     import datasets
     from peft import LoraConfig
@@ -219,17 +237,17 @@ def run_trl(cfg: Any, marks: dict[int, int], save: Callable[[int, dict[str, Any]
     args = trl_config(
         cfg, max(marks), tempfile.mkdtemp(prefix="vs_trl_"), vision_token_ids(processor.tokenizer)
     )
-    times: list[float] = []
+    times = StepTimes()
 
     class Marks(TrainerCallback):
         def on_train_begin(self, *_: Any, **__: Any) -> None:
-            self.clock = time.perf_counter()
+            times.start()
 
         def on_step_end(self, _args: Any, state: Any, control: Any, model: Any = None, **__: Any) -> None:
-            times.append(time.perf_counter() - self.clock)
+            times.stop()
             if state.global_step in marks:
                 save(state.global_step, _trainable_state(model))
-            self.clock = time.perf_counter()
+            times.start()
 
     trainer = GRPOTrainer(
         model=model,
@@ -244,18 +262,18 @@ def run_trl(cfg: Any, marks: dict[int, int], save: Callable[[int, dict[str, Any]
     return times
 
 
-def run_mmrl(cfg: Any, marks: dict[int, int], save: Callable[[int, dict[str, Any]], None]) -> list[float]:
-    """Train mmrl's VLM trainer for ``max(marks)`` steps, no evaluation; returns the seconds of each step."""
+def run_mmrl(cfg: Any, marks: dict[int, int], save: Callable[[int, dict[str, Any]], None]) -> StepTimes:
+    """Train mmrl's VLM trainer for ``max(marks)`` steps, no evaluation; returns the time of each step."""
     from mmrl.vlm.trainer import VLMRLVRTrainer
 
     trainer = VLMRLVRTrainer(cfg, None)
     trainer.setup()
-    times = []
+    times = StepTimes()
     while trainer.step < max(marks):
-        start = time.perf_counter()
+        times.start()
         trainer.train_step()
         trainer.step += 1
-        times.append(time.perf_counter() - start)
+        times.stop()
         if trainer.step in marks:
             save(trainer.step, _trainable_state(trainer.model))
     return times
@@ -275,14 +293,15 @@ def train_worker(
         torch.save(state, out_dir / f"{variant}_seed{seed}_r{steps[step]}.pt")
 
     times = (run_trl if variant == "trl" else run_mmrl)(cfg, steps, save)
-    if len(times) != max(steps):
-        raise RuntimeError(f"{variant}: {len(times)} steps timed, {max(steps)} expected")
+    if len(times.wall) != max(steps):
+        raise RuntimeError(f"{variant}: {len(times.wall)} steps timed, {max(steps)} expected")
     return {
         "variant": variant,
         "seed": seed,
         "threads": torch.get_num_threads(),
-        "step_s": times,
-        "rollouts": len(times) * ROLLOUTS_PER_STEP,
+        "step_s": times.wall,
+        "step_cpu_s": times.cpu,
+        "rollouts": len(times.wall) * ROLLOUTS_PER_STEP,
         "peak_rss_mib": peak_rss_mib(),
     }
 
@@ -342,10 +361,16 @@ def summarize(records: list[dict]) -> dict[str, Any]:
     evals = {r["seed"]: r["accuracy"] for r in records if r.get("kind") == "eval"}
     seeds = sorted({s for _, s in runs})
     per_1k = {(v, s): 1000 * sum(r["step_s"]) / r["rollouts"] for (v, s), r in runs.items()}
-    print("seconds per 1,000 rollouts (training only) / peak RSS MiB, per seed")
+    # process CPU seconds (all threads), where the results file has them
+    cpu_1k = {k: 1000 * sum(r["step_cpu_s"]) / r["rollouts"] for k, r in runs.items() if "step_cpu_s" in r}
+    print(
+        "seconds per 1,000 rollouts (training only; wall, and process CPU where recorded) / peak RSS MiB, per seed"
+    )
     for v in VARIANTS:
         cells = [
-            f"{per_1k[(v, s)]:7.1f} s {runs[(v, s)]['peak_rss_mib']:6.0f} MiB"
+            f"{per_1k[(v, s)]:7.1f} s"
+            + (f" (CPU {cpu_1k[(v, s)]:.1f} s)" if (v, s) in cpu_1k else "")
+            + f" {runs[(v, s)]['peak_rss_mib']:6.0f} MiB"
             for s in seeds
             if (v, s) in runs
         ]
@@ -376,6 +401,10 @@ def summarize(records: list[dict]) -> dict[str, Any]:
     if {"mmrl_group", "trl"} <= summary["per_1k_s"].keys():
         ratio = summary["per_1k_s"]["mmrl_group"] / summary["per_1k_s"]["trl"]
         summary["group_time_ratio"] = ratio
+        cpu = {v: [cpu_1k[(v, s)] for s in seeds if (v, s) in cpu_1k] for v in ("mmrl_group", "trl")}
+        if cpu["mmrl_group"] and cpu["trl"]:
+            summary["group_cpu_ratio"] = statistics.fmean(cpu["mmrl_group"]) / statistics.fmean(cpu["trl"])
+            print(f"mmrl group / TRL process CPU seconds per 1k rollouts: {summary['group_cpu_ratio']:.2f}x")
         each = [
             per_1k[("mmrl_group", s)] / per_1k[("trl", s)]
             for s in seeds

@@ -96,7 +96,7 @@ def test_runs_time_every_step_and_save_loadable_adapters_at_the_marks(variant):
     saved: dict[int, dict[str, torch.Tensor]] = {}
     run = vs_trl.run_trl if variant == "trl" else vs_trl.run_mmrl
     times = run(cfg, vs_trl.mark_steps([64, 128]), lambda step, state: saved.__setitem__(step, state))
-    assert len(times) == 2 and all(t > 0 for t in times)
+    assert len(times.wall) == len(times.cpu) == 2 and all(t > 0 for t in times.wall + times.cpu)
     assert sorted(saved) == [1, 2]
     lora_b = [n for n in saved[2] if "lora_B" in n]
     assert lora_b and all(saved[2][n].abs().sum() > 0 for n in lora_b)
@@ -114,6 +114,7 @@ def test_summary_figures_and_goals():
         for v, rss in (("mmrl_single", 900.0), ("mmrl_group", 1000.0), ("trl", 950.0))
     ]
     records[1]["step_s"] = [0.5, 1.0]  # mmrl group at half TRL's time
+    records[1]["step_cpu_s"], records[2]["step_cpu_s"] = [1.0, 1.0], [4.0, 4.0]  # and a quarter of its CPU
     records.append(
         {
             "kind": "eval",
@@ -128,4 +129,5 @@ def test_summary_figures_and_goals():
     summary = vs_trl.summarize(records)
     assert summary["per_1k_s"]["trl"] == pytest.approx(1000 * 3.0 / 128)
     assert summary["group_time_ratio"] == pytest.approx(0.5)
+    assert summary["group_cpu_ratio"] == pytest.approx(0.25)
     assert summary["single_reach"] == 64  # 0.6 >= TRL's final 0.55 after 64 of TRL's 128 rollouts
