@@ -31,7 +31,7 @@ import math
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -64,7 +64,7 @@ from pipelines.vlm.inputs import VLMPrompt
 from pipelines.vlm.logprobs import TokenStats, backbone_and_head, build_scoring_batch, completion_token_stats
 from rewards.base import checked_score
 
-__all__ = ["VLMRLVRTrainer", "evaluate", "main"]
+__all__ = ["VLMRLVRTrainer", "evaluate", "load_examples", "main"]
 
 logger = logging.getLogger(__name__)
 
@@ -150,15 +150,10 @@ class VLMRLVRTrainer:
         self.rewards = [reward_registry.build(spec.name, **spec.options) for spec in cfg.rewards]
         self.reward_weights = torch.tensor([spec.weight for spec in cfg.rewards], dtype=torch.float32)
         d = cfg.data
-        common = dict(
-            question_column=d.question_column, answer_column=d.answer_column, image_column=d.image_column,
-            id_column=d.id_column, image_root=d.image_root, question_template=d.question_template,
-            image_size=d.image_size, split=d.split,
-        )
-        self.eval_set = load_vqa(d.eval, limit=d.eval_limit, seed=cfg.run.seed + 1, **common)
+        self.eval_set = load_examples(cfg, "eval")
         if not for_training:
             return
-        self.train_set = load_vqa(d.train, limit=d.train_limit, seed=cfg.run.seed, **common)
+        self.train_set = load_examples(cfg, "train")
         self.by_id = {ex.prompt_id: ex for ex in self.train_set}
         if len(self.by_id) != len(self.train_set):
             raise ValueError(f"{d.train}: prompt ids are not unique; set data.id_column to a unique column")
@@ -524,6 +519,21 @@ class VLMRLVRTrainer:
             self.rollout_pool.close()
         if self.run is not None:
             self.run.close()
+
+
+def load_examples(cfg: VLMRLVRConfig, which: Literal["train", "eval"]) -> list[VQAExample]:
+    """The run's train or held-out questions, as the trainer loads them: ``data.train`` with seed ``run.seed``,
+    ``data.eval`` with seed ``run.seed + 1`` (so generated shapes questions differ between the two)."""
+    d = cfg.data
+    if which == "train":
+        source, limit, seed = d.train, d.train_limit, cfg.run.seed
+    else:
+        source, limit, seed = d.eval, d.eval_limit, cfg.run.seed + 1
+    return load_vqa(
+        source, limit=limit, seed=seed, question_column=d.question_column, answer_column=d.answer_column,
+        image_column=d.image_column, id_column=d.id_column, image_root=d.image_root,
+        question_template=d.question_template, image_size=d.image_size, split=d.split,
+    )
 
 
 def _fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module | list[torch.nn.Module]]:
