@@ -61,6 +61,11 @@ def case(name: str, request: pytest.FixtureRequest) -> tuple[dict[str, Any], dic
         if importlib.util.find_spec("ImageReward") is None:
             pytest.skip("image-reward is an optional extra, not installed here")
         pytest.skip("ImageReward's loader downloads its weights; no download here")
+    if name == "ocr":
+        if importlib.util.find_spec("rapidocr_onnxruntime") is None:
+            pytest.skip("rapidocr-onnxruntime is an optional extra (mmrl[ocr]), not installed here")
+        targets = [{"target": t} for t in ("42", "sign", "7", "ab")]
+        return {"mode": "recognize", "threads": 1}, {"images": images, "metadata": targets}
     if name == "video_frames":
         return {"reward": "jpeg_incompressibility", "aggregate": "min"}, video_batch
     if name == "remote":
