@@ -31,6 +31,7 @@ _PROVIDERS: tuple[str, ...] = (
     "rewards.remote",
     "rewards.shapes",
     "rewards.ocr",
+    "rewards.judge",
 )
 
 
