@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+from PIL import Image, ImageDraw, ImageFont
 
 from rewards.base import Reward, RewardOutput
 from rewards.images import ImageBatch, batch_size_of, images_to_uint8
@@ -70,6 +71,18 @@ def ocr_similarity(recognised: str, target: str) -> float:
         raise ValueError(f"the OCR target {target!r} is empty once whitespace is removed")
     distance = 0 if t in r else levenshtein(r, t)
     return 1.0 - min(distance, len(t)) / len(t)
+
+
+def render_text(text: str, width: int, height: int, size: int) -> Image.Image:
+    """A reference render: black ``text`` centred on a white ``width`` x ``height`` RGB image, in Pillow's bundled
+    font at ``size`` pixels (no system font needed). What the reward should read exactly, for checks and
+    calibration."""
+    image = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(image)
+    font = ImageFont.load_default(size=size)
+    left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
+    draw.text(((width - (right - left)) / 2 - left, (height - (bottom - top)) / 2 - top), text, "black", font)
+    return image
 
 
 def ink_crop(image: np.ndarray, margin: float = 0.25, contrast: int = 48) -> np.ndarray:

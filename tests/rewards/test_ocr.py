@@ -8,10 +8,10 @@ import importlib.util
 import numpy as np
 import pytest
 import torch
-from PIL import Image, ImageDraw, ImageFont
+from PIL import Image
 
 import rewards
-from rewards.ocr import levenshtein, normalise_text, ocr_similarity, quoted_text
+from rewards.ocr import levenshtein, normalise_text, ocr_similarity, quoted_text, render_text
 
 needs_rapidocr = pytest.mark.skipif(
     importlib.util.find_spec("rapidocr_onnxruntime") is None,
@@ -37,16 +37,6 @@ DIGITS = [
     "71",
     "1",
 ]
-
-
-def render(text: str, width: int, height: int, size: int) -> Image.Image:
-    """Black text centred on white, in Pillow's bundled font (no system font needed)."""
-    image = Image.new("RGB", (width, height), "white")
-    draw = ImageDraw.Draw(image)
-    font = ImageFont.load_default(size=size)
-    left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
-    draw.text(((width - (right - left)) / 2 - left, (height - (bottom - top)) / 2 - top), text, "black", font)
-    return image
 
 
 def test_quoted_text_takes_the_first_span() -> None:
@@ -100,7 +90,7 @@ def test_targets_from_metadata_or_prompt_and_clear_errors() -> None:
 @needs_rapidocr
 def test_detect_mode_reads_clean_word_renders() -> None:
     reward = rewards.build("ocr", threads=1)
-    images = [render(word, 256, 96, 40) for word in WORDS]
+    images = [render_text(word, 256, 96, 40) for word in WORDS]
     prompts = [f'a white card with "{word}" written on it' for word in WORDS]
     out = reward.score(images=images, prompts=prompts)
     exact = out.components["exact"]
@@ -112,7 +102,7 @@ def test_detect_mode_reads_clean_word_renders() -> None:
 @pytest.mark.parametrize("size", [12, 22])
 def test_recognize_mode_reads_small_digit_renders(size: int) -> None:
     reward = rewards.build("ocr", mode="recognize", threads=1, batch_size=8)
-    images = [render(d, 64, 32, size) for d in DIGITS]  # upscaled to 64 px high inside
+    images = [render_text(d, 64, 32, size) for d in DIGITS]  # upscaled to 64 px high inside
     out = reward.score(images=images, metadata=[{"target": d} for d in DIGITS])
     assert out.components["exact"].mean().item() >= 0.95, list(zip(DIGITS, out.reasons, strict=True))
     # a tensor batch in [0, 1] reads the same as the PIL images
@@ -140,7 +130,7 @@ def test_blank_and_noise_score_about_zero(mode: str) -> None:
 @needs_rapidocr
 def test_wrong_text_is_scored_by_edit_distance_with_a_reason() -> None:
     reward = rewards.build("ocr", mode="recognize", threads=1)
-    out = reward.score(images=[render("2027", 128, 48, 30)], prompts=['the year "2026"'])
+    out = reward.score(images=[render_text("2027", 128, 48, 30)], prompts=['the year "2026"'])
     assert out.scores.tolist() == [pytest.approx(0.75)]  # one substitution in 4
     assert out.reasons == ["read '2027', expected '2026'"]
 
