@@ -287,6 +287,27 @@ def test_pointwise_score_mode_reads_ratings_or_says_unreadable(
         assert reason.startswith("unreadable") == (rating is None)
 
 
+def test_judge_served_by_the_reward_server_from_its_config(
+    local_judge: TransformersJudge, scenes, monkeypatch
+) -> None:
+    """The shipped server config (template in the config) serves the judge; the remote client scores the same."""
+    from rewards.server import ServerThread, build_reward, load_config
+
+    images, asked = scenes
+    root = VLM.parents[1]
+    monkeypatch.chdir(root)  # the config names the checkpoint relative to the repository root
+    config = load_config(root / "configs" / "reward_server" / "vlm_judge_local.yaml", port=0)
+    reward = build_reward(config)
+    assert reward.template == EXISTS_TEMPLATE
+    local = rewards.build("vlm_judge", judge=local_judge, mode="yes_prob", template=EXISTS_TEMPLATE)
+    with ServerThread(reward, config) as server:
+        remote = rewards.build("remote", url=server.url, retries=0).score(images=images, prompts=asked)
+    expected = local.score(images=images, prompts=asked)
+    # images travel as PNG (lossless for these 8-bit renders): the same numbers
+    torch.testing.assert_close(remote.scores, expected.scores, rtol=0, atol=1e-6)
+    assert remote.reasons == expected.reasons
+
+
 def test_endpoint_errors_are_clear(endpoint: ChatEndpoint, monkeypatch) -> None:
     images = [Image.new("RGB", (64, 64), "red")]
     monkeypatch.setenv("JUDGE_KEY", "wrong")
