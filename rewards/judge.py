@@ -312,7 +312,7 @@ def build_judge(
 
 _NUMBER = r"(\d+(?:\.\d+)?)"
 _RATING_PATTERNS = (
-    re.compile(rf"(?:score|rating|rate)\W{{0,3}}(?:is\W{{0,2}})?{_NUMBER}", re.IGNORECASE),  # "Score: 7"
+    re.compile(rf"\b(?:score|rating|rate)\W{{0,3}}(?:is\W{{0,2}})?{_NUMBER}", re.IGNORECASE),  # "Score: 7"
     re.compile(rf"{_NUMBER}\s*(?:/|out of)\s*\d+", re.IGNORECASE),  # "7/10", "7 out of 10"
     re.compile(rf"(?<![\d.]){_NUMBER}(?![\d.])"),  # any number
 )

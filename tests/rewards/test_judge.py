@@ -53,6 +53,7 @@ OBJECTS = ["red circle", "blue square", "green triangle", "yellow circle"]
         ("**Rating**: 9.5/10", 9.5),
         ("I would give it 6 out of 10.", 6.0),
         ("The image has 3 cats; score is 4", 4.0),
+        ("accurate 5 times, rating 8", 8.0),  # "rate" inside a word is not the rating
         ("<answer>10</answer>", 10.0),
         ("11/10, amazing", None),  # out of range
         ("0", None),
@@ -270,8 +271,13 @@ def test_pairwise_over_http_matches_in_process_and_sums_to_half_the_group(
         images=images[:4], prompts=prompts
     )
     torch.testing.assert_close(remote.scores, local.scores, rtol=0, atol=0)
+    # the same 12 raw answers of the real model over both paths, each comparison listed under both its samples
+    assert remote.reasons == local.reasons
+    assert sum(r.count(" vs ") for r in remote.reasons) == 2 * 12
     assert remote.scores.sum().item() == pytest.approx(4 / 2)
     torch.testing.assert_close(remote.components["comparisons"], torch.full((4,), 6.0))
+    # the tiny VLM was never taught to answer A or B: every comparison is unreadable and counts as a tie
+    torch.testing.assert_close(remote.components["unreadable"], torch.full((4,), 6.0))
 
 
 def test_pointwise_score_mode_reads_ratings_or_says_unreadable(
