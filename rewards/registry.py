@@ -1,9 +1,9 @@
 """Registry of rewards by name: register with a decorator, build with options.
 
-@register("jpeg_compressibility")
-class JpegCompressibility(Reward): ...
+    @register("jpeg_compressibility")
+    class JpegCompressibility(Reward): ...
 
-reward = build("jpeg_compressibility", quality=95)
+    reward = build("jpeg_compressibility", quality=95)
 """
 
 from __future__ import annotations
