@@ -30,6 +30,8 @@ _PROVIDERS: tuple[str, ...] = (
     "rewards.text",
     "rewards.remote",
     "rewards.shapes",
+    "rewards.ocr",
+    "rewards.judge",
 )
 
 

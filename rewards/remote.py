@@ -19,7 +19,8 @@ import threading
 import time
 import urllib.parse
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from rewards.base import Reward, RewardOutput
 from rewards.images import concat_outputs
@@ -27,6 +28,8 @@ from rewards.registry import register
 from rewards.wire import FIELDS, WireError, batch_length, decode_output, encode_batch
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # answers worth retrying: the server is overloaded, restarting, or timed out on this request
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
@@ -122,99 +125,23 @@ class RemoteReward(Reward):
         checks that the answer belongs to this request."""
         request_id = uuid.uuid4().hex
         body = json.dumps(encode_batch(batch, request_id)).encode()
-        headers = {"Content-Type": "application/json"}
-        if self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
         size = batch_length(batch)
-        last_error: Exception | None = None
-        attempts = 0
-        for attempt in range(self.retries + 1):
-            if attempt:
-                delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)) * random.uniform(
-                    1.0, 1.25
-                )
-                if end is not None and time.monotonic() + delay >= end:
-                    break  # no time left for another attempt
-                logger.warning(
-                    "reward server %s: %s; retry %d in %.2fs", self.url, last_error, attempt, delay
-                )
-                time.sleep(delay)
-            timeout = self.timeout if end is None else min(self.timeout, end - time.monotonic())
-            if timeout <= 0:
-                break
-            attempts += 1
-            try:
-                status, data, location = self._post(body, headers, timeout)
-            except TRANSPORT_ERRORS as error:
-                last_error = error
-                continue
-            if 300 <= status < 400:
-                raise RemoteRewardError(
-                    f"reward server {self.url} answered {status} redirecting to {location!r}; redirects are "
-                    "not followed (the bearer token would be sent to another address): set url to the "
-                    "server's own address"
-                )
-            if status != 200:
-                message = _error_message(data, status)
-                if status in RETRY_STATUS:
-                    last_error = RemoteRewardError(f"HTTP {status}: {message}")
-                    continue
-                if status == 401:
-                    raise PermissionError(f"reward server {self.url}: {message}")
-                if status == 413:
-                    raise ValueError(f"reward server {self.url}: {message}; lower batch_size")
-                if 400 <= status < 500:
-                    raise ValueError(f"reward server {self.url} rejected samples {offset}..: {message}")
-                last_error = RemoteRewardError(f"unexpected HTTP {status}: {message}")
-                continue
-            output = self._check(data, request_id, size)
-            if output is not None:
-                return output
-            last_error = WireError(f"answer does not match request {request_id}: {data[:200]!r}")
-        within = "" if end is None else f" within deadline={self.deadline}s"
-        raise RemoteRewardError(
-            f"reward server {self.url}: no valid answer after {attempts} attempts{within}: "
-            f"{type(last_error).__name__}: {last_error}"
-        )
-
-    def _post(self, body: bytes, headers: dict[str, str], timeout: float) -> tuple[int, bytes, str | None]:
-        """``(status, body, Location header)`` of one POST, all of it within ``timeout`` seconds.
-
-        A socket timeout bounds each read only, so a watchdog shuts the socket down at the deadline; the
-        blocked read then fails and the attempt ends with :class:`TimeoutError`.
-
-        Raises:
-            OSError, http.client.HTTPException: see :data:`TRANSPORT_ERRORS`.
-        """
-        parts = urllib.parse.urlsplit(self.url)
-        factory = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        connection = factory(parts.hostname or "", parts.port, timeout=timeout)
-        expired = threading.Event()
-
-        def cut() -> None:
-            expired.set()
-            sock = connection.sock
-            if sock is not None:
-                with contextlib.suppress(OSError):  # already closed
-                    sock.shutdown(socket.SHUT_RDWR)
-
-        watchdog = threading.Timer(timeout, cut)
-        watchdog.daemon = True
-        watchdog.start()
         try:
-            connection.request("POST", f"{parts.path}/score", body=body, headers=headers)
-            response = connection.getresponse()
-            data = response.read()
-            if expired.is_set():  # the watchdog cut the answer short
-                raise TimeoutError(f"no complete answer within timeout={timeout:.3g}s")
-            return response.status, data, response.getheader("Location")
-        except TRANSPORT_ERRORS:
-            if expired.is_set():
-                raise TimeoutError(f"no complete answer within timeout={timeout:.3g}s") from None
-            raise
-        finally:
-            watchdog.cancel()
-            connection.close()
+            return post_json(
+                f"{self.url}/score",
+                body,
+                token=self.token,
+                timeout=self.timeout,
+                retries=self.retries,
+                backoff_s=self.backoff_s,
+                max_backoff_s=self.max_backoff_s,
+                end=end,
+                deadline=self.deadline,
+                accept=lambda data: self._check(data, request_id, size),
+                label=f"reward server {self.url}",
+            )
+        except ValueError as error:
+            raise ValueError(f"{error} (samples {offset}..{offset + size - 1})") from error
 
     @staticmethod
     def _check(data: bytes, request_id: str, size: int) -> RewardOutput | None:
@@ -231,9 +158,132 @@ class RemoteReward(Reward):
         return output if len(output.scores) == size else None
 
 
-def _error_message(data: bytes, status: int) -> str:
-    """The server's one-line ``error`` field, else the start of the body."""
+def post_json(
+    url: str,
+    body: bytes,
+    *,
+    accept: Callable[[bytes], T | None],
+    token: str | None = None,
+    timeout: float = 120.0,
+    retries: int = 5,
+    backoff_s: float = 0.5,
+    max_backoff_s: float = 10.0,
+    end: float | None = None,
+    deadline: float | None = None,
+    label: str = "server",
+) -> T:
+    """POST the JSON ``body`` to ``url`` with retries; return ``accept(answer body)`` of the first 200 answer it
+    accepts (``accept`` returns ``None`` for an answer that is not a valid one: retried like a transport error).
+
+    Retried: every transport failure and 408/429/5xx answers, ``retries`` times after the first attempt, with
+    ``sleep = min(max_backoff_s, backoff_s * 2**attempt) * U(1, 1.25)``, until ``end`` (a ``time.monotonic()``
+    value; ``None``: no end; ``deadline``, the seconds that ``end`` allowed in all, is named in the error). Each
+    attempt takes at most ``timeout`` seconds in all. Redirects are refused: the
+    bearer ``token`` must not reach another address.
+
+    Raises:
+        ValueError: a 4xx answer other than 401 and 408/429 (413 says to lower the batch size).
+        PermissionError: missing or wrong token (401).
+        RemoteRewardError: no accepted answer after every retry or before ``end``, or a redirect.
+    """
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    last_error: Exception | None = None
+    attempts = 0
+    for attempt in range(retries + 1):
+        if attempt:
+            delay = min(max_backoff_s, backoff_s * 2 ** (attempt - 1)) * random.uniform(1.0, 1.25)
+            if end is not None and time.monotonic() + delay >= end:
+                break  # no time left for another attempt
+            logger.warning("%s: %s; retry %d in %.2fs", label, last_error, attempt, delay)
+            time.sleep(delay)
+        attempt_timeout = timeout if end is None else min(timeout, end - time.monotonic())
+        if attempt_timeout <= 0:
+            break
+        attempts += 1
+        try:
+            status, data, location = post_once(url, body, headers, attempt_timeout)
+        except TRANSPORT_ERRORS as error:
+            last_error = error
+            continue
+        if 300 <= status < 400:
+            raise RemoteRewardError(
+                f"{label} answered {status} redirecting to {location!r}; redirects are not followed (the "
+                "bearer token would be sent to another address): set the url to the server's own address"
+            )
+        if status != 200:
+            message = _error_message(data, status)
+            if status in RETRY_STATUS:
+                last_error = RemoteRewardError(f"HTTP {status}: {message}")
+                continue
+            if status == 401:
+                raise PermissionError(f"{label}: {message}")
+            if status == 413:
+                raise ValueError(f"{label}: {message}; lower batch_size")
+            if 400 <= status < 500:
+                raise ValueError(f"{label} rejected the request: {message}")
+            last_error = RemoteRewardError(f"unexpected HTTP {status}: {message}")
+            continue
+        output = accept(data)
+        if output is not None:
+            return output
+        last_error = WireError(f"answer is not a valid one: {data[:200]!r}")
+    within = "" if end is None else f" within deadline={deadline}s"
+    raise RemoteRewardError(
+        f"{label}: no valid answer after {attempts} attempts{within}: {type(last_error).__name__}: {last_error}"
+    )
+
+
+def post_once(
+    url: str, body: bytes, headers: dict[str, str], timeout: float
+) -> tuple[int, bytes, str | None]:
+    """``(status, body, Location header)`` of one POST to ``url``, all of it within ``timeout`` seconds.
+
+    A socket timeout bounds each read only, so a watchdog shuts the socket down at the deadline; the
+    blocked read then fails and the attempt ends with :class:`TimeoutError`.
+
+    Raises:
+        OSError, http.client.HTTPException: see :data:`TRANSPORT_ERRORS`.
+    """
+    parts = urllib.parse.urlsplit(url)
+    factory = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    connection = factory(parts.hostname or "", parts.port, timeout=timeout)
+    expired = threading.Event()
+
+    def cut() -> None:
+        expired.set()
+        sock = connection.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):  # already closed
+                sock.shutdown(socket.SHUT_RDWR)
+
+    watchdog = threading.Timer(timeout, cut)
+    watchdog.daemon = True
+    watchdog.start()
+    path = parts.path + (f"?{parts.query}" if parts.query else "")
     try:
-        return str(json.loads(data).get("error", status))
+        connection.request("POST", path, body=body, headers=headers)
+        response = connection.getresponse()
+        data = response.read()
+        if expired.is_set():  # the watchdog cut the answer short
+            raise TimeoutError(f"no complete answer within timeout={timeout:.3g}s")
+        return response.status, data, response.getheader("Location")
+    except TRANSPORT_ERRORS:
+        if expired.is_set():
+            raise TimeoutError(f"no complete answer within timeout={timeout:.3g}s") from None
+        raise
+    finally:
+        watchdog.cancel()
+        connection.close()
+
+
+def _error_message(data: bytes, status: int) -> str:
+    """The server's one-line ``error`` field (or its ``message``), else the start of the body."""
+    try:
+        error = json.loads(data).get("error", status)
+        if isinstance(error, dict) and "message" in error:  # the OpenAI form {"error": {"message": ...}}
+            error = error["message"]
+        return str(error)
     except (ValueError, AttributeError, RecursionError):
         return " ".join(data[:200].decode("utf-8", "replace").split()) or f"HTTP {status}"

@@ -4,6 +4,7 @@ files), scores of shape [B], finite, deterministic, and independent of how the b
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -61,6 +62,20 @@ def case(name: str, request: pytest.FixtureRequest) -> tuple[dict[str, Any], dic
         if importlib.util.find_spec("ImageReward") is None:
             pytest.skip("image-reward is an optional extra, not installed here")
         pytest.skip("ImageReward's loader downloads its weights; no download here")
+    if name == "ocr":
+        if importlib.util.find_spec("rapidocr_onnxruntime") is None:
+            pytest.skip("rapidocr-onnxruntime is an optional extra (mmrl[ocr]), not installed here")
+        targets = [{"target": t} for t in ("42", "sign", "7", "ab")]
+        return {"mode": "recognize", "threads": 1}, {"images": images, "metadata": targets}
+    if name in ("vlm_judge", "vlm_judge_pairwise"):
+        vlm = str(Path(__file__).resolve().parents[2] / "checkpoints" / "shapes_vlm")
+        # distinct prompts: a pairwise group is the samples sharing a prompt, so here every sample is alone
+        # and its score cannot depend on how the batch is split
+        judged = [f"a photo of a {o}" for o in ("red circle", "blue square", "green triangle", "grey circle")]
+        return {"backend": "transformers", "model_path": vlm, "max_tokens": 8}, {
+            "images": images,
+            "prompts": judged,
+        }
     if name == "video_frames":
         return {"reward": "jpeg_incompressibility", "aggregate": "min"}, video_batch
     if name == "remote":
@@ -115,8 +130,6 @@ def test_unknown_name_lists_the_available_ones() -> None:
 
 
 def test_shipped_server_configs_validate(monkeypatch):
-    from pathlib import Path
-
     import yaml
 
     from rewards.server import ServerConfig
