@@ -79,8 +79,12 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     base = results["uniform"]["effective_ratio"]
     print(f"{'allocator':10s} {'effective ratio':>16s} {'vs uniform':>11s} {'train success':>14s}")
     for name, r in results.items():
-        print(f"{name:10s} {r['effective_ratio']:16.3f} {r['effective_ratio'] / base:10.2f}x {r['train_success']:14.3f}")
-    print(f"({args.prompts} prompts, {args.steps} steps x 1024 rollouts, {args.seeds} seeds, {time.time() - start:.0f} s)")
+        print(
+            f"{name:10s} {r['effective_ratio']:16.3f} {r['effective_ratio'] / base:10.2f}x {r['train_success']:14.3f}"
+        )
+    print(
+        f"({args.prompts} prompts, {args.steps} steps x 1024 rollouts, {args.seeds} seeds, {time.time() - start:.0f} s)"
+    )
     print(json.dumps(results))
     return results
 

@@ -41,12 +41,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     adv = torch.randn(4096, 1, generator=g)
     mask = torch.ones(4096, 256)
     cases: dict[str, tuple[Callable[[], object], float | None]] = {
-        "group_normalized 1M rewards / 65,536 groups": (lambda: advantages.group_normalized(rewards, groups), 100.0),
+        "group_normalized 1M rewards / 65,536 groups": (
+            lambda: advantages.group_normalized(rewards, groups),
+            100.0,
+        ),
         "knapsack 100k prompts, budget 800k, n_max 64": (
             lambda: allocation.knapsack(p, 800_000, n_min=1, n_max=64),
             200.0,
         ),
-        "sqrt_rule 100k prompts, budget 800k, n_max 64": (lambda: allocation.sqrt_rule(p, 800_000, 1, 64), None),
+        "sqrt_rule 100k prompts, budget 800k, n_max 64": (
+            lambda: allocation.sqrt_rule(p, 800_000, 1, 64),
+            None,
+        ),
         "rloo 1M rewards / 65,536 groups": (lambda: advantages.rloo(rewards, groups), None),
         "clipped_surrogate + aggregate 1M tokens": (
             lambda: losses.aggregate(losses.clipped_surrogate(logp, old, adv, 0.2, 0.28), mask),
@@ -58,7 +64,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     for name, (fn, target) in cases.items():
         ms = median_ms(fn, args.repeats)
         results[name] = ms
-        verdict = "" if target is None else f"  (target < {target:.0f} ms: {'met' if ms < target else 'MISSED'})"
+        verdict = (
+            "" if target is None else f"  (target < {target:.0f} ms: {'met' if ms < target else 'MISSED'})"
+        )
         print(f"{name:50s} {ms:8.1f} ms{verdict}")
     return results
 

@@ -97,16 +97,27 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         trainer.cleanup()
     step_time, fwd, bwd, rew = spent["step"], spent["forward"], spent["backward"], spent["reward"]
     other = step_time - fwd - bwd - rew
-    curve = [(r["step"], r.get("nfe/total", 0.0), r["time"], r["eval/shapes/mean"])
-             for r in read_metrics(Path(cfg.run.output_dir) / cfg.run.name) if "eval/shapes/mean" in r]
+    curve = [
+        (r["step"], r.get("nfe/total", 0.0), r["time"], r["eval/shapes/mean"])
+        for r in read_metrics(Path(cfg.run.output_dir) / cfg.run.name)
+        if "eval/shapes/mean" in r
+    ]
     print("held-out strict shapes score:")
     print(f"{'step':>6s} {'NFE':>10s} {'wall s':>8s} {'score':>7s}")
     for step, nfe, wall, score_ in curve:
         print(f"{step:6d} {nfe:10.0f} {wall:8.1f} {score_:7.3f}")
-    print(f"training steps: {step_time:.1f} s in all; transformer forward {fwd / step_time:.1%}, backward "
-          f"{bwd / step_time:.1%}, reward {rew / step_time:.1%}, trainer overhead {other / step_time:.1%}")
-    result = {"curve": curve, "step_time_s": step_time, "forward_frac": fwd / step_time,
-              "backward_frac": bwd / step_time, "reward_frac": rew / step_time, "overhead_frac": other / step_time}
+    print(
+        f"training steps: {step_time:.1f} s in all; transformer forward {fwd / step_time:.1%}, backward "
+        f"{bwd / step_time:.1%}, reward {rew / step_time:.1%}, trainer overhead {other / step_time:.1%}"
+    )
+    result = {
+        "curve": curve,
+        "step_time_s": step_time,
+        "forward_frac": fwd / step_time,
+        "backward_frac": bwd / step_time,
+        "reward_frac": rew / step_time,
+        "overhead_frac": other / step_time,
+    }
     print(json.dumps(result))
     return result
 

@@ -53,10 +53,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     overrides = [f"trainer.eval_prompts={args.eval_prompts}", *args.overrides]
-    trainers = {"float32": build(args.config, None, overrides), "bfloat16": build(args.config, "bfloat16", overrides)}
+    trainers = {
+        "float32": build(args.config, None, overrides),
+        "bfloat16": build(args.config, "bfloat16", overrides),
+    }
     report: dict[str, object] = {"threads": torch.get_num_threads()}
-    report["velocity_rel_error"] = velocity_error(trainers["float32"], trainers["bfloat16"],
-                                                  trainers["float32"].eval_pool[:64])
+    report["velocity_rel_error"] = velocity_error(
+        trainers["float32"], trainers["bfloat16"], trainers["float32"].eval_pool[:64]
+    )
     # the demo evaluates with eval_rewards = the strict verifier, so eval/reward_mean is the strict score
     report["heldout_strict_base"] = {name: t.evaluate()["eval/reward_mean"] for name, t in trainers.items()}
     times: dict[str, list[float]] = {name: [] for name in trainers}

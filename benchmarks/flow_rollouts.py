@@ -78,10 +78,14 @@ def part_a(adapter: ShapesAdapter, prompts: int, repeats: int, splits: tuple[int
         "wall_over_nfe_ratio": wall_ratio / nfe_ratio,
     }
     print(f"(a) {prompts} prompts x {leaves} leaves, {steps} steps, median of {repeats}")
-    print(f"    NFE per final sample: flat {out['flat_nfe_per_sample']:.2f}, branch {out['branch_nfe_per_sample']:.2f}"
-          f"  -> ratio {nfe_ratio:.3f} (goal <= 0.6)")
-    print(f"    wall-clock per batch: flat {out['flat_s']:.2f} s, branch {out['branch_s']:.2f} s -> ratio {wall_ratio:.3f}"
-          f" = {out['wall_over_nfe_ratio']:.2f}x the NFE ratio (goal <= 1.2x)")
+    print(
+        f"    NFE per final sample: flat {out['flat_nfe_per_sample']:.2f}, branch {out['branch_nfe_per_sample']:.2f}"
+        f"  -> ratio {nfe_ratio:.3f} (goal <= 0.6)"
+    )
+    print(
+        f"    wall-clock per batch: flat {out['flat_s']:.2f} s, branch {out['branch_s']:.2f} s -> ratio {wall_ratio:.3f}"
+        f" = {out['wall_over_nfe_ratio']:.2f}x the NFE ratio (goal <= 1.2x)"
+    )
     return out
 
 
@@ -96,8 +100,12 @@ def part_c(adapter: ShapesAdapter, prompts: int, candidates: int, guidance: floa
         q = quantize_copy(adapter.transformer, scheme)
         out[f"{scheme}_mb"] = weight_bytes(q.module) / 1e6
         out[f"{scheme}_ratio"] = full / weight_bytes(q.module)
-    print(f"(c) transformer weights: fp32 {out['fp32_mb']:.2f} MB; " + ", ".join(
-        f"{s} {out[s + '_mb']:.2f} MB ({out[s + '_ratio']:.2f}x smaller)" for s in ("int8", "nf4", "fp4")))
+    print(
+        f"(c) transformer weights: fp32 {out['fp32_mb']:.2f} MB; "
+        + ", ".join(
+            f"{s} {out[s + '_mb']:.2f} MB ({out[s + '_ratio']:.2f}x smaller)" for s in ("int8", "nf4", "fp4")
+        )
+    )
     verifier = rewards.build("shapes")
 
     def graded(images: torch.Tensor, batch_prompts: list[str]) -> torch.Tensor:
@@ -111,15 +119,23 @@ def part_c(adapter: ShapesAdapter, prompts: int, candidates: int, guidance: floa
     batch = sample_prompts(prompts, 1, "heldout")
     for scheme, preview_steps in (("nf4", 10), ("int8", 10), ("nf4", 4)):
         q = quantize_copy(adapter.transformer, scheme)
-        cfg = ExploreConfig(candidates=candidates, preview_steps=preview_steps, keep_best=candidates // 2,
-                            keep_worst=candidates - candidates // 2)
-        res = explore(adapter, q.module, batch, sampling, cfg, graded, generator=torch.Generator().manual_seed(0))
+        cfg = ExploreConfig(
+            candidates=candidates,
+            preview_steps=preview_steps,
+            keep_best=candidates // 2,
+            keep_worst=candidates - candidates // 2,
+        )
+        res = explore(
+            adapter, q.module, batch, sampling, cfg, graded, generator=torch.Generator().manual_seed(0)
+        )
         # full precision, the sampler of evaluation (10 Euler steps), from the same seeds
         regenerated = rollout(adapter, batch, candidates, sampling, noise=res.noise)
         rho = spearman(res.chosen_preview_rewards, graded(regenerated.images, regenerated.prompts))
         out[f"{scheme}_{preview_steps}steps_spearman"] = rho
-        print(f"    {scheme} preview ({preview_steps} steps) vs full precision (10 steps), {prompts} prompts x "
-              f"{candidates} seeds: Spearman {rho:.3f} (goal >= 0.8)")
+        print(
+            f"    {scheme} preview ({preview_steps} steps) vs full precision (10 steps), {prompts} prompts x "
+            f"{candidates} seeds: Spearman {rho:.3f} (goal >= 0.8)"
+        )
     return out
 
 
@@ -130,7 +146,9 @@ DEMO_CONFIGS = {
 }
 
 
-def part_b(steps: int | None, seeds: list[int], eval_every: int | None, variants: list[str]) -> dict[str, object]:
+def part_b(
+    steps: int | None, seeds: list[int], eval_every: int | None, variants: list[str]
+) -> dict[str, object]:
     from mmrl.config import load_config
     from mmrl.flow.config import FlowGRPOConfig
     from mmrl.flow.trainer import main
@@ -140,32 +158,44 @@ def part_b(steps: int | None, seeds: list[int], eval_every: int | None, variants
     for name in variants:
         runs = {}
         for seed in seeds:
-            overrides = [f"run.name=bench_{name}_s{seed}", f"run.seed={seed}", "run.overwrite=true",
-                         "run.progress=false"]
+            overrides = [
+                f"run.name=bench_{name}_s{seed}",
+                f"run.seed={seed}",
+                "run.overwrite=true",
+                "run.progress=false",
+            ]
             overrides += [f"trainer.steps={steps}"] if steps else []
             overrides += [f"trainer.eval_every={eval_every}"] if eval_every else []
             cfg = load_config(FlowGRPOConfig, DEMO_CONFIGS[name], overrides)
             start = time.perf_counter()
             main(cfg)
-            records = [r for r in read_metrics(Path(cfg.run.output_dir) / cfg.run.name) if "eval/reward_mean" in r]
+            records = [
+                r for r in read_metrics(Path(cfg.run.output_dir) / cfg.run.name) if "eval/reward_mean" in r
+            ]
             curve = [(r["step"], r.get("nfe/total", 0.0), r["time"], r["eval/reward_mean"]) for r in records]
             runs[seed] = {"curve": curve, "wall_s": time.perf_counter() - start}
             print(name, seed, json.dumps(runs[seed]))
         # the mean over seeds at each evaluation (NFE and wall-clock of the first seed: the same steps)
         first = runs[seeds[0]]["curve"]
-        mean = [(step, nfe, wall, statistics.fmean(runs[s]["curve"][k][3] for s in seeds))
-                for k, (step, nfe, wall, _) in enumerate(first)]
+        mean = [
+            (step, nfe, wall, statistics.fmean(runs[s]["curve"][k][3] for s in seeds))
+            for k, (step, nfe, wall, _) in enumerate(first)
+        ]
         results[name] = {"seeds": runs, "mean_curve": mean}
     if "flat" not in results:
         return results
     flat_final_nfe, flat_final = results["flat"]["mean_curve"][-1][1], results["flat"]["mean_curve"][-1][3]
     for name in results.keys() - {"flat"}:
         # NFE at this variant's first evaluation whose seed-mean reaches flat's final seed-mean (goal <= 0.6x)
-        reached = [nfe for step, nfe, _, score in results[name]["mean_curve"] if step > 0 and score >= flat_final]
+        reached = [
+            nfe for step, nfe, _, score in results[name]["mean_curve"] if step > 0 and score >= flat_final
+        ]
         ratio = reached[0] / flat_final_nfe if reached else None
         results[name]["nfe_to_flat_final_ratio"] = ratio
-        print(f"(b) {name}: reaches flat's final score {flat_final:.3f} (mean of {len(seeds)} seeds) "
-              + (f"at {ratio:.2f}x flat's NFE" if ratio is not None else "never within the run"))
+        print(
+            f"(b) {name}: reaches flat's final score {flat_final:.3f} (mean of {len(seeds)} seeds) "
+            + (f"at {ratio:.2f}x flat's NFE" if ratio is not None else "never within the run")
+        )
     return results
 
 
@@ -175,13 +205,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--candidates", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=None, help="(b) override trainer.steps of the demo configs")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="(b) override trainer.steps of the demo configs"
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="(b) run.seed of each run")
     parser.add_argument("--eval-every", type=int, default=None, help="(b) override trainer.eval_every")
-    parser.add_argument("--variants", nargs="+", choices=list(DEMO_CONFIGS), default=list(DEMO_CONFIGS),
-                        help="(b) which demo configs to train")
-    parser.add_argument("--guidance", type=float, default=1.0, help="(c) CFG scale of the samplers (the demo's: 1)")
-    parser.add_argument("--splits", type=int, nargs=4, default=[2, 4, 6, 8], help="four split steps (factor 2)")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=list(DEMO_CONFIGS),
+        default=list(DEMO_CONFIGS),
+        help="(b) which demo configs to train",
+    )
+    parser.add_argument(
+        "--guidance", type=float, default=1.0, help="(c) CFG scale of the samplers (the demo's: 1)"
+    )
+    parser.add_argument(
+        "--splits", type=int, nargs=4, default=[2, 4, 6, 8], help="four split steps (factor 2)"
+    )
     args = parser.parse_args(argv)
     import tempfile
 

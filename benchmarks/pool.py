@@ -56,7 +56,9 @@ SAMPLING = SamplingConfig(num_steps=8, height=32, width=32)
 COUNTS = (4, 4)
 
 
-def make_requests(prefix: str, n: int, seed0: int = 0, counts: tuple[int, ...] = COUNTS) -> list[RolloutRequest]:
+def make_requests(
+    prefix: str, n: int, seed0: int = 0, counts: tuple[int, ...] = COUNTS
+) -> list[RolloutRequest]:
     """``n`` requests of ``len(counts)`` prompts x ``counts`` samples (default 2 x 4)."""
     return [
         RolloutRequest(
@@ -164,14 +166,17 @@ def sync_vs_async(model_dir: str, factory, steps: int, per_step: int) -> dict:
             adapter = load_adapter("shapes", model_dir)
             adapter.transformer.requires_grad_(False)
             adapter.transformer.add_adapter(
-                LoraConfig(r=8, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+                LoraConfig(r=8, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
+            )
             params = [p for p in adapter.transformer.parameters() if p.requires_grad]
             optimizer = torch.optim.AdamW(params, lr=1e-4)
             pool.max_staleness = staleness
             lags: list[int] = []
             samples = 0
             start = time.perf_counter()
-            stream = pool.stream(lambda s, k=staleness: make_requests(f"s{k}-{s}", per_step, seed0=100 * s), steps)
+            stream = pool.stream(
+                lambda s, k=staleness: make_requests(f"s{k}-{s}", per_step, seed0=100 * s), steps
+            )
             for batch in stream:
                 lags.extend(batch.sample_lags().tolist())
                 samples += batch.num_samples
@@ -196,9 +201,15 @@ def trainer_sync_vs_async(steps: int) -> dict:
 
     out = {}
     for staleness in (0, 1):
-        cfg = load_config(FlowGRPOConfig, "configs/demo/flow_shapes_async.yaml", [
-            f"pool.max_staleness={staleness}", f"trainer.steps={steps}", "run.progress=false",
-        ])
+        cfg = load_config(
+            FlowGRPOConfig,
+            "configs/demo/flow_shapes_async.yaml",
+            [
+                f"pool.max_staleness={staleness}",
+                f"trainer.steps={steps}",
+                "run.progress=false",
+            ],
+        )
         trainer = FlowGRPOTrainer(cfg, None)
         trainer.setup()
         trainer.train_step()  # warm-up: the worker's first request and the first backward
@@ -219,25 +230,36 @@ def trainer_sync_vs_async(steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=40, help="requests of the overhead/throughput runs")
-    parser.add_argument("--samples-per-request", type=int, default=sum(COUNTS),
-                        help="samples per request of the overhead/throughput runs (2 prompts, half each)")
+    parser.add_argument(
+        "--samples-per-request",
+        type=int,
+        default=sum(COUNTS),
+        help="samples per request of the overhead/throughput runs (2 prompts, half each)",
+    )
     parser.add_argument("--steps", type=int, default=8, help="training steps of the sync/async runs")
     parser.add_argument("--per-step", type=int, default=4, help="requests per training step")
     parser.add_argument("--repeats", type=int, default=3, help="repetitions of the overhead runs (best kept)")
     parser.add_argument("--no-ray", action="store_true", help="only the in-process overhead")
     parser.add_argument("--trainer", action="store_true", help="only part 4: the flow trainer on a pool")
-    parser.add_argument("--trainer-steps", type=int, default=8, help="timed steps of part 4 (after one warm-up)")
+    parser.add_argument(
+        "--trainer-steps", type=int, default=8, help="timed steps of part 4 (after one warm-up)"
+    )
     args = parser.parse_args()
     if args.trainer:
         print(json.dumps(trainer_sync_vs_async(args.trainer_steps), indent=2))
         return
-    torch.set_num_threads(1)  # every process one thread: the comparison is per core, and the CPU may be shared
+    torch.set_num_threads(
+        1
+    )  # every process one thread: the comparison is per core, and the CPU may be shared
 
     with tempfile.TemporaryDirectory() as model_dir:
         torch.manual_seed(0)
-        build_shapes_pipeline(PROMPTS, num_layers=2, num_attention_heads=2, attention_head_dim=16).save_pretrained(
-            model_dir)
-        factory = functools.partial(FlowRolloutWorker.from_pretrained, "shapes", model_dir, SAMPLING, num_threads=1)
+        build_shapes_pipeline(
+            PROMPTS, num_layers=2, num_attention_heads=2, attention_head_dim=16
+        ).save_pretrained(model_dir)
+        factory = functools.partial(
+            FlowRolloutWorker.from_pretrained, "shapes", model_dir, SAMPLING, num_threads=1
+        )
         half = args.samples_per_request // 2
         counts = (half, args.samples_per_request - half)
         requests = make_requests("r", args.requests, counts=counts)

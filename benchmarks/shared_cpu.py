@@ -49,7 +49,11 @@ COMPETITOR = (
 
 def _policy_env(policy: str) -> dict[str, str]:
     """The environment of a worker: the parent's without OpenMP wait settings, plus the policy's."""
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
+    }
     env.update(POLICIES[policy])
     return env
 
@@ -86,9 +90,21 @@ def _run_worker(model: str, policy: str, steps: int, loaded: bool) -> list[float
     try:
         threads = "1" if policy == "threads1" else "0"
         out = subprocess.run(
-            [sys.executable, "-m", "benchmarks.shared_cpu", "--worker", model, "--steps", str(steps),
-             "--threads", threads],
-            env=_policy_env(policy), capture_output=True, text=True, check=True,
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.shared_cpu",
+                "--worker",
+                model,
+                "--steps",
+                str(steps),
+                "--threads",
+                threads,
+            ],
+            env=_policy_env(policy),
+            capture_output=True,
+            text=True,
+            check=True,
         )
     finally:
         if competitor is not None:
@@ -117,18 +133,27 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                 for loaded in (False, True):
                     times = _run_worker(model, policy, args.steps, loaded)
                     samples.setdefault((model, policy, loaded), []).extend(times)
-                    print(f"{model:5s} {policy:9s} {'loaded' if loaded else 'quiet':7s} "
-                          + " ".join(f"{t:.2f}" for t in times), flush=True)
+                    print(
+                        f"{model:5s} {policy:9s} {'loaded' if loaded else 'quiet':7s} "
+                        + " ".join(f"{t:.2f}" for t in times),
+                        flush=True,
+                    )
     report: dict[str, object] = {}
-    print(f"\n{'model':5s} {'policy':9s} {'quiet s':>8s} {'loaded s':>9s} {'slowdown':>9s} {'quiet vs default':>17s}")
+    print(
+        f"\n{'model':5s} {'policy':9s} {'quiet s':>8s} {'loaded s':>9s} {'slowdown':>9s} {'quiet vs default':>17s}"
+    )
     for model in args.models:
         base = statistics.median(samples[(model, "default", False)]) if "default" in args.policies else None
         for policy in args.policies:
             quiet = statistics.median(samples[(model, policy, False)])
             loaded = statistics.median(samples[(model, policy, True)])
             rel = quiet / base if base else float("nan")
-            report[f"{model}/{policy}"] = {"quiet_s": quiet, "loaded_s": loaded, "slowdown": loaded / quiet,
-                                           "quiet_vs_default": rel}
+            report[f"{model}/{policy}"] = {
+                "quiet_s": quiet,
+                "loaded_s": loaded,
+                "slowdown": loaded / quiet,
+                "quiet_vs_default": rel,
+            }
             print(f"{model:5s} {policy:9s} {quiet:8.2f} {loaded:9.2f} {loaded / quiet:8.2f}x {rel:16.2f}x")
     return report
 

@@ -32,10 +32,17 @@ def variants(group_prompts: int) -> dict[str, list[str]]:
     per_step = G * group_prompts
     return {
         "single": ["trainer.mode=single", f"trainer.prompts_per_step={per_step}"],
-        "single_no_entropy": ["trainer.mode=single", f"trainer.prompts_per_step={per_step}",
-                              "trainer.entropy_shaping.enabled=false"],
-        "group": ["trainer.mode=group", f"trainer.num_generations={G}", f"trainer.prompts_per_step={group_prompts}",
-                  "trainer.entropy_shaping.enabled=false"],
+        "single_no_entropy": [
+            "trainer.mode=single",
+            f"trainer.prompts_per_step={per_step}",
+            "trainer.entropy_shaping.enabled=false",
+        ],
+        "group": [
+            "trainer.mode=group",
+            f"trainer.num_generations={G}",
+            f"trainer.prompts_per_step={group_prompts}",
+            "trainer.entropy_shaping.enabled=false",
+        ],
     }
 
 
@@ -53,28 +60,45 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     entropy: dict[str, list[float]] = {}
     for name, extra in variants(args.group_prompts).items():
         for seed in range(args.seeds):
-            cfg = load_config(VLMRLVRConfig, args.config, [
-                *extra, f"run.name=bench_{name}_{seed}", f"run.seed={seed}", "run.overwrite=true",
-                "run.progress=false", f"trainer.steps={steps}", f"trainer.eval_every={args.eval_every}",
-            ])
+            cfg = load_config(
+                VLMRLVRConfig,
+                args.config,
+                [
+                    *extra,
+                    f"run.name=bench_{name}_{seed}",
+                    f"run.seed={seed}",
+                    "run.overwrite=true",
+                    "run.progress=false",
+                    f"trainer.steps={steps}",
+                    f"trainer.eval_every={args.eval_every}",
+                ],
+            )
             train(cfg)
             records = read_metrics(Path(cfg.run.output_dir) / cfg.run.name)
             curves.setdefault(name, []).append(
-                [(r["step"] * per_step, r["eval/accuracy"]) for r in records if "eval/accuracy" in r])
-            entropy.setdefault(name, []).append(next(r["entropy/mean"] for r in reversed(records)
-                                                     if "entropy/mean" in r))
-    mean_curve = {name: [(runs[0][i][0], statistics.fmean(run[i][1] for run in runs)) for i in range(len(runs[0]))]
-                  for name, runs in curves.items()}
+                [(r["step"] * per_step, r["eval/accuracy"]) for r in records if "eval/accuracy" in r]
+            )
+            entropy.setdefault(name, []).append(
+                next(r["entropy/mean"] for r in reversed(records) if "entropy/mean" in r)
+            )
+    mean_curve = {
+        name: [(runs[0][i][0], statistics.fmean(run[i][1] for run in runs)) for i in range(len(runs[0]))]
+        for name, runs in curves.items()
+    }
     target = mean_curve["group"][-1][1]
     start = mean_curve["group"][0][1]
     # rollouts after which a curve first reaches group's final accuracy (None: never; step 0 does not count)
-    reach = {name: next((n for n, acc in curve[1:] if acc >= target), None) for name, curve in mean_curve.items()}
+    reach = {
+        name: next((n for n, acc in curve[1:] if acc >= target), None) for name, curve in mean_curve.items()
+    }
     print(f"held-out accuracy vs rollouts (mean of {args.seeds} seeds, {per_step} rollouts per step)")
     print(f"{'rollouts':>9s} " + " ".join(f"{n:>18s}" for n in mean_curve))
     for i in range(len(mean_curve["group"])):
         print(f"{mean_curve['group'][i][0]:9d} " + " ".join(f"{c[i][1]:18.3f}" for c in mean_curve.values()))
     if target <= start:
-        print(f"group did not improve on the start ({start:.3f} -> {target:.3f}): the rollout ratio is undefined")
+        print(
+            f"group did not improve on the start ({start:.3f} -> {target:.3f}): the rollout ratio is undefined"
+        )
     total = mean_curve["group"][-1][0]
     for name in mean_curve:
         got = reach[name]
@@ -86,9 +110,15 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             ratio = f"{got / total:.2f}x group's {total} rollouts, {got / reach['group']:.2f}x group's first reach"
         else:
             ratio = "n/a"
-        print(f"{name}: final accuracy {mean_curve[name][-1][1]:.3f}; reaches group's final {target:.3f} after "
-              f"{got} rollouts ({ratio}); final entropy {statistics.fmean(entropy[name]):.3f}")
-    result = {"curves": mean_curve, "reach": reach, "final_entropy": {k: statistics.fmean(v) for k, v in entropy.items()}}
+        print(
+            f"{name}: final accuracy {mean_curve[name][-1][1]:.3f}; reaches group's final {target:.3f} after "
+            f"{got} rollouts ({ratio}); final entropy {statistics.fmean(entropy[name]):.3f}"
+        )
+    result = {
+        "curves": mean_curve,
+        "reach": reach,
+        "final_entropy": {k: statistics.fmean(v) for k, v in entropy.items()},
+    }
     print(json.dumps(result))
     return result
 

@@ -19,7 +19,9 @@ def _recipe_of(config_path: str, overrides: list[str]):
     data = apply_overrides(load_yaml(config_path), overrides)
     name = data.get("recipe")
     if name is None:
-        raise ConfigError(f"{config_path}: missing top-level key 'recipe'. Available: {sorted(list_recipes())}")
+        raise ConfigError(
+            f"{config_path}: missing top-level key 'recipe'. Available: {sorted(list_recipes())}"
+        )
     try:
         recipe = get_recipe(str(name))
     except KeyError as err:
@@ -122,7 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-5 run.name=try2")
     p.set_defaults(func=_cmd_train)
 
-    p = sub.add_parser("eval", help="score a base model (CONFIG) or a run's checkpoint (RUN_DIR) on a prompt file")
+    p = sub.add_parser(
+        "eval", help="score a base model (CONFIG) or a run's checkpoint (RUN_DIR) on a prompt file"
+    )
     p.add_argument("target", help="a recipe config (base model) or a run directory (its latest checkpoint)")
     p.add_argument("overrides", nargs="*", help="dotted config overrides")
     p.add_argument("--prompts", help="prompt file, one per line (default: the config's eval_prompts)")
@@ -155,9 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", help="a run directory")
     p.add_argument("--to", required=True, help="output folder (must not exist or be empty)")
     p.add_argument("--checkpoint", type=int, help="the step of the checkpoint to export (default: latest)")
-    p.add_argument("--merge", action="store_true",
-                   help="LoRA runs: merge the adapter into the base weights and write the whole model "
-                        "(default: the adapter alone, loaded on top of the base model)")
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="LoRA runs: merge the adapter into the base weights and write the whole model "
+        "(default: the adapter alone, loaded on top of the base model)",
+    )
     p.add_argument("--license", help="the model card's license (default: the base model card's, or 'other')")
     p.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the export to this Hub model repository")
     p.add_argument("--private", action="store_true", help="create the Hub repo private")

@@ -14,7 +14,16 @@ from typing import Any, TypeVar, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-__all__ = ["Config", "ConfigError", "Field", "RunConfig", "apply_overrides", "load_config", "load_yaml", "to_yaml"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "Field",
+    "RunConfig",
+    "apply_overrides",
+    "load_config",
+    "load_yaml",
+    "to_yaml",
+]
 
 C = TypeVar("C", bound="Config")
 
@@ -47,7 +56,9 @@ class RunConfig(Config):
     progress: bool = Field(True, description="Show a live progress bar with the latest metrics.")
     log_level: str = Field("INFO", description="Python logging level: DEBUG, INFO, WARNING or ERROR.")
     threads: int | None = Field(
-        None, ge=1, description="torch CPU threads of this process, set in setup (null: torch's default, one per "
+        None,
+        ge=1,
+        description="torch CPU threads of this process, set in setup (null: torch's default, one per "
         "core). Waiting OpenMP threads sleep instead of spinning unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is set "
         "in the environment (pipelines/threads.py), so a shared CPU slows a run by its share, not several times. "
         "Ray rollout actors: pool.ray.threads.",

@@ -32,8 +32,19 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["DistState", "all_reduce_grads", "broadcast_params", "full_state_dict", "full_tensor", "init_distributed",
-           "is_sharded", "load_optimizer_state", "optimizer_state", "shard_like", "shard_model"]
+__all__ = [
+    "DistState",
+    "all_reduce_grads",
+    "broadcast_params",
+    "full_state_dict",
+    "full_tensor",
+    "init_distributed",
+    "is_sharded",
+    "load_optimizer_state",
+    "optimizer_state",
+    "shard_like",
+    "shard_model",
+]
 
 
 @dataclass(frozen=True)
@@ -130,10 +141,15 @@ def all_reduce_grads(params: list[nn.Parameter], world_size: int) -> None:
     if world_size <= 1 or not params:
         return
     device = _collective_device()
-    flat = torch.cat([
-        (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).to(device, torch.float32)
-        for p in params
-    ])
+    flat = torch.cat(
+        [
+            (p.grad if p.grad is not None else torch.zeros_like(p))
+            .detach()
+            .reshape(-1)
+            .to(device, torch.float32)
+            for p in params
+        ]
+    )
     torch.distributed.all_reduce(flat)
     flat /= world_size
     offset = 0
@@ -156,8 +172,12 @@ def broadcast_params(params: list[nn.Parameter], world_size: int) -> None:
             p.copy_(buffer.to(p.device))
 
 
-def shard_model(model: nn.Module, reshard_after_forward: bool = True,
-                extra: Sequence[nn.Module | list[nn.Module]] = (), methods: Sequence[str] = ()) -> nn.Module:
+def shard_model(
+    model: nn.Module,
+    reshard_after_forward: bool = True,
+    extra: Sequence[nn.Module | list[nn.Module]] = (),
+    methods: Sequence[str] = (),
+) -> nn.Module:
     """FSDP2: shard ``model`` in place over the process group, one unit per block class named in the model's
     ``_no_split_modules`` (diffusers and transformers list their transformer blocks there), then one unit per
     module of ``extra``, then the root.
@@ -249,7 +269,9 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
 
     _reshard(model)  # the parameters are named by the model: they must be the shards the optimizer holds
 
-    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_optimizer_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
 
 
 def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:

@@ -17,11 +17,15 @@ def tensor_to_pil(images: torch.Tensor) -> list[Image.Image]:
     """``[B, 3, H, W]`` floats in [0, 1] -> list of RGB PIL images (values outside [0, 1] are clipped)."""
     if images.ndim != 4 or images.shape[1] != 3:
         raise ValueError(f"expected images of shape [B, 3, H, W], got {tuple(images.shape)}")
-    arr = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    arr = (
+        (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    )
     return [Image.fromarray(a) for a in arr]
 
 
-def grid_boxes(n: int, width: int, height: int, cols: int | None = None, pad: int = 2) -> list[tuple[int, int, int, int]]:
+def grid_boxes(
+    n: int, width: int, height: int, cols: int | None = None, pad: int = 2
+) -> list[tuple[int, int, int, int]]:
     """``(left, top, right, bottom)`` of each of ``n`` cells of ``width x height`` in a :func:`make_grid` grid:
     cell ``i`` sits at row ``i // cols``, column ``i % cols``, with ``pad`` pixels of padding around every cell."""
     cols = cols or math.ceil(math.sqrt(n))

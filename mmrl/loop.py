@@ -22,8 +22,15 @@ __all__ = ["KEY_METRICS", "Trainer", "format_metrics", "run_recipe", "train_loop
 logger = logging.getLogger(__name__)
 
 # what the log line of a training step shows besides the recipe's progress-bar keys (those the step logged)
-KEY_METRICS = ("loss", "policy/kl", "entropy/mean", "clip/high_frac", "train/effective_ratio", "time/rollout_s",
-               "time/train_s")
+KEY_METRICS = (
+    "loss",
+    "policy/kl",
+    "entropy/mean",
+    "clip/high_frac",
+    "train/effective_ratio",
+    "time/rollout_s",
+    "time/train_s",
+)
 
 
 class Trainer(Protocol):
@@ -60,7 +67,9 @@ def train_loop(
         if writes:
             run.log_metrics(0, first)
             logger.info("step 0 evaluation: %s", format_metrics(first))
-    with TrainProgress(total, start=trainer.step, show=show, enabled=run_cfg.progress and main_process) as bar:
+    with TrainProgress(
+        total, start=trainer.step, show=show, enabled=run_cfg.progress and main_process
+    ) as bar:
         while trainer.step < total:
             metrics = trainer.train_step()
             trainer.step += 1
@@ -71,7 +80,9 @@ def train_loop(
             latest.update(metrics)
             if writes and (trainer.step % run_cfg.log_every == 0 or trainer.step == total):
                 run.log_metrics(trainer.step, metrics)
-                shown = {k: metrics[k] for k in (*show, *KEY_METRICS) if k in metrics and k not in (scores or {})}
+                shown = {
+                    k: metrics[k] for k in (*show, *KEY_METRICS) if k in metrics and k not in (scores or {})
+                }
                 logger.info("step %d/%d: %s", trainer.step, total, format_metrics(shown))
             if writes and scores is not None:
                 logger.info("step %d evaluation: %s", trainer.step, format_metrics(scores))
@@ -119,7 +130,11 @@ def run_recipe(cfg: Config, trainer_cls: Any) -> dict[str, float]:
         except Exception as err:  # raised below on every rank, so no rank waits for rank 0 forever
             error = err
     if dist.max_over_ranks(int(error is not None)):
-        raise error if error is not None else RuntimeError("rank 0 could not prepare the run directory (see its error)")
+        raise (
+            error
+            if error is not None
+            else RuntimeError("rank 0 could not prepare the run directory (see its error)")
+        )
     trainer = trainer_cls(cfg, run)
     try:
         trainer.setup()

@@ -37,13 +37,19 @@ class Recipe:
 
 
 _RECIPES: dict[str, Recipe] = {
-    "bandit": Recipe("mmrl.bandit.trainer", "BanditRecipeConfig", "core demo: GRPO on a synthetic contextual bandit"),
+    "bandit": Recipe(
+        "mmrl.bandit.trainer", "BanditRecipeConfig", "core demo: GRPO on a synthetic contextual bandit"
+    ),
     "flow_grpo": Recipe(
-        "mmrl.flow.trainer", "FlowGRPOConfig", "flow-matching GRPO / DiffusionNFT for text-to-image/video",
+        "mmrl.flow.trainer",
+        "FlowGRPOConfig",
+        "flow-matching GRPO / DiffusionNFT for text-to-image/video",
         config_module="mmrl.flow.config",
     ),
     "vlm_rlvr": Recipe(
-        "mmrl.vlm.trainer", "VLMRLVRConfig", "single-rollout entropy-shaped RLVR (or group GRPO) for VLMs",
+        "mmrl.vlm.trainer",
+        "VLMRLVRConfig",
+        "single-rollout entropy-shaped RLVR (or group GRPO) for VLMs",
         config_module="mmrl.vlm.config",
     ),
 }

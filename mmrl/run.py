@@ -109,7 +109,9 @@ class MetricAccumulator:
         sums = torch.tensor([self._sums.get(n, 0.0) for n in names], dtype=torch.float64)
         counts = torch.tensor([self._counts.get(n, 0.0) for n in names], dtype=torch.float64)
         if distributed and names:
-            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+            device = (
+                torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+            )
             sums, counts = sums.to(device), counts.to(device)
             dist.all_reduce(sums)
             dist.all_reduce(counts)
@@ -161,7 +163,9 @@ class Run:
                 break
         existing = self.dir.exists() and any(self.dir.iterdir())
         if existing and not run_cfg.resume and not run_cfg.overwrite and _setup_leftovers(self.dir):
-            logger.info("%s holds only what a run that stopped before its first step left; replacing it", self.dir)
+            logger.info(
+                "%s holds only what a run that stopped before its first step left; replacing it", self.dir
+            )
             shutil.rmtree(self.dir)
             existing = False
         if existing and run_cfg.overwrite and not run_cfg.resume:
@@ -177,7 +181,11 @@ class Run:
         self.checkpoint_dir = self.dir / "checkpoints"
         setup_logging(run_cfg.log_level, self.dir / "log.txt")
         config_text = to_yaml(full_cfg)
-        if existing and (self.dir / "config.yaml").is_file() and (self.dir / "config.yaml").read_text() != config_text:
+        if (
+            existing
+            and (self.dir / "config.yaml").is_file()
+            and (self.dir / "config.yaml").read_text() != config_text
+        ):
             # Keep the original record; the resumed config is written beside it.
             atomic_write_text(self.dir / f"config.resumed-{int(time.time())}.yaml", config_text)
         else:
@@ -198,7 +206,9 @@ class Run:
                 import wandb
             except ImportError as err:
                 raise ImportError("run.wandb=true needs Weights & Biases: pip install wandb") from err
-            self._wandb = wandb.init(project="mmrl", name=run_cfg.name, config=full_cfg.model_dump(mode="json"))
+            self._wandb = wandb.init(
+                project="mmrl", name=run_cfg.name, config=full_cfg.model_dump(mode="json")
+            )
         self._start = time.time()
 
     # ------------------------------------------------------------------ resume
@@ -253,7 +263,10 @@ class Run:
             self._wandb.log(record, step=step)
 
     def save_samples(
-        self, step: int, tag: str, records: Sequence[Mapping[str, Any]],
+        self,
+        step: int,
+        tag: str,
+        records: Sequence[Mapping[str, Any]],
         images: torch.Tensor | Sequence[Any] | None = None,
     ) -> Path:
         """Write one step's samples as ``samples/{tag}_{step:08d}.jsonl``, one JSON object per sample (its prompt or
@@ -265,7 +278,9 @@ class Run:
 
         stem = self.samples_dir / f"{tag}_{step:08d}"
         rows = [dict(r) for r in records]
-        if isinstance(images, torch.Tensor) and images.ndim == 5:  # videos [B, T, 3, H, W]: their middle frame
+        if (
+            isinstance(images, torch.Tensor) and images.ndim == 5
+        ):  # videos [B, T, 3, H, W]: their middle frame
             for row in rows:
                 row["frame"] = images.shape[1] // 2
             images = images[:, images.shape[1] // 2]
@@ -274,7 +289,9 @@ class Run:
                 raise ValueError(f"save_samples: {len(images)} images for {len(rows)} records")
             grid = make_grid(images)
             first = images[0]
-            height, width = (first.shape[-2], first.shape[-1]) if isinstance(first, torch.Tensor) else first.size[::-1]
+            height, width = (
+                (first.shape[-2], first.shape[-1]) if isinstance(first, torch.Tensor) else first.size[::-1]
+            )
             for row, box in zip(rows, grid_boxes(len(rows), int(width), int(height)), strict=True):
                 row["grid_box"] = list(box)
             grid.save(stem.with_suffix(".png"))

@@ -55,4 +55,3 @@ def request_seed(run_seed: int, rank: int, step: int, index: int) -> int:
     nearby steps get unrelated samples and a seed does not depend on which requests were made before."""
     digest = hashlib.blake2b(f"{run_seed}/{rank}/{step}/{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % 2**63
-

@@ -1,5 +1,7 @@
 """Registry of rewards by name: register with a decorator, build with options.
 
+Example::
+
     @register("jpeg_compressibility")
     class JpegCompressibility(Reward): ...
 

@@ -56,11 +56,31 @@ def normalize_answer(text: str) -> str:
 #: English number words and their digits, for verifiers that accept either (``ExactMatch(number_words=True)``).
 NUMBER_WORDS = {
     word: str(value)
-    for value, word in enumerate([
-        "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
-        "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen",
-        "twenty",
-    ])
+    for value, word in enumerate(
+        [
+            "zero",
+            "one",
+            "two",
+            "three",
+            "four",
+            "five",
+            "six",
+            "seven",
+            "eight",
+            "nine",
+            "ten",
+            "eleven",
+            "twelve",
+            "thirteen",
+            "fourteen",
+            "fifteen",
+            "sixteen",
+            "seventeen",
+            "eighteen",
+            "nineteen",
+            "twenty",
+        ]
+    )
 }
 
 
@@ -153,7 +173,9 @@ class ExactMatch(TextVerifier):
             gets digits.
     """
 
-    def __init__(self, answer_tag: str = "answer", require_answer_tag: bool = False, number_words: bool = False):
+    def __init__(
+        self, answer_tag: str = "answer", require_answer_tag: bool = False, number_words: bool = False
+    ):
         super().__init__(answer_tag, require_answer_tag)
         self.number_words = number_words
 

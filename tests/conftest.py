@@ -32,4 +32,3 @@ def interrupted_then_resumed(monkeypatch):
         return main(resume_cfg)
 
     return run
-

@@ -84,7 +84,8 @@ class TrainerConfig(Config):
     steps: int = Field(150, ge=1, description="Training steps.")
     lr: float = Field(0.1, gt=0, description="Adam learning rate.")
     advantage: Literal["grpo", "dr_grpo", "rloo", "global_std"] = Field(
-        "grpo", description="grpo: group mean/std; dr_grpo: no std; rloo: leave-one-out; global_std: batch std."
+        "grpo",
+        description="grpo: group mean/std; dr_grpo: no std; rloo: leave-one-out; global_std: batch std.",
     )
     epsilon_low: float = Field(0.2, ge=0, description="Lower clip range of the ratio.")
     epsilon_high: float = Field(0.28, ge=0, description="Upper clip range (clip-higher, DAPO uses 0.28).")
@@ -150,7 +151,13 @@ class BanditTrainer:
         rewards = self.world.reward(prompt_idx, answers)
         with torch.no_grad():
             old_logp = self.policy.log_prob(prompt_idx, answers)
-        return {"prompt_idx": prompt_idx, "answers": answers, "rewards": rewards, "old_logp": old_logp, "counts": counts}
+        return {
+            "prompt_idx": prompt_idx,
+            "answers": answers,
+            "rewards": rewards,
+            "old_logp": old_logp,
+            "counts": counts,
+        }
 
     def advantages(self, rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
         kind = self.cfg.trainer.advantage
@@ -207,7 +214,14 @@ class BanditTrainer:
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict[str, float]:
-        return train_loop(self, self.cfg.trainer.steps, self.cfg.trainer.eval_every, self.cfg.run, self.run, show=("reward/mean", "eval/heldout_success"))
+        return train_loop(
+            self,
+            self.cfg.trainer.steps,
+            self.cfg.trainer.eval_every,
+            self.cfg.run,
+            self.run,
+            show=("reward/mean", "eval/heldout_success"),
+        )
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -229,7 +243,9 @@ class BanditTrainer:
     def save_checkpoint(self) -> None:
         if self.run is None:
             return
-        save_checkpoint(self.run.checkpoint_dir, self.step, self.state_dict(), keep_last=self.cfg.run.keep_last)
+        save_checkpoint(
+            self.run.checkpoint_dir, self.step, self.state_dict(), keep_last=self.cfg.run.keep_last
+        )
 
     def cleanup(self) -> None:
         if self.run is not None:

@@ -19,7 +19,12 @@ class BanditWorld:
     """
 
     def __init__(
-        self, num_prompts: int = 2000, num_answers: int = 8, dim: int = 16, heldout_fraction: float = 0.2, seed: int = 0
+        self,
+        num_prompts: int = 2000,
+        num_answers: int = 8,
+        dim: int = 16,
+        heldout_fraction: float = 0.2,
+        seed: int = 0,
     ) -> None:
         if num_prompts < 2 or num_answers < 2 or dim < 1:
             raise ValueError("need num_prompts >= 2, num_answers >= 2, dim >= 1")
@@ -52,7 +57,12 @@ class BanditPolicy(nn.Module):
     """
 
     def __init__(
-        self, world: BanditWorld, kind: str = "linear", init_scale: float = 0.3, init_noise: float = 0.3, seed: int = 0
+        self,
+        world: BanditWorld,
+        kind: str = "linear",
+        init_scale: float = 0.3,
+        init_noise: float = 0.3,
+        seed: int = 0,
     ) -> None:
         super().__init__()
         if kind not in ("linear", "tabular"):
@@ -61,7 +71,9 @@ class BanditPolicy(nn.Module):
         w0 = init_scale * world.w_star + init_noise * torch.randn(world.w_star.shape, generator=g)
         self.register_buffer("features", world.features.clone())
         self.weight = nn.Parameter(w0, requires_grad=kind == "linear")
-        self.bias = nn.Parameter(torch.zeros(world.features.shape[0], world.num_answers), requires_grad=kind == "tabular")
+        self.bias = nn.Parameter(
+            torch.zeros(world.features.shape[0], world.num_answers), requires_grad=kind == "tabular"
+        )
 
     def logits(self, prompt_idx: torch.Tensor) -> torch.Tensor:
         return self.features[prompt_idx] @ self.weight + self.bias[prompt_idx]  # [n, K]
@@ -79,4 +91,6 @@ class BanditPolicy(nn.Module):
     @torch.no_grad()
     def success_prob(self, prompt_idx: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
         """``[n]`` exact probability of answering correctly (the expected reward, no sampling noise)."""
-        return torch.softmax(self.logits(prompt_idx), -1).gather(1, correct[prompt_idx].unsqueeze(1)).squeeze(1)
+        return (
+            torch.softmax(self.logits(prompt_idx), -1).gather(1, correct[prompt_idx].unsqueeze(1)).squeeze(1)
+        )

@@ -85,7 +85,9 @@ def rloo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """
     groups = _check_rewards(rewards, group_ids)
     if bool((groups.sizes < 2).any()):
-        raise ValueError("rloo needs at least 2 samples per group; a group of size 1 has no leave-one-out baseline")
+        raise ValueError(
+            "rloo needs at least 2 samples per group; a group of size 1 has no leave-one-out baseline"
+        )
     sums = groups.sum(rewards)[groups.index]
     sizes = groups.sizes.to(rewards.dtype)[groups.index]
     return rewards - (sums - rewards) / (sizes - 1)
@@ -141,7 +143,9 @@ def decoupled_multi_reward(
     check_finite("rewards", rewards)
     groups = make_groups(group_ids)
     if group_ids.shape[0] != rewards.shape[0]:
-        raise ValueError(f"group_ids has {group_ids.shape[0]} entries but rewards has {rewards.shape[0]} rows")
+        raise ValueError(
+            f"group_ids has {group_ids.shape[0]} entries but rewards has {rewards.shape[0]} rows"
+        )
     k = rewards.shape[1]
     weights = torch.ones(k, dtype=rewards.dtype, device=rewards.device) if weights is None else weights
     if weights.shape != (k,):

@@ -200,7 +200,7 @@ def sqrt_rule(p: torch.Tensor, budget: int, n_min: int = 1, n_max: int | None = 
         # bisection overshoot by rounding: take units back from the largest non-floor entries
         order = torch.sort(x - counts.to(x.dtype), stable=True).indices
         over = counts[order] > n_min
-        counts[order[over][: -remainder]] -= 1
+        counts[order[over][:-remainder]] -= 1
     return counts
 
 

@@ -280,7 +280,10 @@ def diffusion_nft_loss(
         pos_err = ((positive - v_target) ** 2).flatten(1).mean(1)
         neg_err = ((negative - v_target) ** 2).flatten(1).mean(1)
     else:
-        pos_err, neg_err = _adaptive_x0_error(positive - v_target, sigma), _adaptive_x0_error(negative - v_target, sigma)
+        pos_err, neg_err = (
+            _adaptive_x0_error(positive - v_target, sigma),
+            _adaptive_x0_error(negative - v_target, sigma),
+        )
     r = optimality.to(pos_err.dtype)
     return r * pos_err + (1.0 - r) * neg_err
 
@@ -289,10 +292,12 @@ def _adaptive_x0_error(v_err: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor
     """``mean(e^2) / sg(mean|e|)`` per sample of the clean-image error ``e = sigma * v_err``."""
     x0_err = sigma.view(-1, *([1] * (v_err.ndim - 1))) * v_err
     scale = x0_err.detach().abs().flatten(1).mean(1).clamp(min=1e-5)
-    return (x0_err ** 2).flatten(1).mean(1) / scale
+    return (x0_err**2).flatten(1).mean(1) / scale
 
 
-def reward_weighted_fm_loss(v_theta: torch.Tensor, v_target: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def reward_weighted_fm_loss(
+    v_theta: torch.Tensor, v_target: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
     """Reward-weighted flow matching, per sample: ``w ||v_theta - v*||^2`` (mean over non-batch dims).
 
     With ``w = max(A, 0)`` this is advantage-weighted regression on the policy's own samples (RWR, Peters &
@@ -311,4 +316,3 @@ def reward_weighted_fm_loss(v_theta: torch.Tensor, v_target: torch.Tensor, weigh
     if bool((weights < 0).any()):
         raise ValueError("reward-weighted regression needs non-negative weights")
     return weights.to(v_theta.dtype) * ((v_theta - v_target) ** 2).flatten(1).mean(1)
-

@@ -151,7 +151,9 @@ class PromptStats:
         elif isinstance(rho, torch.Tensor) and rho.ndim > 0:
             rho_t = rho.detach().to(device=self.device, dtype=torch.float64)
             if rho_t.shape != rewards.shape:
-                raise ValueError(f"rho tensor must align with rewards {tuple(rewards.shape)}, got {tuple(rho_t.shape)}")
+                raise ValueError(
+                    f"rho tensor must align with rewards {tuple(rewards.shape)}, got {tuple(rho_t.shape)}"
+                )
             hi = torch.full((uniq.numel(),), -torch.inf, dtype=torch.float64, device=self.device)
             lo = torch.full((uniq.numel(),), torch.inf, dtype=torch.float64, device=self.device)
             hi = hi.scatter_reduce(0, inverse, rho_t, reduce="amax")
@@ -165,7 +167,9 @@ class PromptStats:
             raise ValueError("rho must lie in (0, 1]")
 
         def per_prompt(x: torch.Tensor) -> torch.Tensor:
-            return torch.zeros(uniq.numel(), dtype=torch.float64, device=self.device).index_add_(0, inverse, x)
+            return torch.zeros(uniq.numel(), dtype=torch.float64, device=self.device).index_add_(
+                0, inverse, x
+            )
 
         n_b = per_prompt(torch.ones_like(rewards))
         sum_b = per_prompt(rewards)
@@ -236,7 +240,9 @@ class PromptStats:
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         if len(self) == 0:
             n = len(prompt_ids)
-            return torch.full((n,), m, dtype=torch.float64, device=self.device), torch.zeros(n, dtype=torch.float64)
+            return torch.full((n,), m, dtype=torch.float64, device=self.device), torch.zeros(
+                n, dtype=torch.float64
+            )
         w = torch.where(known, self._data["weight"][idx], zero)
         mu = torch.where(known, self._data["mean"][idx], zero)
         m2 = torch.where(known, self._data["m2"][idx], zero)
@@ -249,7 +255,9 @@ class PromptStats:
         idx, known = self._lookup(prompt_ids)
         if len(self) == 0:
             return torch.zeros(len(prompt_ids), dtype=torch.int64, device=self.device)
-        return torch.where(known, self._data["count"][idx], torch.zeros((), dtype=torch.float64)).to(torch.int64)
+        return torch.where(known, self._data["count"][idx], torch.zeros((), dtype=torch.float64)).to(
+            torch.int64
+        )
 
     def last_step(self, prompt_ids: Sequence[Hashable]) -> torch.Tensor:
         """``[n]`` int64 last step each prompt was updated, -1 if never."""
@@ -307,8 +315,10 @@ class PromptStats:
         delta = o["mean"].to(self.device) - d["mean"][idx]
         safe_w = w.clamp(min=1e-300)
         d["mean"][idx] = torch.where(w > 0, d["mean"][idx] + delta * w_b / safe_w, d["mean"][idx])
-        d["m2"][idx] = d["m2"][idx] + o["m2"].to(self.device) + torch.where(
-            w > 0, delta**2 * w_a * w_b / safe_w, torch.zeros_like(w)
+        d["m2"][idx] = (
+            d["m2"][idx]
+            + o["m2"].to(self.device)
+            + torch.where(w > 0, delta**2 * w_a * w_b / safe_w, torch.zeros_like(w))
         )
         d["weight"][idx] = w
         d["count"][idx] += o["count"].to(self.device)

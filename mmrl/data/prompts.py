@@ -33,10 +33,14 @@ def load_prompts(source: str) -> list[str]:
                 raise ValueError(f"{source!r}: the sample size after '@' must be a positive integer")
             count = int(n)
         if split not in _SHAPES_SPLITS:
-            raise ValueError(f"unknown shapes split {split!r} in {source!r}. Available: {list(_SHAPES_SPLITS)}")
+            raise ValueError(
+                f"unknown shapes split {split!r} in {source!r}. Available: {list(_SHAPES_SPLITS)}"
+            )
         if count is not None:
             return shapes.sample_prompts(count, 0, split)  # type: ignore[arg-type]
-        return {"train": shapes.train_prompts, "heldout": shapes.heldout_prompts, "all": shapes.all_prompts}[split]()
+        return {"train": shapes.train_prompts, "heldout": shapes.heldout_prompts, "all": shapes.all_prompts}[
+            split
+        ]()
     path = Path(source)
     if not path.is_file():
         raise ValueError(f"prompt file not found: {path} (or use shapes:train / shapes:heldout)")

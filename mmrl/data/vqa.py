@@ -97,7 +97,9 @@ def _load_dataset(source: str, *args: Any, **kwargs: Any) -> Any:
         cause: BaseException = err
         while cause.__cause__ is not None or cause.__context__ is not None:
             cause = cause.__cause__ or cause.__context__  # type: ignore[assignment]
-        detail = f"{type(err).__name__}: {err}" + (f" ({type(cause).__name__}: {cause})" if cause is not err else "")
+        detail = f"{type(err).__name__}: {err}" + (
+            f" ({type(cause).__name__}: {cause})" if cause is not err else ""
+        )
         detail = " ".join(detail.split())[:400]
         if Path(source).suffix in _LOCAL_FORMATS:
             detail = _json_problem(Path(source)) or detail
@@ -143,7 +145,9 @@ def load_vqa(
     if source.startswith("shapes:"):
         which = source.split(":", 1)[1]
         if which not in ("train", "heldout"):
-            raise ValueError(f"unknown shapes VQA split {which!r} in {source!r}; use shapes:train or shapes:heldout")
+            raise ValueError(
+                f"unknown shapes VQA split {which!r} in {source!r}; use shapes:train or shapes:heldout"
+            )
         return _shapes(which, 1000 if limit is None else limit, seed, image_size)
 
     path = Path(source)
@@ -155,7 +159,9 @@ def load_vqa(
         ds = _load_dataset(source, _LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
         root = Path(image_root) if image_root else path.parent
     elif path.exists():
-        raise ValueError(f"VQA data file {path}: unsupported format; use {sorted(_LOCAL_FORMATS)} or shapes:train")
+        raise ValueError(
+            f"VQA data file {path}: unsupported format; use {sorted(_LOCAL_FORMATS)} or shapes:train"
+        )
     else:
         ds = _load_dataset(source, source, split=split)
         root = Path(image_root) if image_root else Path(".")
@@ -175,7 +181,9 @@ def load_vqa(
             images = [_open_image(v, root, where) for v in values if v is not None]
         for column in (question_column, answer_column):
             if row[column] is None or not str(row[column]).strip():
-                raise ValueError(f"{where}: no {column!r} (the value is {row[column]!r}); every row needs one")
+                raise ValueError(
+                    f"{where}: no {column!r} (the value is {row[column]!r}); every row needs one"
+                )
         question = question_template.format(question=row[question_column])
         answer = row[answer_column]
         answer = answer if isinstance(answer, str) else str(answer)

@@ -41,7 +41,9 @@ class FlowModelConfig(Config):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Weights dtype; bfloat16 on GPUs. The SDE math is always float32."
     )
-    device: str = Field("auto", description="'auto' (cuda when available, else cpu), 'cpu', 'cuda', 'cuda:1'...")
+    device: str = Field(
+        "auto", description="'auto' (cuda when available, else cpu), 'cpu', 'cuda', 'cuda:1'..."
+    )
     autocast: Literal["bfloat16", "float16"] | None = Field(
         None,
         description="Mixed precision: the transformer computes in this dtype under torch.autocast while weights, "
@@ -50,8 +52,12 @@ class FlowModelConfig(Config):
     lora: LoraSettings | None = Field(
         default_factory=LoraSettings, description="LoRA settings; null trains the full transformer."
     )
-    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (less memory).")
-    init_lora: str | None = Field(None, description="Start from a saved LoRA (a checkpoint's adapter folder).")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward (less memory)."
+    )
+    init_lora: str | None = Field(
+        None, description="Start from a saved LoRA (a checkpoint's adapter folder)."
+    )
     options: dict[str, Any] = Field(
         default_factory=dict,
         description="More from_pretrained / adapter options (revision, variant, max_sequence_length, ...).",
@@ -63,7 +69,8 @@ class RewardSpec(Config):
     weight: float = Field(1.0, description="Weight in the sum (or in GDPO's weighted sum).")
     options: dict[str, Any] = Field(default_factory=dict, description="Keyword options of rewards.build.")
     label: str | None = Field(
-        None, description="Name of its metrics (reward/LABEL/mean, eval/LABEL...); null: the reward's name. Needed "
+        None,
+        description="Name of its metrics (reward/LABEL/mean, eval/LABEL...); null: the reward's name. Needed "
         "when one reward appears twice with other options.",
     )
 
@@ -87,7 +94,8 @@ class FlowSamplingConfig(Config):
     noise_level: float = Field(0.7, gt=0, description="SDE noise a (Flow-GRPO 0.7) or eta (DanceGRPO).")
     sde_kind: Literal["flow_grpo", "dance", "cps"] = Field("flow_grpo", description="SDE variant.")
     log_prob_form: Literal["gaussian", "squared_error"] | None = Field(
-        None, description="Log-prob of an SDE action. null (default): the form of the code of the paper the "
+        None,
+        description="Log-prob of an SDE action. null (default): the form of the code of the paper the "
         "sde_kind is named after, so its published clip range carries over: the Gaussian density for flow_grpo "
         "and dance, Flow-GRPO's squared error -mean((x' - mean)^2) for cps (its log-ratios are 2 std^2 times the "
         "Gaussian ones). gaussian on cps: the exact density; divide a CPS clip range from Flow-GRPO by 2 std^2.",
@@ -96,7 +104,8 @@ class FlowSamplingConfig(Config):
         None, ge=1, description="SDE steps per rollout (a window; ODE elsewhere). null: every step is SDE."
     )
     window_schedule: Literal["random", "sliding", "fixed"] = Field(
-        "random", description="Where the SDE window sits each step (MixGRPO slides it, Flow-GRPO-Fast draws it)."
+        "random",
+        description="Where the SDE window sits each step (MixGRPO slides it, Flow-GRPO-Fast draws it).",
     )
     height: int = Field(32, ge=8, description="Image height in pixels.")
     width: int = Field(32, ge=8, description="Image width in pixels.")
@@ -105,7 +114,8 @@ class FlowSamplingConfig(Config):
     negative_prompt: str = Field("", description="Unconditional prompt for CFG.")
     max_batch_size: int | None = Field(None, ge=1, description="Largest transformer batch per forward.")
     rollout: Literal["flat", "branch"] = Field(
-        "flat", description="flat: independent groups; branch: trees with shared prefixes (see the tree section)."
+        "flat",
+        description="flat: independent groups; branch: trees with shared prefixes (see the tree section).",
     )
 
 
@@ -114,24 +124,33 @@ class TreeSettings(Config):
         default_factory=lambda: [0, 2, 4, 6],
         description="Steps (counted from the SDE window's start) whose draw branches into children.",
     )
-    branch_factor: int | list[int] = Field(2, description="Children per split: one int or one per split (>= 2).")
+    branch_factor: int | list[int] = Field(
+        2, description="Children per split: one int or one per split (>= 2)."
+    )
     fusion: Literal["mean", "path_prob"] = Field(
         "mean", description="Node reward: mean of its leaves, or path-probability weighted (BranchGRPO)."
     )
     train_depths: list[int] | None = Field(None, description="Depth pruning: train only these node depths.")
-    width: int | None = Field(None, ge=1, description="Width pruning: train the k nodes of largest |A| per depth.")
+    width: int | None = Field(
+        None, ge=1, description="Width pruning: train the k nodes of largest |A| per depth."
+    )
 
 
 class ExploreSettings(Config):
-    enabled: bool = Field(False, description="Two-stage explore/train (Sol-RL): preview seeds with a quantized copy.")
+    enabled: bool = Field(
+        False, description="Two-stage explore/train (Sol-RL): preview seeds with a quantized copy."
+    )
     scheme: Literal["nf4", "fp4", "int8", "fp8_weight_only", "fp8", "nvfp4", "none"] = Field(
-        "nf4", description="Explorer quantization: nf4/fp4/int8 (bitsandbytes, CPU+GPU), fp8 (Hopper), nvfp4 (Blackwell)."
+        "nf4",
+        description="Explorer quantization: nf4/fp4/int8 (bitsandbytes, CPU+GPU), fp8 (Hopper), nvfp4 (Blackwell).",
     )
     candidates: int = Field(16, ge=2, description="Seeds previewed per prompt (K).")
     preview_steps: int = Field(4, ge=1, description="Euler (ODE) steps of a preview.")
     keep_best: int = Field(2, ge=0, description="Best previews regenerated per prompt.")
     keep_worst: int = Field(2, ge=0, description="Worst previews regenerated per prompt.")
-    selection: Literal["extremes", "random", "extremes_random"] = Field("extremes", description="Selection rule.")
+    selection: Literal["extremes", "random", "extremes_random"] = Field(
+        "extremes", description="Selection rule."
+    )
     extra_random: int = Field(0, ge=0, description="Middle seeds added by extremes_random.")
 
 
@@ -156,28 +175,39 @@ class FlowAllocationConfig(Config):
 
 class PoolSettings(Config):
     enabled: bool = Field(
-        False, description="Take the flat rollouts from a rollout pool (pipelines/pool, mmrl/flow/pooled.py) "
+        False,
+        description="Take the flat rollouts from a rollout pool (pipelines/pool, mmrl/flow/pooled.py) "
         "instead of generating them in the training loop.",
     )
     executor: Literal["inprocess", "ray"] = Field(
-        "inprocess", description="inprocess: worker threads in the trainer process (one GPU); ray: Ray actors."
+        "inprocess",
+        description="inprocess: worker threads in the trainer process (one GPU); ray: Ray actors.",
     )
     num_workers: int = Field(
-        1, ge=1, description="Rollout workers; a step's prompts are split into one request per worker.",
+        1,
+        ge=1,
+        description="Rollout workers; a step's prompts are split into one request per worker.",
     )
     max_staleness: int = Field(
-        0, ge=0, description="Most weight versions a sample may lag behind the trainer: 0 synchronous on-policy, "
+        0,
+        ge=0,
+        description="Most weight versions a sample may lag behind the trainer: 0 synchronous on-policy, "
         "1 generates step k+1 while step k trains (AReaL, arXiv 2505.24298).",
     )
     request_timeout: float | None = Field(
-        None, gt=0, description="Seconds a request may run before its worker is replaced (null: wait forever).",
+        None,
+        gt=0,
+        description="Seconds a request may run before its worker is replaced (null: wait forever).",
     )
     tis_cap: float = Field(
-        2.0, ge=1.0, description="Cap C of the truncated importance weight min(pi_current / pi_behaviour, C) of "
+        2.0,
+        ge=1.0,
+        description="Cap C of the truncated importance weight min(pi_current / pi_behaviour, C) of "
         "stale samples (TIS); >= 1 so that on-policy samples keep weight 1.",
     )
     device: str | None = Field(
-        None, description="Device of the rollout workers (null: the trainer's; a Ray actor sees its own GPU as cuda).",
+        None,
+        description="Device of the rollout workers (null: the trainer's; a Ray actor sees its own GPU as cuda).",
     )
     ray: dict[str, Any] = Field(
         default_factory=dict,
@@ -198,42 +228,61 @@ class PoolSettings(Config):
             try:
                 ray = RayOptions(**self.ray)
             except TypeError as err:
-                raise ValueError(f"pool.ray: {err}; the keys are RayOptions fields (address, num_cpus, num_gpus, "
-                                 "resources, runtime_env)") from err
-        return RolloutPool(factory, self.num_workers, executor=self.executor, max_staleness=self.max_staleness,
-                           request_timeout=self.request_timeout, ray=ray)
+                raise ValueError(
+                    f"pool.ray: {err}; the keys are RayOptions fields (address, num_cpus, num_gpus, "
+                    "resources, runtime_env)"
+                ) from err
+        return RolloutPool(
+            factory,
+            self.num_workers,
+            executor=self.executor,
+            max_staleness=self.max_staleness,
+            request_timeout=self.request_timeout,
+            ray=ray,
+        )
 
 
 class FlowTrainerConfig(Config):
     objective: Literal["grpo", "nft", "rwr"] = Field(
-        "grpo", description="grpo: clipped ratio on SDE log-probs; nft: DiffusionNFT (likelihood-free); rwr: "
+        "grpo",
+        description="grpo: clipped ratio on SDE log-probs; nft: DiffusionNFT (likelihood-free); rwr: "
         "advantage-weighted flow matching on the preferred samples (RAFT-style, likelihood-free).",
     )
     steps: int = Field(100, ge=1, description="Training steps (one rollout batch each).")
     lr: float = Field(3e-4, gt=0, description="AdamW learning rate.")
     lr_schedule: Literal["constant", "cosine"] = Field(
-        "constant", description="cosine: decay from lr to 0 over trainer.steps (late steps then add little drift).",
+        "constant",
+        description="cosine: decay from lr to 0 over trainer.steps (late steps then add little drift).",
     )
     weight_decay: float = Field(1e-4, ge=0, description="AdamW weight decay.")
-    optimizer: Literal["adamw", "adamw8bit"] = Field("adamw", description="adamw8bit: bitsandbytes 8-bit AdamW.")
+    optimizer: Literal["adamw", "adamw8bit"] = Field(
+        "adamw", description="adamw8bit: bitsandbytes 8-bit AdamW."
+    )
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
-    advantage: Literal["grpo", "dr_grpo", "rloo", "global_std"] = Field("grpo", description="Advantage estimator.")
+    advantage: Literal["grpo", "dr_grpo", "rloo", "global_std"] = Field(
+        "grpo", description="Advantage estimator."
+    )
     multi_reward: Literal["weighted_sum", "gdpo"] = Field(
         "weighted_sum", description="How several rewards combine: weighted sum then GRPO, or GDPO."
     )
     adv_clip_max: float = Field(5.0, gt=0, description="Advantages are clipped to [-x, x] (Flow-GRPO: 5).")
     epsilon_low: float = Field(
-        1e-4, ge=0, description="Lower clip of the ratio: Flow-GRPO's clip_range (1e-4; DanceGRPO 1e-4). Applies "
+        1e-4,
+        ge=0,
+        description="Lower clip of the ratio: Flow-GRPO's clip_range (1e-4; DanceGRPO 1e-4). Applies "
         "to the log-probs of sampling.log_prob_form, Flow-GRPO's form for each sde_kind by default.",
     )
     epsilon_high: float | None = Field(None, ge=0, description="Upper clip (default epsilon_low).")
     beta: float = Field(
-        0.004, ge=0, description="KL coefficient to the reference: on SDE means (grpo, in the form kl_form names; "
+        0.004,
+        ge=0,
+        description="KL coefficient to the reference: on SDE means (grpo, in the form kl_form names; "
         "Flow-GRPO: 0.004 for SD3.5-M GenEval/OCR, 0.01 PickScore), on the velocity at the regressed points "
         "(nft, rwr).",
     )
     kl_form: Literal["flow_grpo", "exact"] = Field(
-        "flow_grpo", description="grpo's KL on SDE means. flow_grpo (default, Flow-GRPO's code, so its beta carries "
+        "flow_grpo",
+        description="grpo's KL on SDE means. flow_grpo (default, Flow-GRPO's code, so its beta carries "
         "over): mean((mu - mu_ref)^2) / (2 sigma_t^2) with sigma_t the SDE noise scale (a sqrt(s / (1 - s)); eta "
         "for dance; the std for cps), a KL per unit time. exact: the Gaussian KL of the transition, divided by "
         "the step's std^2 = sigma_t^2 |dt|, i.e. flow_grpo / |dt| (3.7-25x stronger on a 10-step shift-3 "
@@ -243,7 +292,8 @@ class FlowTrainerConfig(Config):
         1.0, gt=0, le=1, description="Share of SDE steps trained per sample (Flow-GRPO-Fast subsampling)."
     )
     train_cfg: bool = Field(
-        True, description="Log-probs (grpo) or the regressed velocity (nft, rwr) with CFG as sampled (true), or "
+        True,
+        description="Log-probs (grpo) or the regressed velocity (nft, rwr) with CFG as sampled (true), or "
         "CFG-free (false, one forward per transition).",
     )
     minibatch_size: int = Field(32, ge=1, description="Transitions per forward/backward.")
@@ -253,19 +303,28 @@ class FlowTrainerConfig(Config):
     ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
     drop_zero_advantage: bool = Field(True, description="Skip samples whose advantage is exactly 0.")
     nft_beta: float = Field(1.0, gt=0, description="DiffusionNFT implicit-policy strength.")
-    nft_timesteps: int = Field(2, ge=1, description="Noise levels sampled per image by the likelihood-free objectives (nft, rwr).")
+    nft_timesteps: int = Field(
+        2, ge=1, description="Noise levels sampled per image by the likelihood-free objectives (nft, rwr)."
+    )
     shared_regression_noise: bool = Field(
-        True, description="nft/rwr: the images of one prompt share each regression point's sigma and noise, so the "
+        True,
+        description="nft/rwr: the images of one prompt share each regression point's sigma and noise, so the "
         "noise, common to the group, cancels in the advantage-weighted gradient (common random numbers).",
     )
     old_policy_decay: float | None = Field(
-        None, gt=0, lt=1, description="Soft-updated sampling policy (DiffusionNFT): rollouts and v_old come from "
+        None,
+        gt=0,
+        lt=1,
+        description="Soft-updated sampling policy (DiffusionNFT): rollouts and v_old come from "
         "an EMA of the trained weights with this decay (null: the current weights, fully on-policy).",
     )
     nft_adaptive_weight: bool = Field(
-        False, description="nft: divide each sample's x0-space error by its (detached) mean absolute value.",
+        False,
+        description="nft: divide each sample's x0-space error by its (detached) mean absolute value.",
     )
-    ema_decay: float | None = Field(None, gt=0, lt=1, description="EMA of trainable weights for eval (null: off).")
+    ema_decay: float | None = Field(
+        None, gt=0, lt=1, description="EMA of trainable weights for eval (null: off)."
+    )
     eval_every: int = Field(10, ge=1, description="Evaluate on held-out prompts every this many steps.")
     eval_prompts: int = Field(64, ge=1, description="Held-out prompts scored per evaluation.")
     eval_images_per_prompt: int = Field(1, ge=1, description="Images per held-out prompt.")
@@ -282,44 +341,63 @@ class FlowGRPOConfig(Config):
         default_factory=lambda: [RewardSpec(name="shapes")], description="Rewards and their weights."
     )
     eval_rewards: list[RewardSpec] | None = Field(
-        None, description="Rewards of evaluation and `mmrl eval` (null: the training rewards), e.g. a strict "
+        None,
+        description="Rewards of evaluation and `mmrl eval` (null: the training rewards), e.g. a strict "
         "verifier while training on its partial-credit form.",
     )
     sampling: FlowSamplingConfig = Field(default_factory=FlowSamplingConfig)
     allocation: FlowAllocationConfig = Field(default_factory=FlowAllocationConfig)
-    tree: TreeSettings = Field(default_factory=TreeSettings, description="Branching settings (sampling.rollout=branch).")
-    explore: ExploreSettings = Field(default_factory=ExploreSettings, description="Two-stage explore/train settings.")
+    tree: TreeSettings = Field(
+        default_factory=TreeSettings, description="Branching settings (sampling.rollout=branch)."
+    )
+    explore: ExploreSettings = Field(
+        default_factory=ExploreSettings, description="Two-stage explore/train settings."
+    )
     trainer: FlowTrainerConfig = Field(default_factory=FlowTrainerConfig)
-    pool: PoolSettings = Field(default_factory=PoolSettings, description="Rollouts from a rollout pool (sync or async).")
+    pool: PoolSettings = Field(
+        default_factory=PoolSettings, description="Rollouts from a rollout pool (sync or async)."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> FlowGRPOConfig:
         if not self.rewards:
             raise ValueError("rewards: at least one reward is needed")
         if self.eval_rewards is not None and not self.eval_rewards:
-            raise ValueError("eval_rewards: give at least one reward, or null to evaluate with the training rewards")
+            raise ValueError(
+                "eval_rewards: give at least one reward, or null to evaluate with the training rewards"
+            )
         check_reward_keys(self.rewards, "rewards")
         check_reward_keys(self.eval_rewards or [], "eval_rewards")
         w = self.sampling.sde_window
         if w is not None and w > self.sampling.num_steps:
-            raise ValueError(f"sampling.sde_window ({w}) exceeds sampling.num_steps ({self.sampling.num_steps})")
+            raise ValueError(
+                f"sampling.sde_window ({w}) exceeds sampling.num_steps ({self.sampling.num_steps})"
+            )
         if self.sampling.rollout == "branch":
             span = w if w is not None else self.sampling.num_steps
             bad = [s for s in self.tree.split_steps if not 0 <= s < span]
             if not self.tree.split_steps or bad:
-                raise ValueError(f"tree.split_steps must be non-empty and inside 0..{span - 1} (the SDE steps), got {bad}")
+                raise ValueError(
+                    f"tree.split_steps must be non-empty and inside 0..{span - 1} (the SDE steps), got {bad}"
+                )
         if self.explore.enabled:
             e = self.explore
             keep = e.keep_best + e.keep_worst + (e.extra_random if e.selection == "extremes_random" else 0)
             if not 1 <= keep <= e.candidates:
-                raise ValueError(f"explore keeps {keep} of {e.candidates} candidates per prompt; need 1..candidates")
+                raise ValueError(
+                    f"explore keeps {keep} of {e.candidates} candidates per prompt; need 1..candidates"
+                )
             if self.allocation.method != "uniform":
-                raise ValueError("explore decides the group sizes (kept seeds per prompt): use allocation.method=uniform")
+                raise ValueError(
+                    "explore decides the group sizes (kept seeds per prompt): use allocation.method=uniform"
+                )
         if self.pool.enabled and (self.sampling.rollout != "flat" or self.explore.enabled):
             raise ValueError(
                 "pool.enabled takes flat rollouts from the pool: set sampling.rollout=flat and explore.enabled=false "
                 f"(got sampling.rollout={self.sampling.rollout}, explore.enabled={self.explore.enabled})"
             )
         if self.trainer.objective == "grpo" and self.sampling.sde_kind == "cps" and w is None:
-            raise ValueError("sde_kind=cps adds no noise at the last step: set sampling.sde_window < num_steps")
+            raise ValueError(
+                "sde_kind=cps adds no noise at the last step: set sampling.sde_window < num_steps"
+            )
         return self

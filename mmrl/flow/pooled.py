@@ -46,8 +46,15 @@ from pipelines.pool.weights import make_update
 if TYPE_CHECKING:
     from mmrl.flow.trainer import FlowGRPOTrainer
 
-__all__ = ["FlowStepRequest", "PoolStepInfo", "PooledFlowWorker", "PooledRollouts", "concat_rollouts",
-           "importance_weights"]
+__all__ = [
+    "FlowStepRequest",
+    "PoolStepInfo",
+    "PooledFlowWorker",
+    "PooledRollouts",
+    "concat_rollouts",
+    "importance_weights",
+]
+
 
 @dataclass(frozen=True)
 class FlowStepRequest(RolloutRequest):
@@ -82,10 +89,17 @@ class PooledFlowWorker(FlowRolloutWorker):
 
     def generate(self, request: RolloutRequest) -> Rollout:
         if request.precision != FULL_PRECISION:
-            raise ValueError(f"request {request.request_id!r}: the pooled trainer samples at full precision only")
+            raise ValueError(
+                f"request {request.request_id!r}: the pooled trainer samples at full precision only"
+            )
         sampling = replace(self.sampling, sde_window=getattr(request, "sde_window", self.sampling.sde_window))
-        return rollout(self.adapter, request.prompts, request.counts, sampling,
-                       torch.Generator().manual_seed(request.seed))
+        return rollout(
+            self.adapter,
+            request.prompts,
+            request.counts,
+            sampling,
+            torch.Generator().manual_seed(request.seed),
+        )
 
 
 def concat_rollouts(rollouts: list[Rollout], device: torch.device | str) -> Rollout:
@@ -173,12 +187,20 @@ class PooledRollouts:
         trainer.generator.set_state(state)
         transformer = trainer.adapter.transformer
         # the LoRA (even untrained: the worker then runs the trainer's module structure) or resumed weights
-        initial = make_update(transformer, version=0) if cfg.model.lora is not None or trainer.step > 0 else None
+        initial = (
+            make_update(transformer, version=0) if cfg.model.lora is not None or trainer.step > 0 else None
+        )
         device = p.device if p.device is not None else str(trainer.device)
         factory = functools.partial(
-            PooledFlowWorker.build, cfg.model.family, cfg.model.path, sampling, initial,
-            device=device, torch_dtype=DTYPES[cfg.model.dtype],
-            autocast_dtype=DTYPES[cfg.model.autocast] if cfg.model.autocast else None, **cfg.model.options,
+            PooledFlowWorker.build,
+            cfg.model.family,
+            cfg.model.path,
+            sampling,
+            initial,
+            device=device,
+            torch_dtype=DTYPES[cfg.model.dtype],
+            autocast_dtype=DTYPES[cfg.model.autocast] if cfg.model.autocast else None,
+            **cfg.model.options,
         )
         self.pool = p.build_pool(factory)
 
@@ -188,21 +210,28 @@ class PooledRollouts:
         t = self.trainer
         a = t.cfg.allocation
         step = self.start_step + pool_step
-        prompts = alloc_lib.sample_prompts(t.stats, t.train_pool, a.prompts_per_step, method=a.selection,
-                                           generator=t.generator)
-        counts = alloc_lib.allocate(t.stats, prompts, a.rollouts_per_step, method=a.method, n_min=a.n_min,
-                                    n_max=a.n_max).tolist()
+        prompts = alloc_lib.sample_prompts(
+            t.stats, t.train_pool, a.prompts_per_step, method=a.selection, generator=t.generator
+        )
+        counts = alloc_lib.allocate(
+            t.stats, prompts, a.rollouts_per_step, method=a.method, n_min=a.n_min, n_max=a.n_max
+        ).tolist()
         window = self.trainer.sde_window(step)
         chunks = torch.arange(len(prompts)).tensor_split(min(self.settings.num_workers, len(prompts)))
         requests = []
         for i, rows in enumerate(chunks):
             rows = rows.tolist()
             seed = request_seed(t.cfg.run.seed, t.rank, step, i)
-            requests.append(FlowStepRequest(
-                request_id=f"step{step}-{i}", prompt_ids=[prompts[r] for r in rows],
-                prompts=[prompts[r] for r in rows], counts=[counts[r] for r in rows], seed=seed,
-                sde_window=window,
-            ))
+            requests.append(
+                FlowStepRequest(
+                    request_id=f"step{step}-{i}",
+                    prompt_ids=[prompts[r] for r in rows],
+                    prompts=[prompts[r] for r in rows],
+                    counts=[counts[r] for r in rows],
+                    seed=seed,
+                    sde_window=window,
+                )
+            )
         self.seeds[pool_step] = [r.seed for r in requests]
         return requests
 
@@ -252,16 +281,21 @@ class PooledRollouts:
         current = trans.log_probs.clone()  # behaviour log-probs: the current policy's at lag 0
         if stale.numel():
             t.adapter.transformer.eval()
-            current[stale] = torch.cat([
-                rescore(t.adapter, trans.select(idx))[0].float().cpu()
-                for idx in stale.split(t.cfg.trainer.minibatch_size)
-            ])
+            current[stale] = torch.cat(
+                [
+                    rescore(t.adapter, trans.select(idx))[0].float().cpu()
+                    for idx in stale.split(t.cfg.trainer.minibatch_size)
+                ]
+            )
             t.nfe_total += stale.numel() * t.adapter.nfe_per_sample(trans.guidance_scale)
         weights = importance_weights(current, trans.log_probs, lags, self.settings.tis_cap)
         ratio = torch.exp(current - trans.log_probs)
         t.metrics.add("tis/weight_mean", weights.mean(), count=len(trans))
-        t.metrics.add("tis/clipped_frac", ((ratio > self.settings.tis_cap) & (lags > 0)).float().mean(),
-                      count=len(trans))
+        t.metrics.add(
+            "tis/clipped_frac",
+            ((ratio > self.settings.tis_cap) & (lags > 0)).float().mean(),
+            count=len(trans),
+        )
         return replace(trans, log_probs=current), weights
 
     def close(self) -> None:

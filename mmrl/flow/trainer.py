@@ -73,8 +73,13 @@ def prompt_ids(prompts: list[str]) -> torch.Tensor:
     return torch.tensor([ids.setdefault(p, len(ids)) for p in prompts])
 
 
-def sample_records(prompts: list[str], raw: torch.Tensor, components: dict[str, torch.Tensor],
-                   specs: list[Any], weights: torch.Tensor) -> list[dict[str, Any]]:
+def sample_records(
+    prompts: list[str],
+    raw: torch.Tensor,
+    components: dict[str, torch.Tensor],
+    specs: list[Any],
+    weights: torch.Tensor,
+) -> list[dict[str, Any]]:
     """One record per sample for the run's sample files: its prompt, the weighted ``reward``, each reward by its
     key and each component (``{key}/{component}``)."""
     total = (raw @ weights).tolist()
@@ -125,7 +130,9 @@ class FlowGRPOTrainer:
         self.step = 0
         self.nfe_total = 0
         self.metrics = MetricAccumulator()
-        self.rollout_pool = None  # a mmrl.flow.pooled.PooledRollouts when cfg.pool.enabled (set up last in setup())
+        self.rollout_pool = (
+            None  # a mmrl.flow.pooled.PooledRollouts when cfg.pool.enabled (set up last in setup())
+        )
 
     # ------------------------------------------------------------------ setup
     def setup(self, for_training: bool = True) -> None:
@@ -140,7 +147,10 @@ class FlowGRPOTrainer:
             self.device = torch.device("cuda", torch.cuda.current_device())
         # 2. model
         self.adapter: FlowAdapter = load_adapter(
-            cfg.model.family, cfg.model.path, torch_dtype=DTYPES[cfg.model.dtype], device=self.device,
+            cfg.model.family,
+            cfg.model.path,
+            torch_dtype=DTYPES[cfg.model.dtype],
+            device=self.device,
             **cfg.model.options,
         )
         self.adapter.autocast_dtype = DTYPES[cfg.model.autocast] if cfg.model.autocast else None
@@ -186,7 +196,8 @@ class FlowGRPOTrainer:
         self.eval_specs = cfg.eval_rewards if cfg.eval_rewards is not None else cfg.rewards
         self.eval_rewards = (
             [reward_registry.build(spec.name, **spec.options) for spec in cfg.eval_rewards]
-            if cfg.eval_rewards is not None else self.rewards
+            if cfg.eval_rewards is not None
+            else self.rewards
         )
         self.eval_weights = torch.tensor([spec.weight for spec in self.eval_specs], dtype=torch.float32)
         self.eval_pool = load_prompts(cfg.eval_prompts)
@@ -197,7 +208,9 @@ class FlowGRPOTrainer:
         check_prompts(cfg.train_prompts, self.train_pool, self.rewards)
         overlap = set(self.train_pool) & set(self.eval_pool)
         if overlap:
-            logger.warning("%d prompts are both train and eval prompts, e.g. %r", len(overlap), next(iter(overlap)))
+            logger.warning(
+                "%d prompts are both train and eval prompts, e.g. %r", len(overlap), next(iter(overlap))
+            )
         if cfg.allocation.prompts_per_step > len(self.train_pool):
             raise ValueError(
                 f"allocation.prompts_per_step ({cfg.allocation.prompts_per_step}) exceeds the "
@@ -211,9 +224,17 @@ class FlowGRPOTrainer:
 
             self.explorer = quantize_copy(transformer, cfg.explore.scheme)
             full, small = weight_bytes(transformer), weight_bytes(self.explorer.module)
-            logger.info("explorer (%s): %.2f MB of weights vs %.2f MB (%.2fx smaller)", cfg.explore.scheme,
-                        small / 1e6, full / 1e6, full / max(small, 1))
-            self.explore_memory = {"explore/weight_mb_policy": full / 1e6, "explore/weight_mb_explorer": small / 1e6}
+            logger.info(
+                "explorer (%s): %.2f MB of weights vs %.2f MB (%.2fx smaller)",
+                cfg.explore.scheme,
+                small / 1e6,
+                full / 1e6,
+                full / max(small, 1),
+            )
+            self.explore_memory = {
+                "explore/weight_mb_policy": full / 1e6,
+                "explore/weight_mb_explorer": small / 1e6,
+            }
         self.stats = PromptStats(rho=cfg.allocation.rho)
         self.ema = EMA(transformer, cfg.trainer.ema_decay) if cfg.trainer.ema_decay else None
         decay = cfg.trainer.old_policy_decay
@@ -235,12 +256,16 @@ class FlowGRPOTrainer:
     def _make_optimizer(self) -> torch.optim.Optimizer:
         t = self.cfg.trainer
         if not self.trainable:
-            raise ValueError("no trainable parameters: check model.lora.target_modules against the transformer")
+            raise ValueError(
+                "no trainable parameters: check model.lora.target_modules against the transformer"
+            )
         if t.optimizer == "adamw8bit":
             try:
                 import bitsandbytes as bnb
             except ImportError as err:
-                raise ImportError("trainer.optimizer=adamw8bit needs bitsandbytes (pip install bitsandbytes)") from err
+                raise ImportError(
+                    "trainer.optimizer=adamw8bit needs bitsandbytes (pip install bitsandbytes)"
+                ) from err
             return bnb.optim.AdamW8bit(self.trainable, lr=t.lr, weight_decay=t.weight_decay)
         return torch.optim.AdamW(self.trainable, lr=t.lr, weight_decay=t.weight_decay)
 
@@ -257,7 +282,9 @@ class FlowGRPOTrainer:
                 transformer.enable_adapters()
         else:
             if self.reference is None:
-                raise RuntimeError("no reference policy: full fine-tuning keeps one only when trainer.beta > 0")
+                raise RuntimeError(
+                    "no reference policy: full fine-tuning keeps one only when trainer.beta > 0"
+                )
             live = self.adapter.pipe.transformer
             self.adapter.pipe.transformer = self.reference
             try:
@@ -274,9 +301,15 @@ class FlowGRPOTrainer:
         name (:class:`rewards.base.RewardCheckError`)."""
         pil = tensor_to_pil(images) if images.ndim == 4 else None
         columns, components = [], {}
-        specs, rewards = (self.eval_specs, self.eval_rewards) if evaluation else (self.cfg.rewards, self.rewards)
+        specs, rewards = (
+            (self.eval_specs, self.eval_rewards) if evaluation else (self.cfg.rewards, self.rewards)
+        )
         for spec, reward in zip(specs, rewards, strict=True):
-            batch = {"images": pil, "prompts": prompts} if pil is not None else {"videos": images, "prompts": prompts}
+            batch = (
+                {"images": pil, "prompts": prompts}
+                if pil is not None
+                else {"videos": images, "prompts": prompts}
+            )
             out = checked_score(reward, spec.key, len(prompts), **batch)
             columns.append(out.scores.detach().float().cpu())
             for name, value in out.components.items():
@@ -337,8 +370,13 @@ class FlowGRPOTrainer:
             log_prob_form=s.log_prob_form,
         )
 
-    def _log_rewards(self, total: torch.Tensor, raw: torch.Tensor, components: dict[str, torch.Tensor],
-                     group_index: torch.Tensor) -> None:
+    def _log_rewards(
+        self,
+        total: torch.Tensor,
+        raw: torch.Tensor,
+        components: dict[str, torch.Tensor],
+        group_index: torch.Tensor,
+    ) -> None:
         groups = make_groups(group_index)
         self.metrics.add("reward/mean", total.mean(), count=total.numel())
         for k, spec in enumerate(self.cfg.rewards):
@@ -351,7 +389,9 @@ class FlowGRPOTrainer:
     def collect(self) -> StepBatch:
         """Steps 1-4 for the configured rollout mode."""
         if self.rollout_pool is not None:
-            return self.rollout_pool.collect()  # the same steps on rollouts from the pool (mmrl/flow/pooled.py)
+            return (
+                self.rollout_pool.collect()
+            )  # the same steps on rollouts from the pool (mmrl/flow/pooled.py)
         a = self.cfg.allocation
         prompts = alloc_lib.sample_prompts(
             self.stats, self.train_pool, a.prompts_per_step, method=a.selection, generator=self.generator
@@ -373,10 +413,23 @@ class FlowGRPOTrainer:
         """Preview candidates with the quantized copy (synced with the current LoRA) and pick seeds to train on."""
         e = self.cfg.explore
         self.explorer.sync(self.adapter.transformer)
-        config = ExploreConfig(candidates=e.candidates, preview_steps=e.preview_steps, keep_best=e.keep_best,
-                               keep_worst=e.keep_worst, selection=e.selection, extra_random=e.extra_random)
-        result = explore(self.adapter, self.explorer.module, prompts, self.sampling_config(), config,
-                         lambda images, p: self.combine(self.score(images, p)[0]), generator=self.generator)
+        config = ExploreConfig(
+            candidates=e.candidates,
+            preview_steps=e.preview_steps,
+            keep_best=e.keep_best,
+            keep_worst=e.keep_worst,
+            selection=e.selection,
+            extra_random=e.extra_random,
+        )
+        result = explore(
+            self.adapter,
+            self.explorer.module,
+            prompts,
+            self.sampling_config(),
+            config,
+            lambda images, p: self.combine(self.score(images, p)[0]),
+            generator=self.generator,
+        )
         self.metrics.add("nfe/preview", float(result.nfe))
         self.metrics.add("explore/preview_reward_mean", result.preview_rewards.mean())
         self.metrics.add_dict(self.explore_memory)
@@ -386,16 +439,25 @@ class FlowGRPOTrainer:
     def _collect_flat(self, prompts: list[str], explored: ExploreResult | None) -> StepBatch:
         a = self.cfg.allocation
         if explored is None:
-            counts = alloc_lib.allocate(self.stats, prompts, a.rollouts_per_step, method=a.method, n_min=a.n_min,
-                                        n_max=a.n_max)
+            counts = alloc_lib.allocate(
+                self.stats, prompts, a.rollouts_per_step, method=a.method, n_min=a.n_min, n_max=a.n_max
+            )
         else:
             counts = torch.full((len(prompts),), explored.chosen.shape[1], dtype=torch.long)
-        ro = rollout(self.adapter, prompts, counts.tolist(), self.sampling_config(), generator=self.generator,
-                     noise=None if explored is None else explored.noise)
+        ro = rollout(
+            self.adapter,
+            prompts,
+            counts.tolist(),
+            self.sampling_config(),
+            generator=self.generator,
+            noise=None if explored is None else explored.noise,
+        )
         total, adv, trans = self.score_flat(ro)
         if explored is not None:
             self.metrics.add("explore/spearman", spearman(explored.chosen_preview_rewards, total))
-        return StepBatch(trans, adv[trans.sample_index], ro.images, ro.prompts, ro.latents[:, -1], ro.cond, adv, ro.nfe)
+        return StepBatch(
+            trans, adv[trans.sample_index], ro.images, ro.prompts, ro.latents[:, -1], ro.cond, adv, ro.nfe
+        )
 
     def score_flat(self, ro: Rollout) -> tuple[torch.Tensor, torch.Tensor, TransitionBatch]:
         """Score a flat rollout, update the statistics store and log: ``(total reward [B], advantages [B],
@@ -419,12 +481,20 @@ class FlowGRPOTrainer:
         tree_cfg = TreeConfig(split_steps=tuple(offset + s for s in t.split_steps), branch_factor=factors)
         if explored is not None:
             prompts = [p for p in prompts for _ in range(explored.chosen.shape[1])]  # a tree per kept seed
-        tr = tree_rollout(self.adapter, prompts, config, tree_cfg, generator=self.generator,
-                          noise=None if explored is None else explored.noise)
+        tr = tree_rollout(
+            self.adapter,
+            prompts,
+            config,
+            tree_cfg,
+            generator=self.generator,
+            noise=None if explored is None else explored.noise,
+        )
         raw, components = self.score(tr.images, tr.leaf_prompts)
         total = self.combine(raw)
         if explored is not None:
-            per_tree = torch.zeros(len(prompts)).index_add_(0, tr.leaf_tree, total) / tr.tree.leaves_per_tree()
+            per_tree = (
+                torch.zeros(len(prompts)).index_add_(0, tr.leaf_tree, total) / tr.tree.leaves_per_tree()
+            )
             self.metrics.add("explore/spearman", spearman(explored.chosen_preview_rewards, per_tree))
         self.stats.update_distributed(tr.leaf_prompts, total, step=self.step)
         self._log_rewards(total, raw, components, tr.leaf_tree)
@@ -432,12 +502,17 @@ class FlowGRPOTrainer:
         if t.fusion == "path_prob":
             # the log-prob of the draw that created each node = its first transition
             first = torch.full((tr.parent.numel(),), tr.transitions.log_probs.numel(), dtype=torch.long)
-            first = first.scatter_reduce(0, tr.transitions.sample_index, torch.arange(len(tr.transitions)), reduce="amin")
-            edge_logprob = torch.where(first < len(tr.transitions),
-                                       tr.transitions.log_probs[first.clamp(max=len(tr.transitions) - 1)],
-                                       torch.zeros(()))
-        node_adv, _ = adv_lib.tree_depthwise(tr.node_rewards(total), tr.parent, fusion=t.fusion,
-                                             edge_logprob=edge_logprob)
+            first = first.scatter_reduce(
+                0, tr.transitions.sample_index, torch.arange(len(tr.transitions)), reduce="amin"
+            )
+            edge_logprob = torch.where(
+                first < len(tr.transitions),
+                tr.transitions.log_probs[first.clamp(max=len(tr.transitions) - 1)],
+                torch.zeros(()),
+            )
+        node_adv, _ = adv_lib.tree_depthwise(
+            tr.node_rewards(total), tr.parent, fusion=t.fusion, edge_logprob=edge_logprob
+        )
         node_adv = adv_lib.clip_advantages(node_adv, self.cfg.trainer.adv_clip_max)
         keep = prune_transitions(tr, node_adv, depths=t.train_depths, width=t.width)
         steps = self._train_steps(config.sde_steps())
@@ -446,8 +521,16 @@ class FlowGRPOTrainer:
         leaf_adv = self.advantages(raw, tr.leaf_tree)  # for the NFT objective, which trains on final images
         self.metrics.add("tree/nodes", float(tr.parent.numel()))
         self.metrics.add("tree/trained_transitions", float(len(trans)))
-        return StepBatch(trans, node_adv[trans.sample_index], tr.images, tr.leaf_prompts, tr.final_latents,
-                         tr.cond.select(tr.leaf_tree), leaf_adv, tr.nfe)
+        return StepBatch(
+            trans,
+            node_adv[trans.sample_index],
+            tr.images,
+            tr.leaf_prompts,
+            tr.final_latents,
+            tr.cond.select(tr.leaf_tree),
+            leaf_adv,
+            tr.nfe,
+        )
 
     def _train_steps(self, sde_steps: torch.Tensor) -> torch.Tensor:
         """SDE steps whose transitions are trained this step (timestep subsampling)."""
@@ -461,8 +544,10 @@ class FlowGRPOTrainer:
         makes the same forwards, and nothing needs whole weights mid-step, are accepted."""
         cfg, refused = self.cfg, []
         if cfg.model.lora is not None:
-            refused.append("LoRA (model.lora): the trainable state is small and sharding the frozen base only adds "
-                           "all-gathers; launch with configs/accelerate/ddp.yaml")
+            refused.append(
+                "LoRA (model.lora): the trainable state is small and sharding the frozen base only adds "
+                "all-gathers; launch with configs/accelerate/ddp.yaml"
+            )
         if cfg.explore.enabled:
             refused.append("explore.enabled: the quantized explorer copies whole weights")
         if cfg.pool.enabled:
@@ -470,10 +555,14 @@ class FlowGRPOTrainer:
         if cfg.sampling.rollout != "flat":
             refused.append("sampling.rollout=branch: pruned trees train a per-rank number of transitions")
         if cfg.trainer.objective == "rwr" or cfg.trainer.drop_zero_advantage:
-            refused.append("trainer.objective=rwr / trainer.drop_zero_advantage: a per-rank number of samples")
+            refused.append(
+                "trainer.objective=rwr / trainer.drop_zero_advantage: a per-rank number of samples"
+            )
         if refused:
-            raise ValueError("FSDP launch (configs/accelerate/fsdp.yaml) of the flow trainer does not support: "
-                             + "; ".join(refused))
+            raise ValueError(
+                "FSDP launch (configs/accelerate/fsdp.yaml) of the flow trainer does not support: "
+                + "; ".join(refused)
+            )
 
     def _minibatches(self, n: int) -> Iterator[tuple[torch.Tensor | None, float, bool]]:
         """Shuffled minibatches of ``n`` items, each with its loss scale ``1 / accumulated minibatches`` and whether
@@ -487,7 +576,9 @@ class FlowGRPOTrainer:
         for i in range(turns):
             idx = batches[i] if i < len(batches) else None
             if idx is None and self.dist.fsdp:
-                raise RuntimeError("FSDP ranks hold different numbers of minibatches; their forwards would not pair up")
+                raise RuntimeError(
+                    "FSDP ranks hold different numbers of minibatches; their forwards would not pair up"
+                )
             yield idx, 1.0 / accum, (i + 1) % accum == 0 or i + 1 == turns
 
     def _idle_update(self) -> None:
@@ -502,7 +593,9 @@ class FlowGRPOTrainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.trainer.max_grad_norm)
         self.metrics.add("train/grad_norm", full_tensor(grad_norm))
         t = self.cfg.trainer
-        if t.lr_schedule == "cosine":  # a function of the training step, so a resumed run continues it exactly
+        if (
+            t.lr_schedule == "cosine"
+        ):  # a function of the training step, so a resumed run continues it exactly
             for group in self.optimizer.param_groups:
                 group["lr"] = t.lr * 0.5 * (1.0 + math.cos(math.pi * self.step / t.steps))
         self.optimizer.step()
@@ -527,8 +620,12 @@ class FlowGRPOTrainer:
         else:
             # CFG-free training of CFG-sampled transitions: the behaviour policy of the ratio is the CFG-free one.
             with torch.no_grad():
-                old_logp = torch.cat([rescore(self.adapter, trans.select(idx), 1.0)[0].cpu()
-                                      for idx in torch.arange(len(trans)).split(t.minibatch_size)])
+                old_logp = torch.cat(
+                    [
+                        rescore(self.adapter, trans.select(idx), 1.0)[0].cpu()
+                        for idx in torch.arange(len(trans)).split(t.minibatch_size)
+                    ]
+                )
             self.nfe_total += len(trans)
         self.adapter.transformer.train()
         n = len(trans)
@@ -555,7 +652,9 @@ class FlowGRPOTrainer:
                 (loss * scale).backward()
                 self.metrics.add("loss", loss, count=len(mb))
                 self.metrics.add("policy/ratio_mean", torch.exp(logp - old).mean(), count=len(mb))
-                self.metrics.add_dict(loss_lib.clip_fractions(logp, old, a, t.epsilon_low, t.epsilon_high), count=len(mb))
+                self.metrics.add_dict(
+                    loss_lib.clip_fractions(logp, old, a, t.epsilon_low, t.epsilon_high), count=len(mb)
+                )
                 if step_after:
                     self._optimizer_step()
 
@@ -568,7 +667,9 @@ class FlowGRPOTrainer:
         sigma, sigma_next = mb.sigma.to(std.device).view(shape), mb.sigma_next.to(std.device).view(shape)
         return sde_noise_scale(sigma, sigma_next, mb.noise_level, mb.sde_kind)
 
-    def _noised(self, x0: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _noised(
+        self, x0: torch.Tensor, groups: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Forward-process points for the likelihood-free objectives: ``nft_timesteps`` noise levels per image,
         drawn from the sigmas the sampler visits. (Uniform sigmas put most of the loss where the model was never
         trained or used: near sigma = 0 the target ``eps - x0`` is unpredictable noise, and its gradients wrecked
@@ -584,14 +685,18 @@ class FlowGRPOTrainer:
         # a draw per (group, timestep) when the group shares them, else per (image, timestep)
         owner = groups if t.shared_regression_noise else torch.arange(x0.shape[0])
         n_owners = int(owner.max()) + 1
-        draw = (owner.repeat(t.nft_timesteps) + n_owners * torch.arange(t.nft_timesteps).repeat_interleave(x0.shape[0]))
+        draw = owner.repeat(t.nft_timesteps) + n_owners * torch.arange(t.nft_timesteps).repeat_interleave(
+            x0.shape[0]
+        )
         n_draws = n_owners * t.nft_timesteps
         sigma = schedule[torch.randint(schedule.numel(), (n_draws,), generator=self.generator)][draw]
         eps = torch.randn((n_draws, *x0.shape[1:]), generator=self.generator)[draw]
         sig = sigma.view(-1, *([1] * (x0.ndim - 1)))
         return rows, sigma, (1 - sig) * x0[rows] + sig * eps, eps - x0[rows]
 
-    def nft_update(self, x0: torch.Tensor, cond: Conditioning, adv: torch.Tensor, groups: torch.Tensor) -> None:
+    def nft_update(
+        self, x0: torch.Tensor, cond: Conditioning, adv: torch.Tensor, groups: torch.Tensor
+    ) -> None:
         """DiffusionNFT on the final samples ``x0 [B, ...]``: ``r = clip(0.5 + 0.5 A / A_max, 0, 1)`` is each
         image's optimality probability."""
         t = self.cfg.trainer
@@ -600,21 +705,34 @@ class FlowGRPOTrainer:
         cond = cond.select(rows)
         with torch.no_grad(), self.sampling_weights():
             self.adapter.transformer.eval()
-            v_old = torch.cat([
-                self.adapter.velocity(x_t[idx].to(self.device), sigma[idx].to(self.device), cond.select(idx),
-                                      self._regression_guidance(cond)).cpu()
-                for idx in torch.arange(rows.numel()).split(t.minibatch_size)
-            ])
+            v_old = torch.cat(
+                [
+                    self.adapter.velocity(
+                        x_t[idx].to(self.device),
+                        sigma[idx].to(self.device),
+                        cond.select(idx),
+                        self._regression_guidance(cond),
+                    ).cpu()
+                    for idx in torch.arange(rows.numel()).split(t.minibatch_size)
+                ]
+            )
         self.nfe_total += rows.numel()
 
         def loss_fn(v: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-            return loss_lib.diffusion_nft_loss(v, v_old[idx].to(v.device), target[idx].to(v.device),
-                                               optimality[rows[idx]].to(v.device), t.nft_beta,
-                                               sigma=sigma[idx].to(v.device) if t.nft_adaptive_weight else None)
+            return loss_lib.diffusion_nft_loss(
+                v,
+                v_old[idx].to(v.device),
+                target[idx].to(v.device),
+                optimality[rows[idx]].to(v.device),
+                t.nft_beta,
+                sigma=sigma[idx].to(v.device) if t.nft_adaptive_weight else None,
+            )
 
         self._regress(x_t, sigma, cond, loss_fn)
 
-    def rwr_update(self, x0: torch.Tensor, cond: Conditioning, adv: torch.Tensor, groups: torch.Tensor) -> None:
+    def rwr_update(
+        self, x0: torch.Tensor, cond: Conditioning, adv: torch.Tensor, groups: torch.Tensor
+    ) -> None:
         """Advantage-weighted flow matching on the final samples (weights ``max(A, 0)``): only the images the
         reward prefers to their group are regressed on."""
         weights = adv.clamp(min=0)
@@ -650,8 +768,13 @@ class FlowGRPOTrainer:
         w = self.cfg.sampling.guidance_scale
         return w if self.cfg.trainer.train_cfg and cond.uncond is not None else 1.0
 
-    def _regress(self, x_t: torch.Tensor, sigma: torch.Tensor, cond: Conditioning,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    def _regress(
+        self,
+        x_t: torch.Tensor,
+        sigma: torch.Tensor,
+        cond: Conditioning,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> None:
         """Minibatched velocity regression ``loss_fn(v [b, ...], idx [b]) -> [b]``, plus ``beta`` times the squared
         distance to the reference velocity at the same points (the KL of the Gaussian policies these velocities
         define, up to a per-sigma constant, as GRPO's KL on the SDE means); one optimizer step per
@@ -712,12 +835,25 @@ class FlowGRPOTrainer:
         """Deterministic (ODE) samples from a fixed noise: the evaluation protocol."""
         s = self.cfg.sampling
         config = SamplingConfig(
-            num_steps=s.eval_num_steps, guidance_scale=s.guidance_scale, noise_level=s.noise_level,
-            sde_kind=s.sde_kind, sde_window=(0, 0), height=s.height, width=s.width, num_frames=s.num_frames,
-            negative_prompt=s.negative_prompt, max_batch_size=s.max_batch_size,
+            num_steps=s.eval_num_steps,
+            guidance_scale=s.guidance_scale,
+            noise_level=s.noise_level,
+            sde_kind=s.sde_kind,
+            sde_window=(0, 0),
+            height=s.height,
+            width=s.width,
+            num_frames=s.num_frames,
+            negative_prompt=s.negative_prompt,
+            max_batch_size=s.max_batch_size,
         )
         self.adapter.transformer.eval()
-        return rollout(self.adapter, prompts, images_per_prompt, config, generator=torch.Generator().manual_seed(EVAL_SEED))
+        return rollout(
+            self.adapter,
+            prompts,
+            images_per_prompt,
+            config,
+            generator=torch.Generator().manual_seed(EVAL_SEED),
+        )
 
     def evaluate(self) -> dict[str, float]:
         t = self.cfg.trainer
@@ -732,14 +868,27 @@ class FlowGRPOTrainer:
             out["eval/" + name.removeprefix("reward/")] = float(value.mean())
         if self.run is not None:
             n = min(64, len(ro.prompts))
-            records = sample_records(ro.prompts[:n], raw[:n], {k: v[:n] for k, v in components.items()},
-                                     self.eval_specs, self.eval_weights)
+            records = sample_records(
+                ro.prompts[:n],
+                raw[:n],
+                {k: v[:n] for k, v in components.items()},
+                self.eval_specs,
+                self.eval_weights,
+            )
             self.run.save_samples(self.step, "eval", records, ro.images[:n])
         return out
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict[str, float]:
-        return train_loop(self, self.cfg.trainer.steps, self.cfg.trainer.eval_every, self.cfg.run, self.run, show=("reward/mean", "eval/reward_mean"), main_process=self.rank == 0)
+        return train_loop(
+            self,
+            self.cfg.trainer.steps,
+            self.cfg.trainer.eval_every,
+            self.cfg.run,
+            self.run,
+            show=("reward/mean", "eval/reward_mean"),
+            main_process=self.rank == 0,
+        )
 
     # ------------------------------------------------------------------ state
     def trainable_state(self) -> dict[str, torch.Tensor]:
@@ -756,7 +905,9 @@ class FlowGRPOTrainer:
             "ema": self.ema.state_dict() if self.ema is not None else None,
             "old_policy": self.old_policy.state_dict() if self.old_policy is not None else None,
             "rng": get_rng_state({"train": self.generator}),
-            "rng_per_rank": self.dist.gather(get_rng_state({"train": self.generator})) if self.dist.active else None,
+            "rng_per_rank": self.dist.gather(get_rng_state({"train": self.generator}))
+            if self.dist.active
+            else None,
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
@@ -779,8 +930,9 @@ class FlowGRPOTrainer:
         # the LoRA config (rank, alpha) goes into the file: without it diffusers loads the update scaled by 1, not
         # by the trained alpha / r
         config = self.adapter.transformer.peft_config["default"].to_dict()
-        type(self.adapter.pipe).save_lora_weights(directory, transformer_lora_layers=layers,
-                                                  transformer_lora_adapter_metadata=config)
+        type(self.adapter.pipe).save_lora_weights(
+            directory, transformer_lora_layers=layers, transformer_lora_adapter_metadata=config
+        )
 
     def save_transformer(self, directory: Path, trainable: dict[str, torch.Tensor]) -> None:
         """The fully fine-tuned transformer in diffusers format (``config.json`` and
@@ -790,10 +942,15 @@ class FlowGRPOTrainer:
         from safetensors.torch import save_file
 
         transformer = self.adapter.transformer
-        weights = {name: t.detach().cpu() for name, t in transformer.state_dict().items() if name not in trainable}
+        weights = {
+            name: t.detach().cpu() for name, t in transformer.state_dict().items() if name not in trainable
+        }
         weights.update(trainable)
         directory.mkdir()
-        save_file({name: t.contiguous() for name, t in weights.items()}, directory / "diffusion_pytorch_model.safetensors")
+        save_file(
+            {name: t.contiguous() for name, t in weights.items()},
+            directory / "diffusion_pytorch_model.safetensors",
+        )
         transformer.save_config(directory)
         if self.dist.fsdp:  # FSDP2 swapped in a subclass named FSDP<Class>: record the class diffusers knows
             config_file = directory / "config.json"
@@ -831,7 +988,9 @@ class FlowGRPOTrainer:
             else:
                 self.save_transformer(directory / "transformer", state["trainable"])
 
-        save_checkpoint(self.run.checkpoint_dir, self.step, state, extra=extra, keep_last=self.cfg.run.keep_last)
+        save_checkpoint(
+            self.run.checkpoint_dir, self.step, state, extra=extra, keep_last=self.cfg.run.keep_last
+        )
 
     def cleanup(self) -> None:
         if self.rollout_pool is not None:
@@ -845,8 +1004,13 @@ def main(cfg: FlowGRPOConfig) -> dict[str, float]:
     return run_recipe(cfg, FlowGRPOTrainer)
 
 
-def evaluate(cfg: FlowGRPOConfig, prompts_file: str | None, out_dir: Path, checkpoint: Path | None,
-             images_per_prompt: int) -> dict[str, float]:
+def evaluate(
+    cfg: FlowGRPOConfig,
+    prompts_file: str | None,
+    out_dir: Path,
+    checkpoint: Path | None,
+    images_per_prompt: int,
+) -> dict[str, float]:
     """Score the base model, or a checkpoint's LoRA on it, on a prompt file; write scores and a grid.
 
     Writes ``out_dir/scores.jsonl`` (prompt, image index, every reward), ``out_dir/summary.json`` and
@@ -870,10 +1034,13 @@ def evaluate(cfg: FlowGRPOConfig, prompts_file: str | None, out_dir: Path, check
     with open(out_dir / "scores.jsonl", "w") as f:
         for i, record in enumerate(records):
             f.write(json.dumps({"image": i, **record}) + "\n")
-    summary = {"checkpoint": str(checkpoint) if checkpoint else None, "prompts": len(prompts),
-               "images": len(ro.prompts), "reward_mean": float(total.mean())}
+    summary = {
+        "checkpoint": str(checkpoint) if checkpoint else None,
+        "prompts": len(prompts),
+        "images": len(ro.prompts),
+        "reward_mean": float(total.mean()),
+    }
     summary.update({f"{spec.key}_mean": float(raw[:, k].mean()) for k, spec in enumerate(trainer.eval_specs)})
     write_summary_json(out_dir / "summary.json", summary)
     make_grid(ro.images[:256]).save(out_dir / "grid.png")
     return summary
-

@@ -23,13 +23,19 @@ class VLMLora(Config):
 
 
 class VLMModelConfig(Config):
-    path: str = Field("checkpoints/shapes_vlm", description="Hub id or local directory (AutoModelForImageTextToText).")
+    path: str = Field(
+        "checkpoints/shapes_vlm", description="Hub id or local directory (AutoModelForImageTextToText)."
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype.")
     device: str = Field("auto", description="'auto', 'cpu', 'cuda', ...")
-    lora: VLMLora | None = Field(default_factory=VLMLora, description="LoRA settings; null: full fine-tuning.")
+    lora: VLMLora | None = Field(
+        default_factory=VLMLora, description="LoRA settings; null: full fine-tuning."
+    )
     train_vision: bool = Field(False, description="Also train the vision tower (frozen by default).")
     gradient_checkpointing: bool = Field(False, description="Activation checkpointing in the language model.")
-    load_in_4bit: bool = Field(False, description="QLoRA: NF4 base weights through transformers' BitsAndBytesConfig.")
+    load_in_4bit: bool = Field(
+        False, description="QLoRA: NF4 base weights through transformers' BitsAndBytesConfig."
+    )
 
 
 class VLMDataConfig(Config):
@@ -49,7 +55,9 @@ class VLMDataConfig(Config):
 
 
 class VLMRewardSpec(RewardSpec):
-    name: str = Field(description="Registered text verifier (exact_match, math_verify, multiple_choice, ...).")
+    name: str = Field(
+        description="Registered text verifier (exact_match, math_verify, multiple_choice, ...)."
+    )
 
 
 class GenerationConfig(Config):
@@ -57,7 +65,9 @@ class GenerationConfig(Config):
     temperature: float = Field(1.0, ge=0, description="Sampling temperature of rollouts.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus mass (1: full distribution, on-policy).")
     max_new_tokens: int = Field(16, ge=1, description="Completion budget.")
-    max_prompt_length: int | None = Field(None, ge=1, description="Longer prompts are skipped, never truncated.")
+    max_prompt_length: int | None = Field(
+        None, ge=1, description="Longer prompts are skipped, never truncated."
+    )
     max_model_len: int | None = Field(None, ge=1, description="Context length of prompt + completion.")
     batch_size: int | None = Field(None, ge=1, description="Prompts per generate call (hf).")
     vllm_gpu_memory_utilization: float = Field(0.4, gt=0, le=1, description="vLLM memory share while awake.")
@@ -74,7 +84,9 @@ class EntropyShaping(Config):
 
 
 class VLMTrainerConfig(Config):
-    mode: Literal["single", "group"] = Field("single", description="single: MSSR/SPO one rollout; group: GRPO family.")
+    mode: Literal["single", "group"] = Field(
+        "single", description="single: MSSR/SPO one rollout; group: GRPO family."
+    )
     steps: int = Field(100, ge=1, description="Training steps.")
     prompts_per_step: int = Field(16, ge=1, description="Prompts per step.")
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
@@ -86,27 +98,38 @@ class VLMTrainerConfig(Config):
     prior_strength: float = Field(2.0, gt=0, description="Pseudo-count of the baseline's shrinkage prior.")
     center: bool = Field(False, description="Centre single-rollout advantages on the batch mean (off: MSSR).")
     # group mode
-    num_generations: int = Field(8, ge=2, description="Rollouts per prompt in group mode (G; MC-GRPO uses G+1).")
+    num_generations: int = Field(
+        8, ge=2, description="Rollouts per prompt in group mode (G; MC-GRPO uses G+1)."
+    )
     advantage: Literal["grpo", "dr_grpo", "rloo", "mc_grpo"] = Field("grpo", description="Group estimator.")
-    allocation: Literal["uniform", "knapsack", "sqrt"] = Field("uniform", description="Group sizes from the core.")
+    allocation: Literal["uniform", "knapsack", "sqrt"] = Field(
+        "uniform", description="Group sizes from the core."
+    )
     dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal.")
     # shared
     entropy_shaping: EntropyShaping = Field(default_factory=EntropyShaping)
     epsilon_low: float = Field(
-        0.2, ge=0, description="Lower clip range: TRL's epsilon, verl's clip_ratio_low (PPO/GRPO: 0.2).",
+        0.2,
+        ge=0,
+        description="Lower clip range: TRL's epsilon, verl's clip_ratio_low (PPO/GRPO: 0.2).",
     )
     epsilon_high: float = Field(
-        0.28, ge=0, description="Upper clip range: TRL's and verl's epsilon_high / clip_ratio_high (DAPO's "
+        0.28,
+        ge=0,
+        description="Upper clip range: TRL's and verl's epsilon_high / clip_ratio_high (DAPO's "
         "clip-higher: 0.28). TRL defaults it to epsilon: set 0.2 here for TRL's default.",
     )
     dual_clip: float | None = Field(None, gt=1, description="Dual-clip constant (verl's clip_ratio_c, 3.0).")
     beta: float = Field(
-        0.01, ge=0, description="KL coefficient to the reference (adapter disabled): the k3 estimator per token, "
+        0.01,
+        ge=0,
+        description="KL coefficient to the reference (adapter disabled): the k3 estimator per token, "
         "added to the per-token loss before aggregation, as TRL's beta (TRL's default 0.0; DeepSeekMath GRPO 0.04; "
         "verl's kl_loss_coef with kl_loss_type low_var_kl).",
     )
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = Field(
-        "token_mean", description="Loss aggregation (verl's loss_agg_mode). TRL's loss_type: dapo and bnpo = "
+        "token_mean",
+        description="Loss aggregation (verl's loss_agg_mode). TRL's loss_type: dapo and bnpo = "
         "token_mean, grpo = seq_mean_token_mean, dr_grpo = seq_mean_token_sum_norm (normalised by "
         "generation.max_new_tokens, TRL's max_completion_length).",
     )
@@ -126,16 +149,21 @@ class VLMPoolSettings(PoolSettings):
     """The flow trainer's pool settings, plus APRIL partial rollouts (mmrl/vlm/pooled.py)."""
 
     enabled: bool = Field(
-        False, description="Take the rollouts from a rollout pool of VLMRolloutWorkers (pipelines/pool, "
+        False,
+        description="Take the rollouts from a rollout pool of VLMRolloutWorkers (pipelines/pool, "
         "mmrl/vlm/pooled.py) instead of generating them in the training loop.",
     )
     overprovision: float = Field(
-        0.0, ge=0, description="APRIL partial rollouts (arXiv 2509.18521): request this fraction more prompts than "
+        0.0,
+        ge=0,
+        description="APRIL partial rollouts (arXiv 2509.18521): request this fraction more prompts than "
         "a step needs and train once the step's samples are complete; unfinished requests are carried to the next "
         "step, never discarded. 0: off.",
     )
     prompts_per_request: int | None = Field(
-        None, ge=1, description="Prompts per request (the unit a partial rollout resumes by); null: a step's "
+        None,
+        ge=1,
+        description="Prompts per request (the unit a partial rollout resumes by); null: a step's "
         "prompts split into one request per worker.",
     )
 
@@ -148,7 +176,9 @@ class VLMRLVRConfig(Config):
     rewards: list[VLMRewardSpec] = Field(default_factory=lambda: [VLMRewardSpec(name="exact_match")])
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     trainer: VLMTrainerConfig = Field(default_factory=VLMTrainerConfig)
-    pool: VLMPoolSettings = Field(default_factory=VLMPoolSettings, description="Rollouts from a rollout pool.")
+    pool: VLMPoolSettings = Field(
+        default_factory=VLMPoolSettings, description="Rollouts from a rollout pool."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> VLMRLVRConfig:
@@ -167,14 +197,18 @@ class VLMRLVRConfig(Config):
                     "null"
                 )
             if self.model.load_in_4bit:
-                raise ValueError("pool.enabled with model.load_in_4bit: the pool's workers load the base in "
-                                 "model.dtype, not NF4; set model.load_in_4bit=false")
+                raise ValueError(
+                    "pool.enabled with model.load_in_4bit: the pool's workers load the base in "
+                    "model.dtype, not NF4; set model.load_in_4bit=false"
+                )
             if p.overprovision > 0 and p.max_staleness > 1:
                 raise ValueError(
                     f"pool.overprovision > 0 needs pool.max_staleness <= 1 (got {p.max_staleness}): a step's new "
                     "requests are sized by what the previous step left unfinished, known one step ahead only"
                 )
             if p.overprovision > 0 and p.prompts_per_request is None:
-                raise ValueError("pool.overprovision > 0 resumes by request: set pool.prompts_per_request (e.g. 1) "
-                                 "so that a step has several requests")
+                raise ValueError(
+                    "pool.overprovision > 0 resumes by request: set pool.prompts_per_request (e.g. 1) "
+                    "so that a step has several requests"
+                )
         return self

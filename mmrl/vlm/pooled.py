@@ -139,34 +139,56 @@ class PooledVLMRollouts:
         self.last: PoolStepInfo | None = None
         group = 1 if t.mode == "single" else t.num_generations + (1 if t.advantage == "mc_grpo" else 0)
         self.target_samples = t.prompts_per_step * group
-        self.in_flight = math.ceil(t.prompts_per_step * (1 + p.overprovision))  # prompts per step, carried + new
+        self.in_flight = math.ceil(
+            t.prompts_per_step * (1 + p.overprovision)
+        )  # prompts per step, carried + new
         if self.in_flight > len(trainer.train_set):
             raise ValueError(
                 f"pool.overprovision={p.overprovision} keeps {self.in_flight} prompts per step in flight, more than "
                 f"the {len(trainer.train_set)} train examples; lower it or trainer.prompts_per_step"
             )
         g = cfg.generation
-        params = SamplingParams(temperature=g.temperature, top_p=g.top_p if g.temperature > 0 else 1.0,
-                                max_new_tokens=g.max_new_tokens)
+        params = SamplingParams(
+            temperature=g.temperature,
+            top_p=g.top_p if g.temperature > 0 else 1.0,
+            max_new_tokens=g.max_new_tokens,
+        )
         # the LoRA (even untrained: the worker then runs the trainer's module structure) or resumed weights
-        initial = make_update(trainer.model, version=0) if cfg.model.lora is not None or trainer.step > 0 else None
+        initial = (
+            make_update(trainer.model, version=0) if cfg.model.lora is not None or trainer.step > 0 else None
+        )
         if g.backend == "vllm":
-            if p.executor == "inprocess":  # fail here, naming the extra, not later in a member's thread (a Ray
+            if (
+                p.executor == "inprocess"
+            ):  # fail here, naming the extra, not later in a member's thread (a Ray
                 vllm_backend.import_vllm()  # driver may lack the GPU and vLLM its actors have)
             # the engine arguments of the trainer's own engine (VLMRLVRTrainer._make_backend); a member never
             # sleeps (it generates while the trainer trains), so sleep mode is off
             engine = dict(
-                max_model_len=g.max_model_len or 4096, max_prompt_length=g.max_prompt_length,
-                gpu_memory_utilization=g.vllm_gpu_memory_utilization, quantization="fp8" if g.vllm_fp8 else None,
-                dtype=cfg.model.dtype, seed=cfg.run.seed, enable_sleep_mode=False,
+                max_model_len=g.max_model_len or 4096,
+                max_prompt_length=g.max_prompt_length,
+                gpu_memory_utilization=g.vllm_gpu_memory_utilization,
+                quantization="fp8" if g.vllm_fp8 else None,
+                dtype=cfg.model.dtype,
+                seed=cfg.run.seed,
+                enable_sleep_mode=False,
             )
         else:
             engine = dict(
-                device=p.device if p.device is not None else str(trainer.device), max_model_len=g.max_model_len,
-                max_prompt_length=g.max_prompt_length, batch_size=g.batch_size,
+                device=p.device if p.device is not None else str(trainer.device),
+                max_model_len=g.max_model_len,
+                max_prompt_length=g.max_prompt_length,
+                batch_size=g.batch_size,
             )
-        factory = functools.partial(PooledVLMWorker.build, cfg.model.path, params, initial, g.backend,
-                                    torch_dtype=DTYPES[cfg.model.dtype], **engine)
+        factory = functools.partial(
+            PooledVLMWorker.build,
+            cfg.model.path,
+            params,
+            initial,
+            g.backend,
+            torch_dtype=DTYPES[cfg.model.dtype],
+            **engine,
+        )
         self.pool = p.build_pool(factory)
 
     # ------------------------------------------------------------------ requests
@@ -184,7 +206,9 @@ class PooledVLMRollouts:
         if n == 0:  # what was carried in already fills the step
             return []
         if p.prompts_per_request is not None:
-            chunks = [list(range(i, min(i + p.prompts_per_request, n))) for i in range(0, n, p.prompts_per_request)]
+            chunks = [
+                list(range(i, min(i + p.prompts_per_request, n))) for i in range(0, n, p.prompts_per_request)
+            ]
         else:
             chunks = [rows.tolist() for rows in torch.arange(n).tensor_split(min(p.num_workers, n))]
         requests = []
@@ -192,12 +216,16 @@ class PooledVLMRollouts:
             # by count, as the in-loop path generates (one generate per count, counts ascending)
             rows = sorted(rows, key=lambda r: counts[r])
             examples = [t.by_id[chosen[r]] for r in rows]
-            requests.append(RolloutRequest(
-                request_id=f"step{step}-{i}", prompt_ids=[ex.prompt_id for ex in examples],
-                prompts=[t._prompt(ex) for ex in examples], counts=[counts[r] for r in rows],
-                seed=request_seed(t.cfg.run.seed, 0, step, i),
-                metadata=[{"ground_truth": ex.answer} for ex in examples],
-            ))
+            requests.append(
+                RolloutRequest(
+                    request_id=f"step{step}-{i}",
+                    prompt_ids=[ex.prompt_id for ex in examples],
+                    prompts=[t._prompt(ex) for ex in examples],
+                    counts=[counts[r] for r in rows],
+                    seed=request_seed(t.cfg.run.seed, 0, step, i),
+                    metadata=[{"ground_truth": ex.answer} for ex in examples],
+                )
+            )
         return requests
 
     def _submit_through(self, pool_step: int) -> None:
@@ -265,7 +293,9 @@ class PooledVLMRollouts:
         cap = self.settings.tis_cap
         weights = truncated_is_weights(old_logp, behaviour_logp, cap=cap, mode=c.tis_mode, mask=mask)
         tokens = mask.bool() & stale[:, None]
-        t.metrics.add("tis/clipped_frac", ((weights >= cap) & tokens).sum() / tokens.sum(), count=int(tokens.sum()))
+        t.metrics.add(
+            "tis/clipped_frac", ((weights >= cap) & tokens).sum() / tokens.sum(), count=int(tokens.sum())
+        )
         lag0 = engine if engine is not None else mask.to(weights.dtype)
         return torch.where(stale[:, None], weights, lag0)
 

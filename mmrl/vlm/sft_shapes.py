@@ -118,7 +118,9 @@ class SFTConfig:
     )
     patch_size: int = field(
         default=TinyVLMConfig.patch_size,
-        metadata={"help": "Vision patch side in pixels (TinyVLMConfig.patch_size; image tokens = (image_size / patch / 2)^2)."},
+        metadata={
+            "help": "Vision patch side in pixels (TinyVLMConfig.patch_size; image tokens = (image_size / patch / 2)^2)."
+        },
     )
     curriculum: float = field(
         default=0.0,
@@ -143,7 +145,7 @@ class SFTConfig:
     number_words: float = field(
         default=0.0,
         metadata={
-            "help": "Share of the training items whose count answer is written as an English word (\"two\") "
+            "help": 'Share of the training items whose count answer is written as an English word ("two") '
             "instead of the digits the question asks for, as in corpora that mix both conventions; the verifier "
             "of the RL task (exact match) wants digits. Drawn once per item. 0: digits everywhere."
         },
@@ -231,12 +233,16 @@ class SFTBatcher:
     ``number_words``: the share of count questions whose answer is written as a word, drawn once per item from
     ``seed`` (see ``SFTConfig.number_words``)."""
 
-    def __init__(self, processor: Any, items: Sequence[VQAItem], number_words: float = 0.0, seed: int = 0) -> None:
+    def __init__(
+        self, processor: Any, items: Sequence[VQAItem], number_words: float = 0.0, seed: int = 0
+    ) -> None:
         self.processor = processor
         self.items = items
         draws = torch.rand(len(items), generator=torch.Generator().manual_seed(seed)).tolist()
         self.answers = [
-            COUNT_WORDS[int(item.answer)] if item.kind.startswith("count") and draw < number_words else item.answer
+            COUNT_WORDS[int(item.answer)]
+            if item.kind.startswith("count") and draw < number_words
+            else item.answer
             for item, draw in zip(items, draws, strict=True)
         ]
         self.pad_id = processor.tokenizer.pad_token_id
@@ -284,7 +290,9 @@ class SFTBatcher:
         }
 
 
-def greedy_answers(model: torch.nn.Module, processor: Any, items: Sequence[VQAItem], batch_size: int = 64) -> list[str]:
+def greedy_answers(
+    model: torch.nn.Module, processor: Any, items: Sequence[VQAItem], batch_size: int = 64
+) -> list[str]:
     """The model's greedy completion of each item's VQA prompt."""
     backend = HFBackend(model, processor, batch_size=batch_size)
     result = backend.generate(
@@ -296,7 +304,9 @@ def greedy_answers(model: torch.nn.Module, processor: Any, items: Sequence[VQAIt
     return texts
 
 
-def score_answers(items: Sequence[VQAItem], texts: Sequence[str], number_words: bool = False) -> dict[str, float]:
+def score_answers(
+    items: Sequence[VQAItem], texts: Sequence[str], number_words: bool = False
+) -> dict[str, float]:
     """Accuracy per kind and ``"overall"``: exact match on the answer span (``number_words``: "two" == "2")."""
     verifier = rewards.build("exact_match", number_words=number_words)
     scores = verifier(completions=list(texts), ground_truths=[item.answer for item in items])
@@ -390,7 +400,9 @@ def pretrain_vision(
         return torch.stack([c for c, _ in pairs]), torch.stack([s for _, s in pairs])
 
     for _ in range(cfg.vision_pretrain_steps):
-        batch = [train_items[i] for i in torch.randint(len(train_items), (cfg.batch_size,), generator=generator)]
+        batch = [
+            train_items[i] for i in torch.randint(len(train_items), (cfg.batch_size,), generator=generator)
+        ]
         out = logits(batch)
         colours, shapes = targets(batch)
         loss = torch.nn.functional.cross_entropy(
@@ -457,8 +469,12 @@ def train(cfg: SFTConfig) -> dict:
     vision = None
     if cfg.vision_pretrain_steps:
         vision = pretrain_vision(model, processor, train_items, heldout, cfg, generator)
-        logger.info("vision pretraining: held-out token colour %.3f, shape %.3f (%.0fs)", vision["colour"],
-                    vision["shape"], time.monotonic() - start)
+        logger.info(
+            "vision pretraining: held-out token colour %.3f, shape %.3f (%.0fs)",
+            vision["colour"],
+            vision["shape"],
+            time.monotonic() - start,
+        )
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     # 3. train
     train_start = time.monotonic()
@@ -561,8 +577,8 @@ def render_card(report: dict) -> str:
     words = (
         f"\n- count answers: {cfg['number_words']:.0%} of the training items write theirs as a word "
         "(`<answer>two</answer>`), the rest in digits as the question asks; the exact-match verifier wants digits, "
-        "the column \"number words accepted\" reads a word as its digits "
-        "(`rewards.build(\"exact_match\", number_words=True)`)"
+        'the column "number words accepted" reads a word as its digits '
+        '(`rewards.build("exact_match", number_words=True)`)'
         if read
         else ""
     )

@@ -68,6 +68,7 @@ __all__ = ["VLMRLVRTrainer", "evaluate", "load_examples", "main"]
 
 logger = logging.getLogger(__name__)
 
+
 def _lora_targets(names: list[str], train_vision: bool) -> str | list[str]:
     """peft ``target_modules``: the names anywhere, or (vision frozen) only outside the vision tower."""
     if train_vision:
@@ -83,7 +84,9 @@ class VLMRLVRTrainer:
         self.run = run
         self.step = 0
         self.metrics = MetricAccumulator()
-        self.rollout_pool = None  # a mmrl.vlm.pooled.PooledVLMRollouts when cfg.pool.enabled (set up last in setup())
+        self.rollout_pool = (
+            None  # a mmrl.vlm.pooled.PooledVLMRollouts when cfg.pool.enabled (set up last in setup())
+        )
 
     # ------------------------------------------------------------------ setup
     def setup(self, for_training: bool = True) -> None:
@@ -134,16 +137,24 @@ class VLMRLVRTrainer:
             model.gradient_checkpointing_enable()
         self.reference = None
         if m.lora is None and cfg.trainer.beta > 0 and for_training:
-            self.reference = copy.deepcopy(model).requires_grad_(False).eval()  # before sharding: whole weights
+            self.reference = (
+                copy.deepcopy(model).requires_grad_(False).eval()
+            )  # before sharding: whole weights
         if self.dist.fsdp:
             if self.reference is not None:
-                shard_model(self.reference, self.dist.reshard_after_forward, extra=_fsdp_units(self.reference))
+                shard_model(
+                    self.reference, self.dist.reshard_after_forward, extra=_fsdp_units(self.reference)
+                )
             # generate() runs the units itself: wrapped, its call is the root's forward (the policy's first call)
-            shard_model(model, self.dist.reshard_after_forward, extra=_fsdp_units(model), methods=("generate",))
+            shard_model(
+                model, self.dist.reshard_after_forward, extra=_fsdp_units(model), methods=("generate",)
+            )
         self.model = model
         self.trainable = [p for p in model.parameters() if p.requires_grad]  # DTensor shards under FSDP
         if not self.dist.fsdp:  # (sharded weights come from the same checkpoint on every rank)
-            broadcast_params(self.trainable, self.dist.world_size)  # a LoRA's random init differs per rank's seed
+            broadcast_params(
+                self.trainable, self.dist.world_size
+            )  # a LoRA's random init differs per rank's seed
         # 2. rollout engine
         self.backend = self._make_backend()
         # 3. verifiers and data
@@ -172,7 +183,9 @@ class VLMRLVRTrainer:
         # 4. optimizer and the persistent per-prompt baseline
         if not self.trainable:
             raise ValueError("no trainable parameters: check model.lora.target_modules")
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.trainable, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay
+        )
         self.stats = PromptStats(rho=cfg.trainer.rho, prior_strength=cfg.trainer.prior_strength)
         ckpt = resume_checkpoint(cfg.run) if self.run is not None or self.dist.active else None
         if ckpt is not None:
@@ -194,15 +207,26 @@ class VLMRLVRTrainer:
             from pipelines.vlm.vllm_backend import VLLMBackend
 
             return VLLMBackend(
-                self.cfg.model.path, self.processor, max_model_len=g.max_model_len or 4096,
-                max_prompt_length=g.max_prompt_length, gpu_memory_utilization=g.vllm_gpu_memory_utilization,
-                quantization="fp8" if g.vllm_fp8 else None, dtype=self.cfg.model.dtype, seed=self.cfg.run.seed,
+                self.cfg.model.path,
+                self.processor,
+                max_model_len=g.max_model_len or 4096,
+                max_prompt_length=g.max_prompt_length,
+                gpu_memory_utilization=g.vllm_gpu_memory_utilization,
+                quantization="fp8" if g.vllm_fp8 else None,
+                dtype=self.cfg.model.dtype,
+                seed=self.cfg.run.seed,
             )
         from pipelines.vlm.hf_backend import HFBackend
 
         # a sharded model's every forward is a collective: ranks step generate() together until all are done
-        return HFBackend(self.model, self.processor, max_model_len=g.max_model_len,
-                         max_prompt_length=g.max_prompt_length, batch_size=g.batch_size, synced_gpus=self.dist.fsdp)
+        return HFBackend(
+            self.model,
+            self.processor,
+            max_model_len=g.max_model_len,
+            max_prompt_length=g.max_prompt_length,
+            batch_size=g.batch_size,
+            synced_gpus=self.dist.fsdp,
+        )
 
     def _check_fsdp(self) -> None:
         """FSDP shards the model, so every forward is a collective: only settings under which every rank makes
@@ -210,25 +234,35 @@ class VLMRLVRTrainer:
         cfg, refused = self.cfg, []
         t, g = cfg.trainer, cfg.generation
         if cfg.model.lora is not None:
-            refused.append("LoRA (model.lora): the trainable state is small and sharding the frozen base only adds "
-                           "all-gathers; launch with configs/accelerate/ddp.yaml (or set model.lora=null)")
+            refused.append(
+                "LoRA (model.lora): the trainable state is small and sharding the frozen base only adds "
+                "all-gathers; launch with configs/accelerate/ddp.yaml (or set model.lora=null)"
+            )
         if cfg.model.load_in_4bit:
             refused.append("model.load_in_4bit: bitsandbytes' 4-bit weights are not sharded by FSDP")
         if cfg.pool.enabled:
             refused.append("pool.enabled: pool workers receive whole weights")
         if g.backend == "vllm":
-            refused.append("generation.backend=vllm: the engine loads whole weights; use generation.backend=hf")
+            refused.append(
+                "generation.backend=vllm: the engine loads whole weights; use generation.backend=hf"
+            )
         if g.max_prompt_length is not None or g.max_model_len is not None:
-            refused.append("generation.max_prompt_length / generation.max_model_len: a prompt that does not fit is "
-                           "skipped, leaving its rank fewer samples")
+            refused.append(
+                "generation.max_prompt_length / generation.max_model_len: a prompt that does not fit is "
+                "skipped, leaving its rank fewer samples"
+            )
         if t.mode == "group" and t.dynamic_sampling:
             refused.append("trainer.dynamic_sampling: a per-rank number of samples")
         if t.mode == "group" and t.allocation != "uniform":
-            refused.append(f"trainer.allocation={t.allocation}: per-rank group sizes, so a per-rank number of "
-                           "generate calls")
+            refused.append(
+                f"trainer.allocation={t.allocation}: per-rank group sizes, so a per-rank number of "
+                "generate calls"
+            )
         if refused:
-            raise ValueError("FSDP launch (configs/accelerate/fsdp.yaml) of the VLM trainer does not support: "
-                             + "; ".join(refused))
+            raise ValueError(
+                "FSDP launch (configs/accelerate/fsdp.yaml) of the VLM trainer does not support: "
+                + "; ".join(refused)
+            )
 
     @property
     def uses_tis(self) -> bool:
@@ -237,14 +271,21 @@ class VLMRLVRTrainer:
 
     # ------------------------------------------------------------------ helpers
     def _prompt(self, ex: VQAExample) -> VLMPrompt:
-        return VLMPrompt.from_question(ex.question, ex.images, system=self.cfg.data.system_prompt,
-                                       prompt_id=ex.prompt_id)
+        return VLMPrompt.from_question(
+            ex.question, ex.images, system=self.cfg.data.system_prompt, prompt_id=ex.prompt_id
+        )
 
-    def generate(self, examples: list[VQAExample], n: int, temperature: float) -> list[tuple[VQAExample, GenerationSample]]:
+    def generate(
+        self, examples: list[VQAExample], n: int, temperature: float
+    ) -> list[tuple[VQAExample, GenerationSample]]:
         g = self.cfg.generation
-        params = SamplingParams(temperature=temperature, top_p=g.top_p if temperature > 0 else 1.0,
-                                max_new_tokens=g.max_new_tokens, n=n,
-                                seed=int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator)))
+        params = SamplingParams(
+            temperature=temperature,
+            top_p=g.top_p if temperature > 0 else 1.0,
+            max_new_tokens=g.max_new_tokens,
+            n=n,
+            seed=int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator)),
+        )
         result = self.backend.generate([self._prompt(ex) for ex in examples], params)
         for skipped in result.skipped:
             logger.warning("skipped prompt %s: %s", skipped.prompt_id, skipped.reason)
@@ -263,8 +304,12 @@ class VLMRLVRTrainer:
         raw = torch.stack(columns, dim=1)
         return raw @ self.reward_weights, raw
 
-    def token_stats(self, pairs: list[tuple[VQAExample, GenerationSample]], temperature: float,
-                    model: torch.nn.Module | None = None):
+    def token_stats(
+        self,
+        pairs: list[tuple[VQAExample, GenerationSample]],
+        temperature: float,
+        model: torch.nn.Module | None = None,
+    ):
         """Token log-probs and entropies of ``pairs`` under ``model`` (default: the policy)."""
         batch = build_scoring_batch(
             self.processor,
@@ -275,10 +320,18 @@ class VLMRLVRTrainer:
         suppressed = getattr(self.backend, "suppressed_token_ids", ())
         chunk_size = self.cfg.trainer.logprob_chunk_size
         min_chunks = 0
-        if self.dist.fsdp:  # each call of the sharded LM head is a collective: the longest rank's number of chunks
+        if (
+            self.dist.fsdp
+        ):  # each call of the sharded LM head is a collective: the longest rank's number of chunks
             min_chunks = self.dist.max_over_ranks(math.ceil(batch.completion_ids.shape[1] / chunk_size))
-        return completion_token_stats(model or self.model, batch, temperature=temperature or 1.0,
-                                      chunk_size=chunk_size, suppressed_token_ids=suppressed, min_chunks=min_chunks)
+        return completion_token_stats(
+            model or self.model,
+            batch,
+            temperature=temperature or 1.0,
+            chunk_size=chunk_size,
+            suppressed_token_ids=suppressed,
+            min_chunks=min_chunks,
+        )
 
     def reference_context(self):
         if self.cfg.model.lora is not None:
@@ -291,7 +344,9 @@ class VLMRLVRTrainer:
         t = self.cfg.trainer
         ids = [ex.prompt_id for ex in self.train_set if ex.prompt_id not in exclude]
         if t.mode == "single":
-            chosen = alloc_lib.sample_prompts(self.stats, ids, k, method=t.selection, generator=self.generator)
+            chosen = alloc_lib.sample_prompts(
+                self.stats, ids, k, method=t.selection, generator=self.generator
+            )
             return chosen, [1] * len(chosen)
         chosen = alloc_lib.sample_prompts(self.stats, ids, k, method="uniform", generator=self.generator)
         g = t.num_generations + (1 if t.advantage == "mc_grpo" else 0)
@@ -304,7 +359,9 @@ class VLMRLVRTrainer:
         chosen, counts = self.choose_prompts(self.cfg.trainer.prompts_per_step)
         pairs = []
         for n in sorted(set(counts)):
-            pairs.extend(self.generate([self.by_id[p] for p, c in zip(chosen, counts, strict=True) if c == n], n, temp))
+            pairs.extend(
+                self.generate([self.by_id[p] for p, c in zip(chosen, counts, strict=True) if c == n], n, temp)
+            )
         return pairs
 
     def collect(self) -> tuple[list[tuple[VQAExample, GenerationSample]], torch.Tensor, torch.Tensor]:
@@ -331,7 +388,9 @@ class VLMRLVRTrainer:
             elif t.advantage == "rloo":
                 adv = adv_lib.rloo(total, group_ids)
             else:
-                adv = adv_lib.group_normalized(total, group_ids, std="group" if t.advantage == "grpo" else "none")
+                adv = adv_lib.group_normalized(
+                    total, group_ids, std="group" if t.advantage == "grpo" else "none"
+                )
             self.metrics.add("train/effective_ratio", effective_ratio(total, group_ids))
             if t.dynamic_sampling:
                 keep &= adv != 0
@@ -340,21 +399,29 @@ class VLMRLVRTrainer:
             self.metrics.add(f"reward/{spec.key}/mean", raw[:, k].mean(), count=len(pairs))
         lengths = torch.tensor([len(s.completion_token_ids) for _, s in pairs], dtype=torch.float32)
         self.metrics.add("gen/length_mean", lengths.mean())
-        self.metrics.add("gen/truncated_frac", sum(s.finish_reason == "length" for _, s in pairs) / len(pairs))
+        self.metrics.add(
+            "gen/truncated_frac", sum(s.finish_reason == "length" for _, s in pairs) / len(pairs)
+        )
         self.metrics.add("adv/mean", adv.mean())
         self.metrics.add("adv/std", adv.std(correction=0))
         if self.rollout_pool is not None:
             self.rollout_pool.submit_ahead()  # the next steps' requests, chosen with this step's statistics
         return pairs, adv, keep
 
-    def update(self, pairs: list[tuple[VQAExample, GenerationSample]], adv: torch.Tensor, keep: torch.Tensor) -> None:
+    def update(
+        self, pairs: list[tuple[VQAExample, GenerationSample]], adv: torch.Tensor, keep: torch.Tensor
+    ) -> None:
         t = self.cfg.trainer
         temp = self.cfg.generation.temperature
         rows = torch.nonzero(keep).flatten()
-        if self.dist.fsdp:  # every rank must make the same forwards; _check_fsdp refuses the settings that differ
+        if (
+            self.dist.fsdp
+        ):  # every rank must make the same forwards; _check_fsdp refuses the settings that differ
             n = math.ceil(rows.numel() / t.minibatch_size)
             if self.dist.max_over_ranks(n) != -self.dist.max_over_ranks(-n):
-                raise RuntimeError("FSDP ranks hold different numbers of minibatches; their forwards would not pair up")
+                raise RuntimeError(
+                    "FSDP ranks hold different numbers of minibatches; their forwards would not pair up"
+                )
         if rows.numel() == 0:
             self.metrics.add("train/skipped_no_signal", 1.0)
             if not self.dist.active:
@@ -377,18 +444,23 @@ class VLMRLVRTrainer:
                 a = adv[idx].to(mask.device).float()
                 entropy = o.entropy if t.entropy_shaping.kind == "full" else o.sampled_entropy
                 if t.entropy_shaping.enabled:
-                    a_tok = adv_lib.entropy_shaped(a, entropy, t.entropy_shaping.alpha, t.entropy_shaping.kappa)
+                    a_tok = adv_lib.entropy_shaped(
+                        a, entropy, t.entropy_shaping.alpha, t.entropy_shaping.kappa
+                    )
                 else:
                     a_tok = a.unsqueeze(1).expand_as(o.logprobs)
-                per_token = loss_lib.clipped_surrogate(new.logprobs, o.logprobs, a_tok, t.epsilon_low,
-                                                       t.epsilon_high, t.dual_clip)
+                per_token = loss_lib.clipped_surrogate(
+                    new.logprobs, o.logprobs, a_tok, t.epsilon_low, t.epsilon_high, t.dual_clip
+                )
                 behaviour = _pad_logprobs([s.logprobs for _, s in mb], mask.shape[1]).to(mask.device)
                 self.metrics.add("tis/logprob_mismatch", _masked_mean((o.logprobs - behaviour).abs(), mask))
                 w = None
                 if self.rollout_pool is not None:  # stale samples (lag > 0) are always weighted
                     w = self.rollout_pool.tis_weights(o.logprobs, behaviour, mask, idx)
                 elif self.uses_tis:
-                    w = loss_lib.truncated_is_weights(o.logprobs, behaviour, cap=t.tis_cap, mode=t.tis_mode, mask=mask)
+                    w = loss_lib.truncated_is_weights(
+                        o.logprobs, behaviour, cap=t.tis_cap, mode=t.tis_mode, mask=mask
+                    )
                 if w is not None:
                     per_token = per_token * w
                     self.metrics.add("tis/weight_mean", _masked_mean(w, mask))
@@ -398,13 +470,20 @@ class VLMRLVRTrainer:
                     kl = loss_lib.kl_estimate(new.logprobs, ref.logprobs, kind="k3")
                     per_token = per_token + t.beta * kl
                     self.metrics.add("policy/kl", _masked_mean(kl.detach(), mask))
-                loss = loss_lib.aggregate(per_token, mask, mode=t.loss_agg, max_len=self.cfg.generation.max_new_tokens)
+                loss = loss_lib.aggregate(
+                    per_token, mask, mode=t.loss_agg, max_len=self.cfg.generation.max_new_tokens
+                )
                 (loss / len(chunks)).backward()
                 self.metrics.add("loss", loss)
                 self.metrics.add("entropy/mean", _masked_mean(entropy, mask))
-                self.metrics.add("policy/ratio_mean", _masked_mean(torch.exp(new.logprobs.detach() - o.logprobs), mask))
-                self.metrics.add_dict(loss_lib.clip_fractions(new.logprobs, o.logprobs, a_tok, t.epsilon_low,
-                                                              t.epsilon_high, mask=mask))
+                self.metrics.add(
+                    "policy/ratio_mean", _masked_mean(torch.exp(new.logprobs.detach() - o.logprobs), mask)
+                )
+                self.metrics.add_dict(
+                    loss_lib.clip_fractions(
+                        new.logprobs, o.logprobs, a_tok, t.epsilon_low, t.epsilon_high, mask=mask
+                    )
+                )
             if not self.dist.fsdp:  # FSDP reduces the gradients of its shards itself
                 all_reduce_grads(self.trainable, self.dist.world_size)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, t.max_grad_norm)
@@ -426,8 +505,15 @@ class VLMRLVRTrainer:
             self._save_samples(self.step + 1, "train", shown, total, raw, adv[:8].tolist())
         return self.metrics.reduce()
 
-    def _save_samples(self, step: int, tag: str, pairs: list[tuple[VQAExample, GenerationSample]],
-                      total: torch.Tensor, raw: torch.Tensor, adv: list[float] | None = None) -> None:
+    def _save_samples(
+        self,
+        step: int,
+        tag: str,
+        pairs: list[tuple[VQAExample, GenerationSample]],
+        total: torch.Tensor,
+        raw: torch.Tensor,
+        adv: list[float] | None = None,
+    ) -> None:
         """The run's sample file for ``pairs``: question, answer, completion, verdict (``correct``: the full weighted
         reward, ``wrong``: none, else ``partial``), reward and each verifier's score (and advantage), with the grid
         of the question images when every question has one."""
@@ -436,8 +522,13 @@ class VLMRLVRTrainer:
         for i, (ex, sample) in enumerate(pairs):
             reward = float(total[i])
             verdict = "correct" if reward >= full_marks - 1e-6 else "wrong" if reward <= 0 else "partial"
-            record: dict[str, Any] = {"question": ex.question, "answer": ex.answer, "completion": sample.text,
-                                      "verdict": verdict, "reward": reward}
+            record: dict[str, Any] = {
+                "question": ex.question,
+                "answer": ex.answer,
+                "completion": sample.text,
+                "verdict": verdict,
+                "reward": reward,
+            }
             record.update({spec.key: float(raw[i, k]) for k, spec in enumerate(self.cfg.rewards)})
             if adv is not None:
                 record["advantage"] = adv[i]
@@ -466,8 +557,15 @@ class VLMRLVRTrainer:
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict[str, float]:
-        return train_loop(self, self.cfg.trainer.steps, self.cfg.trainer.eval_every, self.cfg.run, self.run,
-                          show=("reward/mean", "eval/accuracy"), main_process=self.dist.is_main)
+        return train_loop(
+            self,
+            self.cfg.trainer.steps,
+            self.cfg.trainer.eval_every,
+            self.cfg.run,
+            self.run,
+            show=("reward/mean", "eval/accuracy"),
+            main_process=self.dist.is_main,
+        )
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -477,7 +575,9 @@ class VLMRLVRTrainer:
             "optimizer": optimizer_state(self.model, self.optimizer),
             "stats": self.stats.state_dict(),
             "rng": get_rng_state({"train": self.generator}),
-            "rng_per_rank": self.dist.gather(get_rng_state({"train": self.generator})) if self.dist.active else None,
+            "rng_per_rank": self.dist.gather(get_rng_state({"train": self.generator}))
+            if self.dist.active
+            else None,
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
@@ -506,13 +606,19 @@ class VLMRLVRTrainer:
             target = directory / ("adapter" if lora else "model")
             self.model.save_pretrained(target, **({"state_dict": weights} if weights is not None else {}))
             self.processor.save_pretrained(target)
-            if weights is not None:  # FSDP2 swapped in a subclass named FSDP<Class>: record the class transformers knows
+            if (
+                weights is not None
+            ):  # FSDP2 swapped in a subclass named FSDP<Class>: record the class transformers knows
                 config_file = target / "config.json"
                 config = json.loads(config_file.read_text())
-                config["architectures"] = [name.removeprefix("FSDP") for name in config.get("architectures") or []]
+                config["architectures"] = [
+                    name.removeprefix("FSDP") for name in config.get("architectures") or []
+                ]
                 config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
-        save_checkpoint(self.run.checkpoint_dir, self.step, state, extra=extra, keep_last=self.cfg.run.keep_last)
+        save_checkpoint(
+            self.run.checkpoint_dir, self.step, state, extra=extra, keep_last=self.cfg.run.keep_last
+        )
 
     def cleanup(self) -> None:
         if self.rollout_pool is not None:
@@ -530,9 +636,17 @@ def load_examples(cfg: VLMRLVRConfig, which: Literal["train", "eval"]) -> list[V
     else:
         source, limit, seed = d.eval, d.eval_limit, cfg.run.seed + 1
     return load_vqa(
-        source, limit=limit, seed=seed, question_column=d.question_column, answer_column=d.answer_column,
-        image_column=d.image_column, id_column=d.id_column, image_root=d.image_root,
-        question_template=d.question_template, image_size=d.image_size, split=d.split,
+        source,
+        limit=limit,
+        seed=seed,
+        question_column=d.question_column,
+        answer_column=d.answer_column,
+        image_column=d.image_column,
+        id_column=d.id_column,
+        image_root=d.image_root,
+        question_template=d.question_template,
+        image_size=d.image_size,
+        split=d.split,
     )
 
 
@@ -575,8 +689,13 @@ def main(cfg: VLMRLVRConfig) -> dict[str, float]:
     return run_recipe(cfg, VLMRLVRTrainer)
 
 
-def evaluate(cfg: VLMRLVRConfig, prompts_file: str | None, out_dir: Path, checkpoint: Path | None,
-             images_per_prompt: int) -> dict[str, float]:
+def evaluate(
+    cfg: VLMRLVRConfig,
+    prompts_file: str | None,
+    out_dir: Path,
+    checkpoint: Path | None,
+    images_per_prompt: int,
+) -> dict[str, float]:
     """Accuracy of the base model, or a checkpoint's adapter, on a question file (json/jsonl/parquet)."""
     if prompts_file is not None:
         cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"eval": prompts_file})})
@@ -589,8 +708,18 @@ def evaluate(cfg: VLMRLVRConfig, prompts_file: str | None, out_dir: Path, checkp
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "answers.jsonl", "w") as f:
         for (ex, s), r in zip(pairs, total.tolist(), strict=True):
-            f.write(json.dumps({"id": ex.prompt_id, "question": ex.question, "answer": ex.answer,
-                                "completion": s.text, "reward": r}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "id": ex.prompt_id,
+                        "question": ex.question,
+                        "answer": ex.answer,
+                        "completion": s.text,
+                        "reward": r,
+                    }
+                )
+                + "\n"
+            )
     summary = {"checkpoint": str(checkpoint) if checkpoint else None, "questions": len(pairs), **summary}
     write_summary_json(out_dir / "summary.json", summary)
     return summary

@@ -196,7 +196,13 @@ def tree_rollout(
             x, v = x.repeat_interleave(b, 0), v.repeat_interleave(b, 0)
         step_noise = torch.randn(x.shape, generator=generator).to(device)
         x_next, lp, _, _ = sde_step(
-            x, v, sigmas[i], sigmas[i + 1], config.noise_level, config.sde_kind, noise=step_noise,
+            x,
+            v,
+            sigmas[i],
+            sigmas[i + 1],
+            config.noise_level,
+            config.sde_kind,
+            noise=step_noise,
             log_prob_form=config.log_prob_form,
         )
         rec["lat"].append(x.cpu())

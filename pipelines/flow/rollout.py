@@ -70,7 +70,9 @@ class SamplingConfig:
                     f"sde_window {self.sde_window} must satisfy 0 <= start <= stop <= num_steps={self.num_steps}"
                 )
         if self.log_prob_form is not None and self.log_prob_form not in LOG_PROB_FORMS:
-            raise ValueError(f"unknown log_prob_form {self.log_prob_form!r}. Available: {list(LOG_PROB_FORMS)}")
+            raise ValueError(
+                f"unknown log_prob_form {self.log_prob_form!r}. Available: {list(LOG_PROB_FORMS)}"
+            )
         if self.max_batch_size is not None and self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1 or None, got {self.max_batch_size}")
 
@@ -299,7 +301,13 @@ def rollout(
         if sde_steps[i]:
             step_noise = torch.randn(x.shape, generator=generator, dtype=torch.float32).to(device)
             x, lp, _, _ = sde_step(
-                x, v, sigmas[i], sigmas[i + 1], config.noise_level, config.sde_kind, noise=step_noise,
+                x,
+                v,
+                sigmas[i],
+                sigmas[i + 1],
+                config.noise_level,
+                config.sde_kind,
+                noise=step_noise,
                 log_prob_form=config.log_prob_form,
             )
             log_probs[:, i] = lp.cpu()

@@ -28,7 +28,11 @@ LOG_PROB_FORMS: tuple[LogProbForm, ...] = ("gaussian", "squared_error")
 # The log-prob each SDE kind uses in the code of the paper it is named after, so that a published clip range
 # carries over: Flow-GRPO's and DanceGRPO's SDE steps score the full Gaussian density; Flow-GRPO's CPS step drops
 # the constants and the 1 / (2 std^2) factor (its log-ratios are 2 std^2 times the Gaussian ones).
-PEER_LOG_PROB_FORM: dict[SDEKind, LogProbForm] = {"flow_grpo": "gaussian", "dance": "gaussian", "cps": "squared_error"}
+PEER_LOG_PROB_FORM: dict[SDEKind, LogProbForm] = {
+    "flow_grpo": "gaussian",
+    "dance": "gaussian",
+    "cps": "squared_error",
+}
 
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 
@@ -189,7 +193,9 @@ def transition_log_prob(
         return gaussian_log_prob(sample, mean, std)
     if form == "squared_error":
         deterministic = (std.float().expand_as(mean) == 0).flatten(1).all(1)  # [B]
-        return torch.where(deterministic, torch.zeros((), device=mean.device), squared_error_log_prob(sample, mean))
+        return torch.where(
+            deterministic, torch.zeros((), device=mean.device), squared_error_log_prob(sample, mean)
+        )
     raise ValueError(f"unknown log-prob form {form!r}. Available: {list(LOG_PROB_FORMS)}")
 
 

@@ -85,7 +85,9 @@ class InProcessExecutor(Executor):
         self.drain_s = drain_s
         self.threads: list[ThreadPoolExecutor | None] = [None] * num_members
         self.members: list[Any] = [None] * num_members
-        self.pending: list[set[Future]] = [set() for _ in range(num_members)]  # calls not finished, per member
+        self.pending: list[set[Future]] = [
+            set() for _ in range(num_members)
+        ]  # calls not finished, per member
 
     def start(self, index: int) -> Future:
         thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pool-member-{index}")
@@ -156,7 +158,9 @@ class RayOptions:
     def actor_runtime_env(self) -> dict[str, Any]:
         """``runtime_env`` with this process's OpenMP wait policy among its ``env_vars`` (theirs win)."""
         env = dict(self.runtime_env or {})
-        inherited = {key: os.environ[key] for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if key in os.environ}
+        inherited = {
+            key: os.environ[key] for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if key in os.environ
+        }
         env["env_vars"] = {**inherited, **env.get("env_vars", {})}
         return env
 
@@ -232,7 +236,9 @@ class RayExecutor(Executor):
 
     kind = "ray"
 
-    def __init__(self, factory: Callable[[], Any], num_members: int, options: RayOptions | None = None) -> None:
+    def __init__(
+        self, factory: Callable[[], Any], num_members: int, options: RayOptions | None = None
+    ) -> None:
         self.ray = import_ray()
         self.options = options or RayOptions()
         self.owns_ray = False

@@ -64,7 +64,9 @@ class FlowRolloutWorker(RolloutWorker):
         if num_threads is not None:
             # before loading: model construction itself runs torch ops
             torch.set_num_threads(num_threads)
-        adapter = load_adapter(family, model_id_or_path, torch_dtype=torch_dtype, device=device, **load_kwargs)
+        adapter = load_adapter(
+            family, model_id_or_path, torch_dtype=torch_dtype, device=device, **load_kwargs
+        )
         adapter.autocast_dtype = autocast_dtype
         adapter.transformer.requires_grad_(False)
         return cls(adapter, sampling, explorer_scheme=explorer_scheme)
@@ -75,8 +77,10 @@ class FlowRolloutWorker(RolloutWorker):
             return rollout(self.adapter, request.prompts, request.counts, self.sampling, generator)
         if self.explorer is None or request.precision != self.explorer.scheme:
             held = [FULL_PRECISION] + ([self.explorer.scheme] if self.explorer is not None else [])
-            raise ValueError(f"request {request.request_id!r} asks for precision {request.precision!r}; "
-                             f"this worker holds {held}")
+            raise ValueError(
+                f"request {request.request_id!r} asks for precision {request.precision!r}; "
+                f"this worker holds {held}"
+            )
         with explorer_weights(self.adapter, self.explorer.module):
             return rollout(self.adapter, request.prompts, request.counts, self.sampling, generator)
 

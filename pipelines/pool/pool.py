@@ -143,8 +143,9 @@ class RolloutPool:
         reward_ray: RayOptions | None = None,
     ) -> None:
         if num_workers < 1 or (reward is not None and num_reward_workers < 1):
-            raise ValueError(f"need num_workers >= 1 and num_reward_workers >= 1, got {num_workers}, "
-                             f"{num_reward_workers}")
+            raise ValueError(
+                f"need num_workers >= 1 and num_reward_workers >= 1, got {num_workers}, {num_reward_workers}"
+            )
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0 (0 = synchronous), got {max_staleness}")
         if request_timeout is not None and request_timeout <= 0:
@@ -219,7 +220,9 @@ class RolloutPool:
             ids = [r.request_id for r in requests]
             seen = self._ids.intersection(ids)
             if seen or len(set(ids)) != len(ids):
-                raise ValueError(f"request ids must be unique; already submitted or repeated: {sorted(seen)[:5]}")
+                raise ValueError(
+                    f"request ids must be unique; already submitted or repeated: {sorted(seen)[:5]}"
+                )
             self._ids.update(ids)
             for request in requests:
                 entry = _Entry(request, step)
@@ -269,10 +272,14 @@ class RolloutPool:
                     break
                 for members in (self._rollout, self._reward):
                     if members is not None and not members.ready and not members.starting:
-                        raise PoolError(f"no {members.name} worker is left (every one died and respawn is off)")
+                        raise PoolError(
+                            f"no {members.name} worker is left (every one died and respawn is off)"
+                        )
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise TimeoutError(f"step {step}: {len(done)}/{len(entries)} requests done after {timeout}s")
+                    raise TimeoutError(
+                        f"step {step}: {len(done)}/{len(entries)} requests done after {timeout}s"
+                    )
                 self._cond.wait(remaining)
             self._steps.pop(step, None)
             carried = [e for e in entries if not e.done]
@@ -380,11 +387,15 @@ class RolloutPool:
         future.add_done_callback(lambda f: self._events.put((token, f)))
         return token
 
-    def _send_work(self, members: _Members, m: int, kind: Literal["run", "score"], arg: Any, entry: _Entry) -> None:
+    def _send_work(
+        self, members: _Members, m: int, kind: Literal["run", "score"], arg: Any, entry: _Entry
+    ) -> None:
         """Queue a run/score call on member ``m``; its timeout clock starts when it reaches the front."""
         work = members.work.setdefault(m, deque())
         deadline = None if work or self.request_timeout is None else time.monotonic() + self.request_timeout
-        work.append(self._watch(members.executor.call(m, kind, arg), _Call(kind, members, m, entry, deadline)))
+        work.append(
+            self._watch(members.executor.call(m, kind, arg), _Call(kind, members, m, entry, deadline))
+        )
 
     def _start(self, members: _Members, m: int) -> None:
         members.starting.add(m)
@@ -426,8 +437,9 @@ class RolloutPool:
             if entry is None:
                 break
             # the version the trainer holds now: the worker has loaded it, since loads precede this call
-            self._send_work(self._rollout, free[0], "run", replace(entry.request, weight_version=self._version),
-                            entry)
+            self._send_work(
+                self._rollout, free[0], "run", replace(entry.request, weight_version=self._version), entry
+            )
         while self._reward is not None and self._to_score and (free := self._reward.free(self.max_inflight)):
             entry = self._to_score.popleft()
             self._send_work(self._reward, free[0], "score", entry.result.reward_inputs, entry)
@@ -463,8 +475,9 @@ class RolloutPool:
             members.ready.add(m)
             if members is self._rollout and self._last_update is not None:
                 # a new (or replacement) worker starts from the latest weights
-                self._watch(members.executor.call(m, "load_weights", self._last_update),
-                            _Call("load", members, m))
+                self._watch(
+                    members.executor.call(m, "load_weights", self._last_update), _Call("load", members, m)
+                )
         elif call.kind == "load":
             if cause is not None:
                 self._errors.append(PoolError(f"rollout worker {m} failed to load weights: {cause!r}"))
@@ -477,11 +490,17 @@ class RolloutPool:
                 # the worker missed a broadcast: give it the latest weights and let any worker retry
                 logger.warning("rollout worker %d: %s; re-sending weights and re-queuing", m, cause)
                 self.stats["version_refusals"] += 1
-                self._watch(members.executor.call(m, "load_weights", self._last_update), _Call("load", members, m))
+                self._watch(
+                    members.executor.call(m, "load_weights", self._last_update), _Call("load", members, m)
+                )
                 self._queue.appendleft(call.entry)
             else:
-                self._fail(call.entry, PoolError(
-                    f"request {call.entry.request.request_id!r} failed on rollout worker {m}: {cause!r}"))
+                self._fail(
+                    call.entry,
+                    PoolError(
+                        f"request {call.entry.request.request_id!r} failed on rollout worker {m}: {cause!r}"
+                    ),
+                )
         else:
             if cause is None:
                 self._on_scored(call.entry, future.result())
@@ -493,16 +512,25 @@ class RolloutPool:
         if self._reward is None:
             entry.done = True
         elif result.reward_inputs is None:
-            self._fail(entry, RewardError(
-                f"request {result.request_id!r}: the rollout worker gives no reward inputs to score"))
+            self._fail(
+                entry,
+                RewardError(
+                    f"request {result.request_id!r}: the rollout worker gives no reward inputs to score"
+                ),
+            )
         else:
             self._to_score.append(entry)
 
     def _on_scored(self, entry: _Entry, output: Any) -> None:
         result = entry.result
         if len(output.scores) != result.num_samples:
-            self._fail(entry, RewardError(f"request {result.request_id!r}: the reward returned "
-                                          f"{len(output.scores)} scores for {result.num_samples} samples"))
+            self._fail(
+                entry,
+                RewardError(
+                    f"request {result.request_id!r}: the reward returned "
+                    f"{len(output.scores)} scores for {result.num_samples} samples"
+                ),
+            )
             return
         result.reward = output
         result.reward_inputs = None  # the images/texts also live in result.output
@@ -512,12 +540,21 @@ class RolloutPool:
         entry.reward_attempts += 1
         rid = entry.request.request_id
         if entry.reward_attempts > self.reward_retries:
-            self._fail(entry, RewardError(
-                f"scoring request {rid!r} failed {entry.reward_attempts} times; last error: {cause!r}"))
+            self._fail(
+                entry,
+                RewardError(
+                    f"scoring request {rid!r} failed {entry.reward_attempts} times; last error: {cause!r}"
+                ),
+            )
             return
         self.stats["reward_retries"] += 1
-        logger.warning("reward of request %r failed (%r); retry %d/%d", rid, cause, entry.reward_attempts,
-                       self.reward_retries)
+        logger.warning(
+            "reward of request %r failed (%r); retry %d/%d",
+            rid,
+            cause,
+            entry.reward_attempts,
+            self.reward_retries,
+        )
         self._to_score.appendleft(entry)
 
     def _fail(self, entry: _Entry, error: PoolError) -> None:
@@ -535,8 +572,12 @@ class RolloutPool:
                 expired[(id(call.members), call.member)] = call
         for call in expired.values():
             rid = call.entry.request.request_id
-            self._lose(call.members, call.member,
-                       f"exceeded request_timeout={self.request_timeout}s on request {rid!r}", [])
+            self._lose(
+                call.members,
+                call.member,
+                f"exceeded request_timeout={self.request_timeout}s on request {rid!r}",
+                [],
+            )
 
     def _lose(self, members: _Members, m: int, reason: str, calls: list[_Call]) -> None:
         """Drop worker ``m`` (dead or hung): abandon its calls, re-queue its work, replace it."""
@@ -557,8 +598,14 @@ class RolloutPool:
         members.executor.kill(m)
         self.stats["worker_lost"] += 1
         self.stats["requeued"] += len(requeued)
-        logger.warning("%s worker %d %s; re-queued %s%s", members.name, m, reason, requeued or "nothing",
-                       "; starting a replacement" if self.respawn else "")
+        logger.warning(
+            "%s worker %d %s; re-queued %s%s",
+            members.name,
+            m,
+            reason,
+            requeued or "nothing",
+            "; starting a replacement" if self.respawn else "",
+        )
         if any(call.kind == "start" for call in calls):
             # it died while being built: rebuilding would most likely die again (out of memory, bad driver)
             self._errors.append(PoolError(f"{members.name} worker {m} {reason} while starting"))

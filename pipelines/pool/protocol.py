@@ -69,9 +69,13 @@ class RolloutRequest:
                 f"{len(self.counts)} counts; give one id and one count per prompt"
             )
         if self.metadata is not None and len(self.metadata) != n:
-            raise ValueError(f"request {self.request_id!r}: {n} prompts but {len(self.metadata)} metadata dicts")
+            raise ValueError(
+                f"request {self.request_id!r}: {n} prompts but {len(self.metadata)} metadata dicts"
+            )
         if any(int(c) < 1 for c in self.counts):
-            raise ValueError(f"request {self.request_id!r}: every count must be >= 1, got {list(self.counts)}")
+            raise ValueError(
+                f"request {self.request_id!r}: every count must be >= 1, got {list(self.counts)}"
+            )
 
     @property
     def num_samples(self) -> int:

@@ -101,7 +101,9 @@ class VLMRolloutWorker(RolloutWorker):
         groups: dict[int, list[int]] = {}
         for index, count in enumerate(request.counts):
             groups.setdefault(int(count), []).append(index)
-        seeds = torch.randint(0, 2**31 - 1, (len(groups),), generator=torch.Generator().manual_seed(request.seed))
+        seeds = torch.randint(
+            0, 2**31 - 1, (len(groups),), generator=torch.Generator().manual_seed(request.seed)
+        )
         by_prompt: dict[int, list] = {}
         skipped = []
         for (count, indices), seed in zip(groups.items(), seeds.tolist(), strict=True):
@@ -114,8 +116,9 @@ class VLMRolloutWorker(RolloutWorker):
                 )
             skipped.extend(replace(s, index=indices[s.index]) for s in result.skipped)
         samples = [s for index in sorted(by_prompt) for s in by_prompt[index]]
-        return GenerationResult(samples=samples, skipped=sorted(skipped, key=lambda s: s.index),
-                                weight_version=self.version)
+        return GenerationResult(
+            samples=samples, skipped=sorted(skipped, key=lambda s: s.index), weight_version=self.version
+        )
 
     def apply_weights(self, update: WeightUpdate) -> None:
         apply_update(self.model, update)
@@ -133,7 +136,9 @@ class VLMRolloutWorker(RolloutWorker):
         return len(output.samples)
 
 
-def _load(model_id_or_path: str, device: str, torch_dtype: torch.dtype, num_threads: int | None) -> tuple[Any, Any]:
+def _load(
+    model_id_or_path: str, device: str, torch_dtype: torch.dtype, num_threads: int | None
+) -> tuple[Any, Any]:
     """The frozen transformers model on ``device`` and its processor."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 

@@ -64,7 +64,9 @@ class TokenStats:
 
     def detach(self) -> TokenStats:
         """The same statistics without gradients (the old policy's, taken from a gradient forward)."""
-        return TokenStats(self.logprobs.detach(), self.entropy.detach(), self.sampled_entropy.detach(), self.mask)
+        return TokenStats(
+            self.logprobs.detach(), self.entropy.detach(), self.sampled_entropy.detach(), self.mask
+        )
 
 
 def build_scoring_batch(

@@ -32,7 +32,9 @@ def test_group_normalized_hand_values():
     s0 = math.sqrt(2 / 9)  # population std of [1, 0, 1]
     expected = torch.tensor([1 / 3, -2 / 3, 1 / 3, -1 / 3, -1 / 3, 2 / 3]) / (s0 + 1e-6)
     torch.testing.assert_close(A.group_normalized(r, g), expected)
-    torch.testing.assert_close(A.group_normalized(r, g, std="none"), torch.tensor([1 / 3, -2 / 3, 1 / 3, -1 / 3, -1 / 3, 2 / 3]))
+    torch.testing.assert_close(
+        A.group_normalized(r, g, std="none"), torch.tensor([1 / 3, -2 / 3, 1 / 3, -1 / 3, -1 / 3, 2 / 3])
+    )
     torch.testing.assert_close(
         A.group_normalized(r, g, std="global"),
         torch.tensor([1 / 3, -2 / 3, 1 / 3, -1 / 3, -1 / 3, 2 / 3]) / (0.5 + 1e-6),
@@ -131,7 +133,15 @@ def test_tree_depthwise_hand_example():
     # depth 1: rewards 0.5, 1.0 -> +-1; depth 2: 1, 0, 1, 1 -> mean .75, std sqrt(3)/4
     s2 = math.sqrt(3) / 4
     expected = torch.tensor(
-        [0.0, -0.25 / (0.25 + 1e-6), 0.25 / (0.25 + 1e-6), 0.25 / (s2 + 1e-6), -0.75 / (s2 + 1e-6), 0.25 / (s2 + 1e-6), 0.25 / (s2 + 1e-6)]
+        [
+            0.0,
+            -0.25 / (0.25 + 1e-6),
+            0.25 / (0.25 + 1e-6),
+            0.25 / (s2 + 1e-6),
+            -0.75 / (s2 + 1e-6),
+            0.25 / (s2 + 1e-6),
+            0.25 / (s2 + 1e-6),
+        ]
     )
     torch.testing.assert_close(adv, expected)
 

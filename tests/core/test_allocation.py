@@ -38,7 +38,9 @@ def test_knapsack_equals_brute_force(p, n_min, span, data):
 
 
 def test_knapsack_value_formula():
-    assert float(A.knapsack_value(torch.tensor(2), torch.tensor(0.5))) == pytest.approx((1 - 0.25 - 0.25) * 0.5 * 0.25)
+    assert float(A.knapsack_value(torch.tensor(2), torch.tensor(0.5))) == pytest.approx(
+        (1 - 0.25 - 0.25) * 0.5 * 0.25
+    )
     n = torch.arange(1, 10)
     p = torch.tensor(0.3)
     gains = A.knapsack_gain(n, p)
@@ -112,13 +114,17 @@ def test_thompson_select_distinct_deterministic_and_prefers_uncertain_middle():
     b = A.thompson_select(alpha, beta, 2, generator=torch.Generator().manual_seed(3))
     assert torch.equal(a, b) and a.unique().numel() == 2
     assert a[0].item() == 2  # Beta(50, 50) draws sit at 0.5
-    picks = torch.stack([A.thompson_select(alpha, beta, 1, torch.Generator().manual_seed(s)) for s in range(200)])
+    picks = torch.stack(
+        [A.thompson_select(alpha, beta, 1, torch.Generator().manual_seed(s)) for s in range(200)]
+    )
     assert (picks != 0).all() and (picks != 1).all()  # saturated prompts never closest to 0.5
 
 
 def test_priority_select_distinct_and_weighted():
     p = torch.tensor([0.0, 0.5, 1.0, 0.5])
-    picks = torch.stack([A.priority_select(p, 2, eps=0.05, generator=torch.Generator().manual_seed(s)) for s in range(300)])
+    picks = torch.stack(
+        [A.priority_select(p, 2, eps=0.05, generator=torch.Generator().manual_seed(s)) for s in range(300)]
+    )
     assert all(row.unique().numel() == 2 for row in picks)
     freq = torch.bincount(picks.flatten(), minlength=4).float()
     assert freq[1] > 3 * freq[0] and freq[3] > 3 * freq[2]

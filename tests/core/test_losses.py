@@ -24,11 +24,21 @@ def test_ratio_of_sample_to_itself_is_one():
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.floats(-3, 3), st.floats(-5, 5).filter(lambda a: abs(a) > 1e-3), st.floats(0.05, 0.5), st.floats(0.05, 0.5))
+@given(
+    st.floats(-3, 3),
+    st.floats(-5, 5).filter(lambda a: abs(a) > 1e-3),
+    st.floats(0.05, 0.5),
+    st.floats(0.05, 0.5),
+)
 def test_gradient_zero_outside_trust_region(log_ratio, adv, eps_low, eps_high):
     logp = torch.tensor([log_ratio], dtype=torch.float64, requires_grad=True)
-    loss = L.clipped_surrogate(logp, torch.zeros(1, dtype=torch.float64), torch.tensor([adv], dtype=torch.float64),
-                               eps_low=eps_low, eps_high=eps_high)
+    loss = L.clipped_surrogate(
+        logp,
+        torch.zeros(1, dtype=torch.float64),
+        torch.tensor([adv], dtype=torch.float64),
+        eps_low=eps_low,
+        eps_high=eps_high,
+    )
     loss.sum().backward()
     ratio = math.exp(log_ratio)
     outside = (adv > 0 and ratio > 1 + eps_high) or (adv < 0 and ratio < 1 - eps_low)
@@ -60,8 +70,13 @@ def test_kl_estimators_hand_values():
 def test_k3_is_unbiased_for_kl():
     p = torch.distributions.Categorical(probs=torch.tensor([0.7, 0.2, 0.1]))
     q = torch.distributions.Categorical(probs=torch.tensor([0.4, 0.4, 0.2]))
-    x = p.sample((400_000,), ) if False else torch.multinomial(p.probs, 400_000, replacement=True,
-                                                            generator=torch.Generator().manual_seed(0))
+    x = (
+        p.sample(
+            (400_000,),
+        )
+        if False
+        else torch.multinomial(p.probs, 400_000, replacement=True, generator=torch.Generator().manual_seed(0))
+    )
     est = L.kl_estimate(p.log_prob(x), q.log_prob(x), "k3").mean()
     exact = torch.distributions.kl_divergence(p, q)
     assert float(est) == pytest.approx(float(exact), rel=0.02)
@@ -79,7 +94,11 @@ def test_aggregate_modes():
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.floats(-8, 8), min_size=1, max_size=12), st.floats(1.0, 5.0), st.sampled_from(["token", "sequence"]))
+@given(
+    st.lists(st.floats(-8, 8), min_size=1, max_size=12),
+    st.floats(1.0, 5.0),
+    st.sampled_from(["token", "sequence"]),
+)
 def test_tis_weights_never_exceed_cap(diffs, cap, mode):
     old = torch.tensor([diffs], dtype=torch.float64)
     w = L.truncated_is_weights(old, torch.zeros_like(old), cap=cap, mode=mode)
@@ -91,7 +110,9 @@ def test_tis_hand_values_and_mask_policy():
     old = torch.log(torch.tensor([[0.5, 0.9, 0.3]]))
     roll = torch.log(torch.tensor([[0.25, 0.9, 0.6]]))
     torch.testing.assert_close(L.truncated_is_weights(old, roll, cap=1.5), torch.tensor([[1.5, 1.0, 0.5]]))
-    torch.testing.assert_close(L.truncated_is_weights(old, roll, cap=1.5, policy="mask"), torch.tensor([[0.0, 1.0, 0.5]]))
+    torch.testing.assert_close(
+        L.truncated_is_weights(old, roll, cap=1.5, policy="mask"), torch.tensor([[0.0, 1.0, 0.5]])
+    )
     seq = L.truncated_is_weights(old, roll, cap=5.0, mode="sequence", mask=torch.tensor([[1, 1, 0]]))
     torch.testing.assert_close(seq, torch.tensor([[2.0, 2.0, 0.0]]))
 
@@ -128,7 +149,9 @@ def test_diffusion_nft_loss_adaptive_weight_by_hand():
     out = L.diffusion_nft_loss(v_old.clone(), v_old, target, torch.tensor([0.3]), sigma=torch.tensor([0.25]))
     torch.testing.assert_close(out, torch.tensor([((0.25 + 2.25) / 2) / 1.0]))
     # the weight is detached, so the loss grows linearly (not quadratically) with the error's scale
-    big = L.diffusion_nft_loss(v_old.clone(), v_old, 3 * target, torch.tensor([0.3]), sigma=torch.tensor([0.25]))
+    big = L.diffusion_nft_loss(
+        v_old.clone(), v_old, 3 * target, torch.tensor([0.3]), sigma=torch.tensor([0.25])
+    )
     torch.testing.assert_close(big, 3 * out)
 
 
@@ -145,8 +168,9 @@ def test_core_functions_match_on_cuda():
     p = torch.rand(200, generator=g)
     assert torch.equal(alloc.knapsack(p.cuda(), 1600, n_max=32).cpu(), alloc.knapsack(p, 1600, n_max=32))
     logp, old, adv = torch.randn(8, 5), torch.randn(8, 5), torch.randn(8, 1)
-    torch.testing.assert_close(L.clipped_surrogate(logp.cuda(), old.cuda(), adv.cuda()).cpu(),
-                               L.clipped_surrogate(logp, old, adv))
+    torch.testing.assert_close(
+        L.clipped_surrogate(logp.cuda(), old.cuda(), adv.cuda()).cpu(), L.clipped_surrogate(logp, old, adv)
+    )
 
 
 def test_reward_weighted_fm_loss_hand_values():
@@ -157,7 +181,6 @@ def test_reward_weighted_fm_loss_hand_values():
     torch.testing.assert_close(out, torch.tensor([1.25, 4.0]))
     with pytest.raises(ValueError, match="non-negative"):
         L.reward_weighted_fm_loss(v, target, torch.tensor([1.0, -1.0]))
-
 
 
 def test_clip_fractions_count_real_tokens_only():
@@ -171,7 +194,9 @@ def test_clip_fractions_count_real_tokens_only():
     assert out["clip/high_frac"].item() == pytest.approx(1 / 4)
     assert out["clip/low_frac"].item() == 0.0
     unmasked = L.clip_fractions(logp, old, adv, eps_low=0.2, eps_high=0.28)
-    assert unmasked["clip/high_frac"].item() == pytest.approx(2 / 8)  # padding counted: the bias masking removes
+    assert unmasked["clip/high_frac"].item() == pytest.approx(
+        2 / 8
+    )  # padding counted: the bias masking removes
 
 
 def _trl_grpo_loss(logp, old, ref, adv, mask, eps_low, eps_high, beta, loss_type, max_completion_length):
@@ -192,8 +217,12 @@ def _trl_grpo_loss(logp, old, ref, adv, mask, eps_low, eps_high, beta, loss_type
 
 @pytest.mark.parametrize(
     ("loss_type", "loss_agg"),
-    [("grpo", "seq_mean_token_mean"), ("dapo", "token_mean"), ("bnpo", "token_mean"),
-     ("dr_grpo", "seq_mean_token_sum_norm")],
+    [
+        ("grpo", "seq_mean_token_mean"),
+        ("dapo", "token_mean"),
+        ("bnpo", "token_mean"),
+        ("dr_grpo", "seq_mean_token_sum_norm"),
+    ],
 )
 def test_vlm_loss_equals_trls_with_the_same_epsilon_and_beta(loss_type, loss_agg):
     g = torch.Generator().manual_seed(0)

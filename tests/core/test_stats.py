@@ -41,7 +41,12 @@ def test_running_mean_var_with_forgetting_equals_weighted_stats():
     s = PromptStats(rho=rho, prior_strength=1e-12)
     for t, b in enumerate(batches):
         s.update(["p"] * b.numel(), b, step=t)
-    weights = torch.cat([torch.full((b.numel(),), rho ** (len(batches) - 1 - t), dtype=torch.float64) for t, b in enumerate(batches)])
+    weights = torch.cat(
+        [
+            torch.full((b.numel(),), rho ** (len(batches) - 1 - t), dtype=torch.float64)
+            for t, b in enumerate(batches)
+        ]
+    )
     values = torch.cat(batches)
     wmean = (weights * values).sum() / weights.sum()
     wvar = (weights * (values - wmean) ** 2).sum() / weights.sum()

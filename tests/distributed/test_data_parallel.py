@@ -29,28 +29,64 @@ def fsdp_env() -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(("ACCELERATE_USE_FSDP", "FSDP_"))}
 
 
-def launch(tmp_path: Path, recipe: str, tag: str, *overrides: str, env: dict[str, str] | None = None) -> list[dict]:
+def launch(
+    tmp_path: Path, recipe: str, tag: str, *overrides: str, env: dict[str, str] | None = None
+) -> list[dict]:
     """Train on 2 ranks; returns each rank's final ``{"weights", "metrics"}``."""
     prefix = tmp_path / tag
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(WORKER), recipe, str(prefix), f"run.output_dir={tmp_path}", f"run.name={tag}",
-               "run.progress=false", "run.tensorboard=false", *overrides]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(WORKER),
+        recipe,
+        str(prefix),
+        f"run.output_dir={tmp_path}",
+        f"run.name={tag}",
+        "run.progress=false",
+        "run.tensorboard=false",
+        *overrides,
+    ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     done = subprocess.run(command, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return [torch.load(f"{prefix}.rank{r}.pt", weights_only=False) for r in range(2)]
 
 
-FLOW = ("model.family=shapes", "model.path=checkpoints/shapes_flow", "model.device=cpu", "train_prompts=shapes:train",
-        "eval_prompts=shapes:heldout@8", "rewards=[{name: shapes, options: {partial: true}}]", "sampling.num_steps=4",
-        "sampling.eval_num_steps=4", "sampling.sde_window=2", "allocation.prompts_per_step=2",
-        "allocation.rollouts_per_step=8", "trainer.steps=2", "trainer.eval_every=2", "trainer.eval_prompts=8",
-        "trainer.minibatch_size=8", "trainer.lr=1e-3", "trainer.drop_zero_advantage=false")
+FLOW = (
+    "model.family=shapes",
+    "model.path=checkpoints/shapes_flow",
+    "model.device=cpu",
+    "train_prompts=shapes:train",
+    "eval_prompts=shapes:heldout@8",
+    "rewards=[{name: shapes, options: {partial: true}}]",
+    "sampling.num_steps=4",
+    "sampling.eval_num_steps=4",
+    "sampling.sde_window=2",
+    "allocation.prompts_per_step=2",
+    "allocation.rollouts_per_step=8",
+    "trainer.steps=2",
+    "trainer.eval_every=2",
+    "trainer.eval_prompts=8",
+    "trainer.minibatch_size=8",
+    "trainer.lr=1e-3",
+    "trainer.drop_zero_advantage=false",
+)
 
 
 def test_flow_ddp_lora_ranks_stay_identical_and_rank0_writes(tmp_path):
-    ranks = launch(tmp_path, "flow_grpo", "ddp", *FLOW, "trainer.objective=nft", "trainer.old_policy_decay=0.5",
-                   "run.save_every=1")
+    ranks = launch(
+        tmp_path,
+        "flow_grpo",
+        "ddp",
+        *FLOW,
+        "trainer.objective=nft",
+        "trainer.old_policy_decay=0.5",
+        "run.save_every=1",
+    )
     w0, w1 = ranks[0]["weights"], ranks[1]["weights"]
     assert w0 and all("lora" in n for n in w0)
     assert all(torch.equal(w0[n], w1[n]) for n in w0)  # same start (rank 0's LoRA init), same averaged steps
@@ -68,7 +104,9 @@ def assert_fsdp_two_steps_equal_ddp(tmp_path, ddp: list[dict], fsdp: list[dict])
     weights."""
     assert fsdp[0]["sharded"] and not ddp[0]["sharded"]
     base = ddp[0]["initial"]
-    ddp_step2 = torch.load(tmp_path / "full_ddp/checkpoints/step_00000002/state.pt", weights_only=False)["trainable"]
+    ddp_step2 = torch.load(tmp_path / "full_ddp/checkpoints/step_00000002/state.pt", weights_only=False)[
+        "trainable"
+    ]
     assert base and set(fsdp[0]["weights"]) == set(ddp_step2) == set(base)
     assert all(torch.equal(fsdp[0]["weights"][n], fsdp[1]["weights"][n]) for n in base)
     moved = max(float((ddp_step2[n] - base[n]).abs().max()) for n in base)
@@ -83,22 +121,40 @@ def assert_fsdp_two_steps_equal_ddp(tmp_path, ddp: list[dict], fsdp: list[dict])
 
 
 def test_flow_fsdp_full_finetune_matches_ddp_and_resumes_exactly(tmp_path):
-    common = (*FLOW, "model.lora=null", "trainer.objective=grpo", "trainer.beta=0.04", "trainer.lr=1e-4",
-              "run.save_every=1")
+    common = (
+        *FLOW,
+        "model.lora=null",
+        "trainer.objective=grpo",
+        "trainer.beta=0.04",
+        "trainer.lr=1e-4",
+        "run.save_every=1",
+    )
     ddp = launch(tmp_path, "flow_grpo", "full_ddp", *common, "trainer.steps=3", "trainer.eval_every=3")
     fsdp = launch(tmp_path, "flow_grpo", "full_fsdp", *common, env=fsdp_env())
     base = assert_fsdp_two_steps_equal_ddp(tmp_path, ddp, fsdp)
     # and the diffusers folder beside it, though FSDP2 renamed the model's class
     from diffusers import SD3Transformer2DModel
 
-    loaded = SD3Transformer2DModel.from_pretrained(tmp_path / "full_fsdp/checkpoints/step_00000002/transformer")
+    loaded = SD3Transformer2DModel.from_pretrained(
+        tmp_path / "full_fsdp/checkpoints/step_00000002/transformer"
+    )
     assert all(torch.equal(p, fsdp[0]["weights"][n]) for n, p in loaded.named_parameters())
     # resumed on 2 ranks (sharded optimizer state and each rank's RNG restored), the third step is DDP's third
-    resumed = launch(tmp_path, "flow_grpo", "full_fsdp", *common, "trainer.steps=3", "trainer.eval_every=3",
-                     "run.resume=true", env=fsdp_env())
+    resumed = launch(
+        tmp_path,
+        "flow_grpo",
+        "full_fsdp",
+        *common,
+        "trainer.steps=3",
+        "trainer.eval_every=3",
+        "run.resume=true",
+        env=fsdp_env(),
+    )
     for n in base:
         torch.testing.assert_close(resumed[0]["weights"][n], ddp[0]["weights"][n], rtol=0, atol=1e-6)
-    assert resumed[0]["metrics"]["eval/reward_mean"] == pytest.approx(ddp[0]["metrics"]["eval/reward_mean"], abs=1e-6)
+    assert resumed[0]["metrics"]["eval/reward_mean"] == pytest.approx(
+        ddp[0]["metrics"]["eval/reward_mean"], abs=1e-6
+    )
 
 
 def test_flow_fsdp_refuses_lora(tmp_path):
@@ -106,10 +162,21 @@ def test_flow_fsdp_refuses_lora(tmp_path):
         launch(tmp_path, "flow_grpo", "fsdp_lora", *FLOW, env=fsdp_env())
 
 
-VLM = ("model.path=checkpoints/shapes_vlm", "model.device=cpu", "data.image_size=64", "data.train_limit=64",
-       "data.eval_limit=14", "generation.max_new_tokens=8", "trainer.mode=single", "trainer.prompts_per_step=8",
-       "trainer.minibatch_size=8", "trainer.steps=2", "trainer.eval_every=2", "trainer.lr=3e-3",
-       "rewards=[{name: exact_match}]")
+VLM = (
+    "model.path=checkpoints/shapes_vlm",
+    "model.device=cpu",
+    "data.image_size=64",
+    "data.train_limit=64",
+    "data.eval_limit=14",
+    "generation.max_new_tokens=8",
+    "trainer.mode=single",
+    "trainer.prompts_per_step=8",
+    "trainer.minibatch_size=8",
+    "trainer.steps=2",
+    "trainer.eval_every=2",
+    "trainer.lr=3e-3",
+    "rewards=[{name: exact_match}]",
+)
 
 
 def test_vlm_ddp_lora_ranks_stay_identical(tmp_path):
@@ -125,8 +192,14 @@ def test_vlm_ddp_lora_ranks_stay_identical(tmp_path):
 
 def test_vlm_fsdp_full_finetune_matches_ddp_and_resumes_exactly(tmp_path):
     # full fine-tuning (vision tower frozen), KL to a sharded reference, 3 LM-head chunks per scoring forward
-    common = (*VLM, "model.lora=null", "trainer.beta=0.04", "trainer.lr=1e-3", "trainer.logprob_chunk_size=3",
-              "run.save_every=1")
+    common = (
+        *VLM,
+        "model.lora=null",
+        "trainer.beta=0.04",
+        "trainer.lr=1e-3",
+        "trainer.logprob_chunk_size=3",
+        "run.save_every=1",
+    )
     ddp = launch(tmp_path, "vlm_rlvr", "full_ddp", *common, "trainer.steps=3")
     fsdp = launch(tmp_path, "vlm_rlvr", "full_fsdp", *common, env=fsdp_env())
     base = assert_fsdp_two_steps_equal_ddp(tmp_path, ddp, fsdp)
@@ -138,15 +211,21 @@ def test_vlm_fsdp_full_finetune_matches_ddp_and_resumes_exactly(tmp_path):
     folder = tmp_path / "full_fsdp/checkpoints/step_00000002/model"
     AutoProcessor.from_pretrained(folder)
     saved = dict(AutoModelForImageTextToText.from_pretrained(folder).named_parameters())
-    reference = dict(AutoModelForImageTextToText.from_pretrained(ROOT / "checkpoints/shapes_vlm").named_parameters())
+    reference = dict(
+        AutoModelForImageTextToText.from_pretrained(ROOT / "checkpoints/shapes_vlm").named_parameters()
+    )
     assert saved.keys() == reference.keys() and any("visual" in n for n in saved)
     assert all(torch.equal(saved[n], fsdp[0]["weights"][n]) for n in base)
     assert all(torch.equal(saved[n], reference[n]) for n in saved if n not in base)
     # resumed on 2 ranks (sharded optimizer state and each rank's RNG restored), the third step is DDP's third
-    resumed = launch(tmp_path, "vlm_rlvr", "full_fsdp", *common, "trainer.steps=3", "run.resume=true", env=fsdp_env())
+    resumed = launch(
+        tmp_path, "vlm_rlvr", "full_fsdp", *common, "trainer.steps=3", "run.resume=true", env=fsdp_env()
+    )
     for n in base:
         torch.testing.assert_close(resumed[0]["weights"][n], ddp[0]["weights"][n], rtol=0, atol=1e-6)
-    assert resumed[0]["metrics"]["eval/accuracy"] == pytest.approx(ddp[0]["metrics"]["eval/accuracy"], abs=1e-6)
+    assert resumed[0]["metrics"]["eval/accuracy"] == pytest.approx(
+        ddp[0]["metrics"]["eval/accuracy"], abs=1e-6
+    )
 
 
 def test_vlm_fsdp_pairs_up_uneven_completion_lengths(tmp_path):
@@ -154,8 +233,16 @@ def test_vlm_fsdp_pairs_up_uneven_completion_lengths(tmp_path):
     # of head calls, and each call of the sharded head is a collective; the ranks agree on the largest count.
     # (One step: with several minibatches FSDP reduces each one's gradients on its own, a different order of float
     # sums than DDP's, which Adam's normalisation can amplify on later steps.)
-    common = (*VLM, "model.lora=null", "trainer.beta=0", "trainer.lr=1e-3", "trainer.minibatch_size=1",
-              "trainer.logprob_chunk_size=1", "trainer.steps=1", "trainer.eval_every=1")
+    common = (
+        *VLM,
+        "model.lora=null",
+        "trainer.beta=0",
+        "trainer.lr=1e-3",
+        "trainer.minibatch_size=1",
+        "trainer.logprob_chunk_size=1",
+        "trainer.steps=1",
+        "trainer.eval_every=1",
+    )
     ddp = launch(tmp_path, "vlm_rlvr", "uneven_ddp", *common)
     fsdp = launch(tmp_path, "vlm_rlvr", "uneven_fsdp", *common, env=fsdp_env())
     base = ddp[0]["initial"]
@@ -168,5 +255,7 @@ def test_vlm_fsdp_pairs_up_uneven_completion_lengths(tmp_path):
 
 
 def test_vlm_fsdp_refuses_lora_with_the_ddp_config_named(tmp_path):
-    with pytest.raises(AssertionError, match=r"LoRA \(model\.lora\).*launch with configs/accelerate/ddp\.yaml"):
+    with pytest.raises(
+        AssertionError, match=r"LoRA \(model\.lora\).*launch with configs/accelerate/ddp\.yaml"
+    ):
         launch(tmp_path, "vlm_rlvr", "vlm_fsdp_lora", *VLM, env=fsdp_env())

@@ -67,8 +67,9 @@ def test_every_leaf_path_is_a_chain_of_exact_sde_steps(adapter):
         assert torch.equal(trans.next_latents[last], tr.final_latents[tr.leaf_node.tolist().index(leaf)])
     # the log-prob of a transition is the Normal log-density of its draw
     v = adapter.velocity(trans.latents[:3], trans.sigma[:3], trans.cond.select([0, 1, 2]), 1.0)
-    _, lp, _, _ = sde_step(trans.latents[:3], v, trans.sigma[:3], trans.sigma_next[:3], 0.7,
-                           prev_sample=trans.next_latents[:3])
+    _, lp, _, _ = sde_step(
+        trans.latents[:3], v, trans.sigma[:3], trans.sigma_next[:3], 0.7, prev_sample=trans.next_latents[:3]
+    )
     torch.testing.assert_close(lp, trans.log_probs[:3], atol=2e-5, rtol=0)
 
 

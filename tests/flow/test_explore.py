@@ -27,7 +27,9 @@ def test_select_seeds_rules():
     r = torch.tensor([[0.1, 0.9, 0.5, 0.3, 0.9], [1.0, 0.0, 0.2, 0.4, 0.6]])
     cfg = ExploreConfig(candidates=5, keep_best=2, keep_worst=1)
     assert select_seeds(r, cfg).tolist() == [[1, 4, 0], [0, 4, 1]]
-    mixed = ExploreConfig(candidates=5, keep_best=1, keep_worst=1, selection="extremes_random", extra_random=2)
+    mixed = ExploreConfig(
+        candidates=5, keep_best=1, keep_worst=1, selection="extremes_random", extra_random=2
+    )
     chosen = select_seeds(r, mixed, torch.Generator().manual_seed(0))
     assert chosen.shape == (2, 4) and all(row.unique().numel() == 4 for row in chosen)
     rand = select_seeds(r, ExploreConfig(candidates=5, keep_best=2, keep_worst=1, selection="random"))
@@ -52,12 +54,21 @@ def test_explorer_previews_predict_full_precision_and_leave_policy_untouched(mod
         return images.mean(dim=(1, 2, 3))
 
     cfg = ExploreConfig(candidates=8, preview_steps=4, keep_best=2, keep_worst=2)
-    res = explore(adapter, explorer.module, ["a photo of a red circle", "a photo of two squares"], sampling, cfg,
-                  brightness, generator=torch.Generator().manual_seed(0))
+    res = explore(
+        adapter,
+        explorer.module,
+        ["a photo of a red circle", "a photo of two squares"],
+        sampling,
+        cfg,
+        brightness,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert res.noise.shape == (8, 3, 32, 32) and res.nfe == 2 * 8 * 4
     assert all(torch.equal(before[n], p) for n, p in adapter.transformer.named_parameters())
     # regenerating the chosen seeds at full precision (same ODE) gives nearly the preview's ranking
-    full = rollout(adapter, ["a photo of a red circle", "a photo of two squares"], 4, sampling, noise=res.noise)
+    full = rollout(
+        adapter, ["a photo of a red circle", "a photo of two squares"], 4, sampling, noise=res.noise
+    )
     rho = spearman(res.chosen_preview_rewards, brightness(full.images, full.prompts))
     assert rho > 0.8
     # best-kept seeds preview brighter than worst-kept ones
@@ -67,14 +78,30 @@ def test_explorer_previews_predict_full_precision_and_leave_policy_untouched(mod
 
 @pytest.mark.parametrize("rollout_mode", ["flat", "branch"])
 def test_trainer_explore_mode(model_dir, tmp_path, rollout_mode):
-    cfg = load_config(FlowGRPOConfig, None, [
-        f"model.path={model_dir}", "model.device=cpu", f"run.output_dir={tmp_path}", "run.progress=false",
-        "sampling.num_steps=4", "sampling.sde_window=2", "allocation.prompts_per_step=2",
-        "allocation.rollouts_per_step=8", "trainer.minibatch_size=8", "trainer.drop_zero_advantage=false",
-        "rewards=[{name: jpeg_incompressibility}]", "explore.enabled=true", "explore.scheme=nf4",
-        "explore.candidates=6", "explore.keep_best=1", "explore.keep_worst=1", f"sampling.rollout={rollout_mode}",
-        "tree.split_steps=[0]",
-    ])
+    cfg = load_config(
+        FlowGRPOConfig,
+        None,
+        [
+            f"model.path={model_dir}",
+            "model.device=cpu",
+            f"run.output_dir={tmp_path}",
+            "run.progress=false",
+            "sampling.num_steps=4",
+            "sampling.sde_window=2",
+            "allocation.prompts_per_step=2",
+            "allocation.rollouts_per_step=8",
+            "trainer.minibatch_size=8",
+            "trainer.drop_zero_advantage=false",
+            "rewards=[{name: jpeg_incompressibility}]",
+            "explore.enabled=true",
+            "explore.scheme=nf4",
+            "explore.candidates=6",
+            "explore.keep_best=1",
+            "explore.keep_worst=1",
+            f"sampling.rollout={rollout_mode}",
+            "tree.split_steps=[0]",
+        ],
+    )
     trainer = FlowGRPOTrainer(cfg, None)
     trainer.setup()
     before = [p.detach().clone() for p in trainer.trainable]

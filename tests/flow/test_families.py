@@ -16,17 +16,30 @@ def test_trainer_step_for_family(family, tmp_path):
     torch.manual_seed(0)
     build_tiny_pipeline(family, seed=0).save_pretrained(tmp_path / "model")
     sizes = TINY_SIZES[family]
-    reward = ("[{name: video_frames, options: {reward: jpeg_incompressibility}}]" if family == "wan"
-              else "[{name: jpeg_incompressibility}]")
+    reward = (
+        "[{name: video_frames, options: {reward: jpeg_incompressibility}}]"
+        if family == "wan"
+        else "[{name: jpeg_incompressibility}]"
+    )
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red circle\na blue square\n")
     overrides = [
-        f"model.family={family}", f"model.path={tmp_path / 'model'}", "model.device=cpu",
+        f"model.family={family}",
+        f"model.path={tmp_path / 'model'}",
+        "model.device=cpu",
         f"model.options={json.dumps(TINY_LOAD_KWARGS[family])}",
-        f"train_prompts={prompts}", f"eval_prompts={prompts}", f"rewards={reward}",
-        f"sampling.height={sizes['height']}", f"sampling.width={sizes['width']}", "sampling.num_steps=3",
-        "sampling.sde_window=2", "sampling.guidance_scale=2.0", "allocation.prompts_per_step=2",
-        "allocation.rollouts_per_step=4", "trainer.minibatch_size=4", "trainer.drop_zero_advantage=false",
+        f"train_prompts={prompts}",
+        f"eval_prompts={prompts}",
+        f"rewards={reward}",
+        f"sampling.height={sizes['height']}",
+        f"sampling.width={sizes['width']}",
+        "sampling.num_steps=3",
+        "sampling.sde_window=2",
+        "sampling.guidance_scale=2.0",
+        "allocation.prompts_per_step=2",
+        "allocation.rollouts_per_step=4",
+        "trainer.minibatch_size=4",
+        "trainer.drop_zero_advantage=false",
     ]
     if "num_frames" in sizes:
         overrides.append(f"sampling.num_frames={sizes['num_frames']}")

@@ -17,10 +17,18 @@ def test_demo_recipe_raises_heldout_strict_score(tmp_path, monkeypatch):
     cfg = load_config(
         FlowGRPOConfig,
         ROOT / "configs/demo/flow_shapes.yaml",
-        [f"run.output_dir={tmp_path}", "run.name=demo", "run.progress=false", "run.tensorboard=false",
-         # the demo's first 50 steps, at its starting learning rate
-         "trainer.steps=50", "trainer.lr_schedule=constant", "trainer.eval_every=50", "trainer.sample_every=50",
-         "run.save_every=50"],
+        [
+            f"run.output_dir={tmp_path}",
+            "run.name=demo",
+            "run.progress=false",
+            "run.tensorboard=false",
+            # the demo's first 50 steps, at its starting learning rate
+            "trainer.steps=50",
+            "trainer.lr_schedule=constant",
+            "trainer.eval_every=50",
+            "trainer.sample_every=50",
+            "run.save_every=50",
+        ],
     )
     final = main(cfg)
     base = read_metrics(tmp_path / "demo")[0]

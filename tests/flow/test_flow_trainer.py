@@ -28,11 +28,23 @@ def make_cfg(model_dir, out, name, *overrides):
         FlowGRPOConfig,
         None,
         [
-            f"model.path={model_dir}", "model.device=cpu", f"run.output_dir={out}", f"run.name={name}",
-            "run.progress=false", "run.tensorboard=false", "sampling.num_steps=4", "sampling.eval_num_steps=3",
-            "sampling.sde_window=2", "allocation.prompts_per_step=2", "allocation.rollouts_per_step=8",
-            "trainer.steps=2", "trainer.eval_every=2", "trainer.eval_prompts=4", "trainer.minibatch_size=8",
-            "trainer.lr=1e-2", "trainer.drop_zero_advantage=false",
+            f"model.path={model_dir}",
+            "model.device=cpu",
+            f"run.output_dir={out}",
+            f"run.name={name}",
+            "run.progress=false",
+            "run.tensorboard=false",
+            "sampling.num_steps=4",
+            "sampling.eval_num_steps=3",
+            "sampling.sde_window=2",
+            "allocation.prompts_per_step=2",
+            "allocation.rollouts_per_step=8",
+            "trainer.steps=2",
+            "trainer.eval_every=2",
+            "trainer.eval_prompts=4",
+            "trainer.minibatch_size=8",
+            "trainer.lr=1e-2",
+            "trainer.drop_zero_advantage=false",
             # random weights: the shapes verifier scores ~0, so train on a reward with spread
             "rewards=[{name: jpeg_incompressibility}]",
             *overrides,
@@ -66,7 +78,9 @@ def test_lora_checkpoint_loads_in_diffusers(model_dir, tmp_path):
     assert "eval/reward_mean" in final
     adapter_dir = tmp_path / "ckpt/checkpoints/step_00000001/adapter"
     assert (adapter_dir / "pytorch_lora_weights.safetensors").is_file()
-    pipe = StableDiffusion3Pipeline.from_pretrained(model_dir, vae=None, text_encoder_3=None, tokenizer_3=None)
+    pipe = StableDiffusion3Pipeline.from_pretrained(
+        model_dir, vae=None, text_encoder_3=None, tokenizer_3=None
+    )
     pipe.load_lora_weights(adapter_dir)
     state = torch.load(tmp_path / "ckpt/checkpoints/step_00000001/state.pt", weights_only=False)
     loaded = {n: p for n, p in pipe.transformer.named_parameters() if "lora" in n}
@@ -79,8 +93,17 @@ def test_lora_checkpoint_loads_in_diffusers(model_dir, tmp_path):
 def test_full_finetune_checkpoint_loads_in_diffusers(model_dir, tmp_path):
     from diffusers import SD3Transformer2DModel
 
-    main(make_cfg(model_dir, tmp_path, "full", "model.lora=null", "trainer.objective=nft", "trainer.steps=1",
-                  "trainer.eval_every=1"))
+    main(
+        make_cfg(
+            model_dir,
+            tmp_path,
+            "full",
+            "model.lora=null",
+            "trainer.objective=nft",
+            "trainer.steps=1",
+            "trainer.eval_every=1",
+        )
+    )
     checkpoint = tmp_path / "full/checkpoints/step_00000001"
     state = torch.load(checkpoint / "state.pt", weights_only=False)
     base = SD3Transformer2DModel.from_pretrained(model_dir, subfolder="transformer")
@@ -103,7 +126,9 @@ def test_nft_objective_and_cfg_free_logprobs(model_dir, tmp_path):
 
 
 def test_autocast_trains_fp32_lora_with_bfloat16_forwards(model_dir, tmp_path):
-    cfg = make_cfg(model_dir, tmp_path, "bf16", "trainer.steps=1", "trainer.objective=nft", "model.autocast=bfloat16")
+    cfg = make_cfg(
+        model_dir, tmp_path, "bf16", "trainer.steps=1", "trainer.objective=nft", "model.autocast=bfloat16"
+    )
     trainer = FlowGRPOTrainer(cfg, None)
     trainer.setup()
     assert trainer.adapter.autocast_dtype == torch.bfloat16
@@ -115,8 +140,9 @@ def test_autocast_trains_fp32_lora_with_bfloat16_forwards(model_dir, tmp_path):
 
 
 def test_rwr_objective_trains_on_clean_ode_samples_with_guided_regression(model_dir, tmp_path):
-    cfg = make_cfg(model_dir, tmp_path, "rwr", "trainer.steps=1", "trainer.objective=rwr",
-                   "sampling.guidance_scale=2.0")
+    cfg = make_cfg(
+        model_dir, tmp_path, "rwr", "trainer.steps=1", "trainer.objective=rwr", "sampling.guidance_scale=2.0"
+    )
     trainer = FlowGRPOTrainer(cfg, None)
     trainer.setup()
     # the likelihood-free objectives sample without SDE noise; GRPO keeps its window
@@ -140,19 +166,29 @@ def test_regression_points_share_sigma_and_noise_within_a_prompt_group(model_dir
     x0 = torch.randn(6, 3, 8, 8)
     groups = torch.tensor([0, 0, 0, 1, 1, 1])
     for shared in (True, False):
-        cfg = make_cfg(model_dir, tmp_path, f"crn{shared}", "trainer.objective=nft", "trainer.nft_timesteps=2",
-                       f"trainer.shared_regression_noise={str(shared).lower()}")
+        cfg = make_cfg(
+            model_dir,
+            tmp_path,
+            f"crn{shared}",
+            "trainer.objective=nft",
+            "trainer.nft_timesteps=2",
+            f"trainer.shared_regression_noise={str(shared).lower()}",
+        )
         trainer = FlowGRPOTrainer(cfg, None)
         trainer.setup()
         rows, sigma, x_t, target = trainer._noised(x0, groups)
         assert rows.tolist() == [0, 1, 2, 3, 4, 5] * 2
         eps = target + x0[rows]  # v* = eps - x0
-        torch.testing.assert_close(x_t, (1 - sigma.view(-1, 1, 1, 1)) * x0[rows] + sigma.view(-1, 1, 1, 1) * eps)
+        torch.testing.assert_close(
+            x_t, (1 - sigma.view(-1, 1, 1, 1)) * x0[rows] + sigma.view(-1, 1, 1, 1) * eps
+        )
         same_draw = [(0, 1), (1, 2), (3, 4), (6, 7), (9, 11)]  # same group, same timestep
         assert all(torch.allclose(eps[a], eps[b], atol=1e-6) == shared for a, b in same_draw)
         if shared:
             assert all(sigma[a] == sigma[b] for a, b in same_draw)
-        assert not torch.allclose(eps[0], eps[3]) and not torch.allclose(eps[0], eps[6])  # other group, other timestep
+        assert not torch.allclose(eps[0], eps[3]) and not torch.allclose(
+            eps[0], eps[6]
+        )  # other group, other timestep
 
 
 def test_soft_updated_old_policy_samples_and_is_checkpointed(model_dir, tmp_path):
@@ -179,8 +215,15 @@ def test_soft_updated_old_policy_samples_and_is_checkpointed(model_dir, tmp_path
 def test_likelihood_free_kl_to_reference_is_zero_before_the_first_update(model_dir, tmp_path):
     # one optimizer step per call: every minibatch sees the starting LoRA (B = 0), so v == v_ref exactly
     for objective in ("rwr", "nft"):
-        cfg = make_cfg(model_dir, tmp_path, "kl" + objective, "trainer.steps=1", f"trainer.objective={objective}",
-                       "trainer.beta=0.5", "trainer.minibatch_size=4")
+        cfg = make_cfg(
+            model_dir,
+            tmp_path,
+            "kl" + objective,
+            "trainer.steps=1",
+            f"trainer.objective={objective}",
+            "trainer.beta=0.5",
+            "trainer.minibatch_size=4",
+        )
         trainer = FlowGRPOTrainer(cfg, None)
         trainer.setup()
         metrics = trainer.train_step()  # the JPEG reward always spreads, so rwr has preferred images
@@ -194,8 +237,13 @@ def test_kl_form_flow_grpo_divides_by_the_noise_scale_exact_by_the_step_std(mode
         cfg = make_cfg(model_dir, tmp_path, "klform" + form, "trainer.beta=0.5", f"trainer.kl_form={form}")
         trainer = FlowGRPOTrainer(cfg, None)
         trainer.setup()
-        trans = rollout(trainer.adapter, ["a red circle"], 4, trainer.sampling_config(),
-                        generator=torch.Generator().manual_seed(0)).transitions()
+        trans = rollout(
+            trainer.adapter,
+            ["a red circle"],
+            4,
+            trainer.sampling_config(),
+            generator=torch.Generator().manual_seed(0),
+        ).transitions()
         std = torch.full((len(trans), 1, 1, 1), 0.3)
         sigma, sigma_next = trans.sigma.view(-1, 1, 1, 1), trans.sigma_next.view(-1, 1, 1, 1)
         # Flow-GRPO's std_dev_t = a sqrt(s / (1 - s)), the next sigma standing in for s = 1
@@ -222,10 +270,17 @@ def test_eval_rewards_replace_the_training_rewards_in_evaluation(model_dir, tmp_
 def test_resume_is_exact(model_dir, tmp_path, interrupted_then_resumed):
     args = ("trainer.steps=3", "run.save_every=1", "trainer.eval_every=3")
     straight = main(make_cfg(model_dir, tmp_path, "a", *args))
-    resumed = interrupted_then_resumed(FlowGRPOTrainer, main, make_cfg(model_dir, tmp_path, "b", *args),
-                                       make_cfg(model_dir, tmp_path, "b", *args, "run.resume=true"), at=2)
+    resumed = interrupted_then_resumed(
+        FlowGRPOTrainer,
+        main,
+        make_cfg(model_dir, tmp_path, "b", *args),
+        make_cfg(model_dir, tmp_path, "b", *args, "run.resume=true"),
+        at=2,
+    )
     drop = ("time/rollout_s", "time/train_s")
-    assert {k: v for k, v in resumed.items() if k not in drop} == {k: v for k, v in straight.items() if k not in drop}
+    assert {k: v for k, v in resumed.items() if k not in drop} == {
+        k: v for k, v in straight.items() if k not in drop
+    }
     assert len(read_metrics(tmp_path / "b")) == 4
 
 
@@ -246,8 +301,16 @@ def test_eval_writes_scores_and_grid(model_dir, tmp_path):
 
 @pytest.mark.parametrize("objective", ["grpo", "nft"])
 def test_branch_rollout_mode_trains(model_dir, tmp_path, objective):
-    cfg = make_cfg(model_dir, tmp_path, "br" + objective, "sampling.rollout=branch", "tree.split_steps=[0, 1]",
-                   "tree.fusion=path_prob", "tree.width=2", f"trainer.objective={objective}")
+    cfg = make_cfg(
+        model_dir,
+        tmp_path,
+        "br" + objective,
+        "sampling.rollout=branch",
+        "tree.split_steps=[0, 1]",
+        "tree.fusion=path_prob",
+        "tree.width=2",
+        f"trainer.objective={objective}",
+    )
     trainer = FlowGRPOTrainer(cfg, None)
     trainer.setup()
     before = [p.detach().clone() for p in trainer.trainable]
@@ -285,7 +348,10 @@ def test_non_finite_reward_stops_the_run_before_its_step_writes(model_dir, tmp_p
         return original_step()
 
     monkeypatch.setattr(trainer, "train_step", step_and_remember)
-    with pytest.raises(RewardCheckError, match=r"'jpeg_incompressibility' returned 1 non-finite score\(s\) of 8; the first is nan at sample 5 \(prompt '"):
+    with pytest.raises(
+        RewardCheckError,
+        match=r"'jpeg_incompressibility' returned 1 non-finite score\(s\) of 8; the first is nan at sample 5 \(prompt '",
+    ):
         trainer.train()
     trainer.cleanup()
     assert [r["step"] for r in read_metrics(tmp_path / "nan")] == [0, 1]  # nothing of step 2
@@ -299,5 +365,7 @@ def test_eval_prompts_outside_the_grammar_are_refused_before_generation(model_di
     prompts.write_text("a photo of a red circle\n# fine so far\na photo of three dragons\n")
     cfg = make_cfg(model_dir, tmp_path, "g", "rewards=[{name: shapes}]")
     monkeypatch.setattr(FlowGRPOTrainer, "generate", lambda *a, **k: pytest.fail("generated before checking"))
-    with pytest.raises(ValueError, match=r"p\.txt line 3: cannot parse shapes prompt 'a photo of three dragons'"):
+    with pytest.raises(
+        ValueError, match=r"p\.txt line 3: cannot parse shapes prompt 'a photo of three dragons'"
+    ):
         evaluate(cfg, str(prompts), tmp_path / "eval", None, images_per_prompt=1)

@@ -223,5 +223,7 @@ def test_shapes_model_loads_through_the_sd3_path_in_pixel_space(tmp_path):
 def test_missing_model_names_the_folder_and_the_hub(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(OSError, match=r"'checkpoints/shapes_flow': there is no such folder under .*Hub could not"):
+    with pytest.raises(
+        OSError, match=r"'checkpoints/shapes_flow': there is no such folder under .*Hub could not"
+    ):
         load_adapter("shapes", "checkpoints/shapes_flow")

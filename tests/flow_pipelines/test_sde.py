@@ -58,7 +58,14 @@ def test_log_prob_is_mean_of_normal_log_density(kind):
     sigma = torch.tensor([0.9, 0.6, 0.3])
     sigma_next = torch.tensor([0.8, 0.4, 0.1])
     prev, log_prob, mean, std = sde_step(
-        x, v, sigma, sigma_next, 0.5, kind, generator=torch.Generator().manual_seed(0), log_prob_form="gaussian"
+        x,
+        v,
+        sigma,
+        sigma_next,
+        0.5,
+        kind,
+        generator=torch.Generator().manual_seed(0),
+        log_prob_form="gaussian",
     )
     expected = torch.distributions.Normal(mean, std.expand_as(mean)).log_prob(prev).mean(dim=(1, 2, 3))
     torch.testing.assert_close(log_prob, expected)
@@ -154,7 +161,9 @@ def test_property_log_prob_and_reparametrisation(kind, sigma, frac, noise_level,
     sigma_next = sigma * frac
     x, v = _batch(seed, shape=(2, 3, 4))
     noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 1))
-    prev, lp, mean, std = sde_step(x, v, sigma, sigma_next, noise_level, kind, noise=noise, log_prob_form="gaussian")
+    prev, lp, mean, std = sde_step(
+        x, v, sigma, sigma_next, noise_level, kind, noise=noise, log_prob_form="gaussian"
+    )
     assert torch.all(std > 0)
     torch.testing.assert_close(prev, mean + std * noise)
     expected = torch.distributions.Normal(mean, std.expand_as(mean)).log_prob(prev).mean(dim=(1, 2))
@@ -186,7 +195,9 @@ def test_noise_scale_is_each_papers_sigma_t(sigma, sigma_next):
     x, v = _batch(5, shape=(1, 4))
     for kind, a in (("flow_grpo", 0.7), ("dance", 0.3)):
         _, std = sde_mean_std(x, v, s, s_next, a, kind)
-        torch.testing.assert_close(std.flatten(), sde_noise_scale(s, s_next, a, kind) * math.sqrt(sigma - sigma_next))
+        torch.testing.assert_close(
+            std.flatten(), sde_noise_scale(s, s_next, a, kind) * math.sqrt(sigma - sigma_next)
+        )
 
 
 def test_peer_log_prob_forms():
@@ -196,13 +207,17 @@ def test_peer_log_prob_forms():
 def test_cps_log_prob_is_flow_grpos_squared_error_and_its_clip_range_carries_over():
     x, v = _batch(6)
     sigma, sigma_next, a = torch.tensor([0.9, 0.6, 0.3]), torch.tensor([0.8, 0.4, 0.1]), 0.6
-    prev, lp, mean, std = sde_step(x, v, sigma, sigma_next, a, "cps", generator=torch.Generator().manual_seed(1))
+    prev, lp, mean, std = sde_step(
+        x, v, sigma, sigma_next, a, "cps", generator=torch.Generator().manual_seed(1)
+    )
     # Flow-GRPO: log_prob = -((prev_sample - prev_sample_mean) ** 2), then the mean over non-batch dims
     torch.testing.assert_close(lp, (-((prev - mean) ** 2)).mean(dim=(1, 2, 3)))
     # a policy whose mean moved: Flow-GRPO's log-ratio is 2 std^2 times the Gaussian one, step by step
     _, lp_new, _, _ = sde_step(x, v + 0.05, sigma, sigma_next, a, "cps", prev_sample=prev)
     _, g_old, _, _ = sde_step(x, v, sigma, sigma_next, a, "cps", prev_sample=prev, log_prob_form="gaussian")
-    _, g_new, _, _ = sde_step(x, v + 0.05, sigma, sigma_next, a, "cps", prev_sample=prev, log_prob_form="gaussian")
+    _, g_new, _, _ = sde_step(
+        x, v + 0.05, sigma, sigma_next, a, "cps", prev_sample=prev, log_prob_form="gaussian"
+    )
     torch.testing.assert_close(lp_new - lp, 2 * std.flatten() ** 2 * (g_new - g_old), rtol=1e-4, atol=1e-7)
 
 

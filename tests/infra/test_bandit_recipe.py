@@ -15,9 +15,17 @@ def cfg_for(tmp_path, name, *overrides):
     return load_config(
         BanditRecipeConfig,
         None,
-        [f"run.output_dir={tmp_path}", f"run.name={name}", "run.progress=false", "run.tensorboard=false",
-         "world.num_prompts=400", "allocation.prompts_per_step=16", "allocation.rollouts_per_step=128",
-         "trainer.eval_every=10", *overrides],
+        [
+            f"run.output_dir={tmp_path}",
+            f"run.name={name}",
+            "run.progress=false",
+            "run.tensorboard=false",
+            "world.num_prompts=400",
+            "allocation.prompts_per_step=16",
+            "allocation.rollouts_per_step=128",
+            "trainer.eval_every=10",
+            *overrides,
+        ],
     )
 
 
@@ -29,12 +37,22 @@ def test_heldout_success_goes_up(tmp_path):
 
 
 def test_resume_reproduces_uninterrupted_run(tmp_path, interrupted_then_resumed):
-    args = ("trainer.steps=12", "allocation.selection=thompson", "allocation.method=knapsack", "run.save_every=4")
+    args = (
+        "trainer.steps=12",
+        "allocation.selection=thompson",
+        "allocation.method=knapsack",
+        "run.save_every=4",
+    )
     straight = main(cfg_for(tmp_path, "straight", *args))
 
     # Interrupt the second run in its 7th step: the last checkpoint is step 4, steps 5-6 were logged after it.
-    resumed = interrupted_then_resumed(BanditTrainer, main, cfg_for(tmp_path, "split", *args),
-                                       cfg_for(tmp_path, "split", *args, "run.resume=true"), at=6)
+    resumed = interrupted_then_resumed(
+        BanditTrainer,
+        main,
+        cfg_for(tmp_path, "split", *args),
+        cfg_for(tmp_path, "split", *args, "run.resume=true"),
+        at=6,
+    )
 
     assert resumed == straight
     strip = lambda rs: [{k: v for k, v in r.items() if k != "time"} for r in rs]  # noqa: E731
@@ -56,14 +74,25 @@ def test_existing_run_directory_is_never_clobbered(tmp_path):
 
 def test_config_invariant_rejected_at_load():
     with pytest.raises(ConfigError, match="rollouts_per_step"):
-        load_config(BanditRecipeConfig, None, ["allocation.prompts_per_step=64", "allocation.rollouts_per_step=10"])
+        load_config(
+            BanditRecipeConfig, None, ["allocation.prompts_per_step=64", "allocation.rollouts_per_step=10"]
+        )
 
 
 def test_cli_train_and_errors(tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("recipe: bandit\ntrainer:\n  steps: 3\n")
-    rc = cli_main(["train", str(cfg), f"run.output_dir={tmp_path}", "run.progress=false", "world.num_prompts=200",
-                   "allocation.prompts_per_step=8", "allocation.rollouts_per_step=32"])
+    rc = cli_main(
+        [
+            "train",
+            str(cfg),
+            f"run.output_dir={tmp_path}",
+            "run.progress=false",
+            "world.num_prompts=200",
+            "allocation.prompts_per_step=8",
+            "allocation.rollouts_per_step=32",
+        ]
+    )
     assert rc == 0
     summary = json.loads((tmp_path / "run/summary.json").read_text())
     assert summary["step"] == 3

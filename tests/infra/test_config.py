@@ -24,9 +24,16 @@ def write(tmp_path, text):
 
 
 def test_overrides_parse_values_and_nest(tmp_path):
-    cfg = load_config(Recipe, write(tmp_path, "trainer:\n  lr: 0.1\n"), ["trainer.lr=1e-5", "trainer.mode=group", "run.name=abc"])
+    cfg = load_config(
+        Recipe,
+        write(tmp_path, "trainer:\n  lr: 0.1\n"),
+        ["trainer.lr=1e-5", "trainer.mode=group", "run.name=abc"],
+    )
     assert cfg.trainer.lr == 1e-5 and cfg.trainer.mode == "group" and cfg.run.name == "abc"
-    assert apply_overrides({"a": {"b": 1}}, ["a.c=[1, 2]", "d.e=null"]) == {"a": {"b": 1, "c": [1, 2]}, "d": {"e": None}}
+    assert apply_overrides({"a": {"b": 1}}, ["a.c=[1, 2]", "d.e=null"]) == {
+        "a": {"b": 1, "c": [1, 2]},
+        "d": {"e": None},
+    }
 
 
 def test_unknown_key_names_key_suggestion_and_allowed(tmp_path):

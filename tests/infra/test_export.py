@@ -32,7 +32,9 @@ def load_as_the_card_says(export_dir, monkeypatch) -> dict:
     """Run the model card's Python snippet from the export's parent folder; returns its variables."""
     from huggingface_hub import ModelCard
 
-    snippet = re.search(r"```python\n(.*?)```", ModelCard.load(export_dir / "README.md").text, flags=re.S).group(1)
+    snippet = re.search(
+        r"```python\n(.*?)```", ModelCard.load(export_dir / "README.md").text, flags=re.S
+    ).group(1)
     monkeypatch.chdir(export_dir.parent)
     variables: dict = {}
     exec(compile(snippet, "README.md", "exec"), variables)
@@ -50,13 +52,30 @@ def flow_model(tmp_path_factory):
 
 
 def flow_run(model_dir, out, name, *overrides):
-    cfg = load_config(FlowGRPOConfig, None, [
-        f"model.path={model_dir}", "model.device=cpu", f"run.output_dir={out}", f"run.name={name}",
-        "run.progress=false", "run.tensorboard=false", "sampling.num_steps=4", "sampling.eval_num_steps=3",
-        "sampling.sde_window=2", "allocation.prompts_per_step=2", "allocation.rollouts_per_step=8",
-        "trainer.steps=2", "trainer.eval_every=1", "trainer.eval_prompts=4", "trainer.minibatch_size=8",
-        "trainer.lr=1e-2", "rewards=[{name: jpeg_incompressibility}]", *overrides,
-    ])
+    cfg = load_config(
+        FlowGRPOConfig,
+        None,
+        [
+            f"model.path={model_dir}",
+            "model.device=cpu",
+            f"run.output_dir={out}",
+            f"run.name={name}",
+            "run.progress=false",
+            "run.tensorboard=false",
+            "sampling.num_steps=4",
+            "sampling.eval_num_steps=3",
+            "sampling.sde_window=2",
+            "allocation.prompts_per_step=2",
+            "allocation.rollouts_per_step=8",
+            "trainer.steps=2",
+            "trainer.eval_every=1",
+            "trainer.eval_prompts=4",
+            "trainer.minibatch_size=8",
+            "trainer.lr=1e-2",
+            "rewards=[{name: jpeg_incompressibility}]",
+            *overrides,
+        ],
+    )
     flow_main(cfg)
     return out / name, cfg
 
@@ -74,26 +93,37 @@ def test_flow_lora_export_loads_with_load_lora_weights(flow_lora_run, tmp_path, 
     assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
     pipe = load_as_the_card_says(out, monkeypatch)["pipe"]  # the base pipeline + load_lora_weights
     state = torch.load(run / "checkpoints/step_00000001/state.pt", weights_only=False)["trainable"]
-    loaded = {n.replace(".default_0", ".default"): p for n, p in pipe.transformer.named_parameters() if "lora" in n}
+    loaded = {
+        n.replace(".default_0", ".default"): p for n, p in pipe.transformer.named_parameters() if "lora" in n
+    }
     assert loaded.keys() == state.keys() and all(torch.equal(loaded[n], state[n]) for n in state)
     # the model card: Hub front matter, and the held-out scores of the exported step from metrics.jsonl
     from huggingface_hub import ModelCard
 
     card = ModelCard.load(out / "README.md")
-    assert card.data.license == "apache-2.0" and card.data.library_name == "diffusers" and "lora" in card.data.tags
+    assert (
+        card.data.license == "apache-2.0"
+        and card.data.library_name == "diffusers"
+        and "lora" in card.data.tags
+    )
     by_step = {r["step"]: r for r in read_metrics(run)}
-    assert f"| `eval/reward_mean` | {by_step[0]['eval/reward_mean']:.4f} | {by_step[1]['eval/reward_mean']:.4f} |" \
+    assert (
+        f"| `eval/reward_mean` | {by_step[0]['eval/reward_mean']:.4f} | {by_step[1]['eval/reward_mean']:.4f} |"
         in card.text
+    )
     assert "pipe.load_lora_weights" in card.text and (out / "training_config.yaml").is_file()
 
 
-def test_flow_lora_merged_export_is_a_pipeline_with_w_plus_scaled_ba(flow_model, flow_lora_run, tmp_path,
-                                                                      monkeypatch):
+def test_flow_lora_merged_export_is_a_pipeline_with_w_plus_scaled_ba(
+    flow_model, flow_lora_run, tmp_path, monkeypatch
+):
     from diffusers import SD3Transformer2DModel
 
     run, cfg = flow_lora_run
     assert cli_main(["export", str(run), "--to", str(tmp_path / "merged"), "--merge"]) == 0
-    pipe = load_as_the_card_says(tmp_path / "merged", monkeypatch)["pipe"]  # DiffusionPipeline.from_pretrained
+    pipe = load_as_the_card_says(tmp_path / "merged", monkeypatch)[
+        "pipe"
+    ]  # DiffusionPipeline.from_pretrained
     merged = dict(pipe.transformer.named_parameters())
     base = dict(SD3Transformer2DModel.from_pretrained(flow_model, subfolder="transformer").named_parameters())
     lora = load_file(run / "checkpoints/step_00000002/adapter/pytorch_lora_weights.safetensors")
@@ -153,7 +183,13 @@ class _MockHub(BaseHTTPRequestHandler):
             self._json({})
         elif self.path.endswith("/preupload/main"):
             files = json.loads(body)["files"]
-            self._json({"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]})
+            self._json(
+                {
+                    "files": [
+                        {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files
+                    ]
+                }
+            )
         elif self.path.endswith("/commit/main"):
             for line in body.decode().splitlines():
                 item = json.loads(line)
@@ -175,7 +211,9 @@ def test_push_to_hub_uploads_the_export_through_huggingface_hub(flow_lora_run, t
     endpoint = f"http://127.0.0.1:{server.server_address[1]}"
     monkeypatch.setenv("HF_ENDPOINT", endpoint)
     monkeypatch.setattr(hub_constants, "ENDPOINT", endpoint)  # (read once, when huggingface_hub is imported)
-    monkeypatch.setattr(hub_constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(
+        hub_constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}"
+    )
     try:
         out = export_run(flow_lora_run[0], tmp_path / "export")
         url = push_to_hub(out, "me/shapes", private=True, token="hf_test_token")
@@ -203,14 +241,30 @@ def vlm_model(tmp_path_factory):
 
 
 def vlm_run(model_dir, out, name, *overrides):
-    cfg = load_config(VLMRLVRConfig, None, [
-        f"model.path={model_dir}", "model.device=cpu", f"run.output_dir={out}", f"run.name={name}",
-        "run.progress=false", "run.tensorboard=false", "data.train_limit=24", "data.eval_limit=6",
-        "generation.max_new_tokens=6", "trainer.prompts_per_step=4", "trainer.steps=1", "trainer.lr=1e-2",
-        "trainer.minibatch_size=4", "trainer.eval_every=1", "trainer.sample_every=1",
-        # random weights never answer right: the format reward gives the step some signal
-        "rewards=[{name: exact_match}, {name: format, options: {}, weight: 0.5}]", *overrides,
-    ])
+    cfg = load_config(
+        VLMRLVRConfig,
+        None,
+        [
+            f"model.path={model_dir}",
+            "model.device=cpu",
+            f"run.output_dir={out}",
+            f"run.name={name}",
+            "run.progress=false",
+            "run.tensorboard=false",
+            "data.train_limit=24",
+            "data.eval_limit=6",
+            "generation.max_new_tokens=6",
+            "trainer.prompts_per_step=4",
+            "trainer.steps=1",
+            "trainer.lr=1e-2",
+            "trainer.minibatch_size=4",
+            "trainer.eval_every=1",
+            "trainer.sample_every=1",
+            # random weights never answer right: the format reward gives the step some signal
+            "rewards=[{name: exact_match}, {name: format, options: {}, weight: 0.5}]",
+            *overrides,
+        ],
+    )
     vlm_main(cfg)
     return out / name
 
@@ -228,8 +282,12 @@ def test_vlm_lora_exports_load_with_peft_and_transformers(vlm_model, tmp_path, m
     assert (run / "checkpoints/step_00000001/adapter/processor_config.json").is_file()  # processor beside it
     adapter = export_run(run, tmp_path / "adapter")
     merged = export_run(run, tmp_path / "merged", merge=True)
-    with_adapter = load_as_the_card_says(adapter, monkeypatch)  # PeftModel.from_pretrained(base, DIR), processor
-    with_merged = load_as_the_card_says(merged, monkeypatch)  # AutoModelForImageTextToText.from_pretrained(DIR)
+    with_adapter = load_as_the_card_says(
+        adapter, monkeypatch
+    )  # PeftModel.from_pretrained(base, DIR), processor
+    with_merged = load_as_the_card_says(
+        merged, monkeypatch
+    )  # AutoModelForImageTextToText.from_pretrained(DIR)
     vocab = len(with_merged["processor"].tokenizer)
     assert len(with_adapter["processor"].tokenizer) == vocab
     base_logits = _logits(AutoModelForImageTextToText.from_pretrained(vlm_model).eval(), vocab)

@@ -15,7 +15,11 @@ def test_prompt_sources(tmp_path):
 
 @pytest.mark.parametrize(
     ("source", "match"),
-    [("shapes:test", "unknown shapes split"), ("shapes:heldout@x", "positive integer"), ("/nope.txt", "not found")],
+    [
+        ("shapes:test", "unknown shapes split"),
+        ("shapes:heldout@x", "positive integer"),
+        ("/nope.txt", "not found"),
+    ],
 )
 def test_bad_prompt_sources(source, match):
     with pytest.raises(ValueError, match=match):

@@ -21,7 +21,8 @@ def fake_package(tmp_path, monkeypatch):
     package = tmp_path / "deferme"
     package.mkdir()
     (package / "__init__.py").write_text(
-        "import sys\nsys.deferme_runs = getattr(sys, 'deferme_runs', 0) + 1\nVALUE = 42\nfrom . import sub\n")
+        "import sys\nsys.deferme_runs = getattr(sys, 'deferme_runs', 0) + 1\nVALUE = 42\nfrom . import sub\n"
+    )
     (package / "sub.py").write_text("import deferme\nSEEN = deferme.VALUE\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(sys, "deferme_runs", 0, raising=False)
@@ -80,8 +81,15 @@ def _eval_base_model(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess
     )
     env = {k: v for k, v in os.environ.items() if k not in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS")}
     env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
 
 
 def test_mmrl_starts_quietly_and_shows_the_libraries_with_verbose(tmp_path):

@@ -39,10 +39,31 @@ def decode_images(page: str) -> list[Image.Image]:
 
 
 def test_metric_panels_draw_every_key_once_in_named_groups():
-    keys = ["step", "time", "reward/mean", "reward/shapes/mean", "reward/shapes/count", "reward/clip/mean",
-            "eval/reward_mean", "eval/shapes/mean", "eval/shapes/count", "eval/accuracy", "eval/accuracy_count",
-            "loss", "policy/kl", "policy/ratio_mean", "clip/low_frac", "clip/high_frac", "entropy/mean",
-            "nfe/total", "nfe/rollout", "rollouts/total", "time/rollout_s", "time/train_s", "gen/length_mean"]
+    keys = [
+        "step",
+        "time",
+        "reward/mean",
+        "reward/shapes/mean",
+        "reward/shapes/count",
+        "reward/clip/mean",
+        "eval/reward_mean",
+        "eval/shapes/mean",
+        "eval/shapes/count",
+        "eval/accuracy",
+        "eval/accuracy_count",
+        "loss",
+        "policy/kl",
+        "policy/ratio_mean",
+        "clip/low_frac",
+        "clip/high_frac",
+        "entropy/mean",
+        "nfe/total",
+        "nfe/rollout",
+        "rollouts/total",
+        "time/rollout_s",
+        "time/train_s",
+        "gen/length_mean",
+    ]
     panels = {p.title: p for p in metric_panels(keys)}
     assert panels["Reward"].keys == ("reward/mean", "reward/clip/mean", "reward/shapes/mean")
     assert panels["Reward components: shapes"].keys == ("reward/shapes/count",)
@@ -106,14 +127,30 @@ def flow_run(tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("shapes_tiny")
     pipe.save_pretrained(model_dir)
     out = tmp_path_factory.mktemp("runs")
-    cfg = load_config(FlowGRPOConfig, None, [
-        f"model.path={model_dir}", "model.device=cpu", f"run.output_dir={out}", "run.name=short",
-        "run.progress=false", "run.tensorboard=false", "sampling.num_steps=4", "sampling.eval_num_steps=3",
-        "sampling.sde_window=2", "allocation.prompts_per_step=2", "allocation.rollouts_per_step=8",
-        "trainer.steps=3", "trainer.eval_every=2", "trainer.eval_prompts=6", "trainer.minibatch_size=8",
-        "trainer.lr=1e-2", "trainer.sample_every=1",
-        "rewards=[{name: jpeg_incompressibility}, {name: shapes, weight: 0.0}]",
-    ])
+    cfg = load_config(
+        FlowGRPOConfig,
+        None,
+        [
+            f"model.path={model_dir}",
+            "model.device=cpu",
+            f"run.output_dir={out}",
+            "run.name=short",
+            "run.progress=false",
+            "run.tensorboard=false",
+            "sampling.num_steps=4",
+            "sampling.eval_num_steps=3",
+            "sampling.sde_window=2",
+            "allocation.prompts_per_step=2",
+            "allocation.rollouts_per_step=8",
+            "trainer.steps=3",
+            "trainer.eval_every=2",
+            "trainer.eval_prompts=6",
+            "trainer.minibatch_size=8",
+            "trainer.lr=1e-2",
+            "trainer.sample_every=1",
+            "rewards=[{name: jpeg_incompressibility}, {name: shapes, weight: 0.0}]",
+        ],
+    )
     flow_main(cfg)
     return out / "short"
 
@@ -129,14 +166,19 @@ def test_training_writes_a_self_contained_report(flow_run):
     train_steps = sorted(int(p.stem.split("_")[1]) for p in (flow_run / "samples").glob("train_*.jsonl"))
     assert eval_steps == [0, 2, 3] and train_steps == [1, 2, 3]
     # one plot per panel, then one thumbnail per sample shown
-    shown = sum(len((flow_run / "samples" / f"{tag}_{s:08d}.jsonl").read_text().splitlines())
-                for tag, steps in (("eval", eval_steps), ("train", train_steps)) for s in steps)
+    shown = sum(
+        len((flow_run / "samples" / f"{tag}_{s:08d}.jsonl").read_text().splitlines())
+        for tag, steps in (("eval", eval_steps), ("train", train_steps))
+        for s in steps
+    )
     assert len(images) == len(panels) + shown
     for image in images:  # none blank: every plot and thumbnail has more than one colour
         assert image.width > 0 and len(image.getcolors(maxcolors=1 << 24)) > 1
     # each sample's prompt and scores are on its card
     eval_record = json.loads((flow_run / "samples/eval_00000003.jsonl").read_text().splitlines()[0])
-    assert eval_record["prompt"] in page and {"reward", "jpeg_incompressibility", "shapes"} <= set(eval_record)
+    assert eval_record["prompt"] in page and {"reward", "jpeg_incompressibility", "shapes"} <= set(
+        eval_record
+    )
     train_record = json.loads((flow_run / "samples/train_00000003.jsonl").read_text().splitlines()[0])
     assert "advantage" in train_record and train_record["prompt"] in page
     # the summary reads the held-out score from the metrics: first and last evaluation
@@ -162,7 +204,9 @@ def test_report_of_a_run_still_writing(flow_run, tmp_path):
 def test_cli_report_and_compare_overlay_runs(flow_run, tmp_path):
     other = tmp_path / "other"
     shutil.copytree(flow_run, other)
-    (other / "config.yaml").write_text((other / "config.yaml").read_text().replace("name: short", "name: other"))
+    (other / "config.yaml").write_text(
+        (other / "config.yaml").read_text().replace("name: short", "name: other")
+    )
     assert cli_main(["report", str(other), "--out", str(tmp_path / "r")]) == 0
     assert (tmp_path / "r/report.html").is_file()
     assert cli_main(["compare", str(flow_run), str(other), "--out", str(tmp_path / "c")]) == 0
@@ -177,17 +221,33 @@ def test_cli_report_and_compare_overlay_runs(flow_run, tmp_path):
 
 # --------------------------------------------------------------------------------------------- headless Chromium
 def chromium_binary() -> str | None:
-    return next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
+    return next(
+        (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None
+    )
 
 
-async def _devtools_page_check(binary: str, url: str, profile: Path) -> tuple[list[str], list[dict], bytes, bytes]:
+async def _devtools_page_check(
+    binary: str, url: str, profile: Path
+) -> tuple[list[str], list[dict], bytes, bytes]:
     """Open ``url`` in headless Chromium over the DevTools protocol: ``(console errors and exceptions, every image's
     {complete, naturalWidth, naturalHeight}, screenshot PNG, screenshot PNG of a blank page)``."""
     import aiohttp
 
-    proc = subprocess.Popen([binary, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                             "--remote-debugging-port=0", f"--user-data-dir={profile}", "--window-size=1200,1600",
-                             "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--remote-debugging-port=0",
+            f"--user-data-dir={profile}",
+            "--window-size=1200,1600",
+            "about:blank",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         port_file = profile / "DevToolsActivePort"
         deadline = time.monotonic() + 60
@@ -235,9 +295,14 @@ async def _devtools_page_check(binary: str, url: str, profile: Path) -> tuple[li
                     record(message)
                     if message.get("method") == "Page.loadEventFired":
                         break
-                result = await call("Runtime.evaluate", returnByValue=True, expression=(
-                    "JSON.stringify(Array.from(document.images).map(i => ({complete: i.complete, "
-                    "naturalWidth: i.naturalWidth, naturalHeight: i.naturalHeight})))"))
+                result = await call(
+                    "Runtime.evaluate",
+                    returnByValue=True,
+                    expression=(
+                        "JSON.stringify(Array.from(document.images).map(i => ({complete: i.complete, "
+                        "naturalWidth: i.naturalWidth, naturalHeight: i.naturalHeight})))"
+                    ),
+                )
                 images = json.loads(result["result"]["value"])
                 return errors, images, await shot(), blank
     finally:
@@ -250,11 +315,14 @@ def test_report_renders_in_headless_chromium(flow_run, tmp_path):
 
     binary = chromium_binary()
     if binary is None:
-        pytest.skip("no chromium binary on PATH (Debian: apt-get install chromium); the browser-free checks of "
-                    "test_training_writes_a_self_contained_report still ran")
+        pytest.skip(
+            "no chromium binary on PATH (Debian: apt-get install chromium); the browser-free checks of "
+            "test_training_writes_a_self_contained_report still ran"
+        )
     page = flow_run / "report.html"
     errors, images, screenshot, blank = asyncio.run(
-        _devtools_page_check(binary, page.resolve().as_uri(), tmp_path / "profile"))
+        _devtools_page_check(binary, page.resolve().as_uri(), tmp_path / "profile")
+    )
     assert errors == []
     assert len(images) == len(IMG_SRC.findall(page.read_text())) > 0
     assert all(im["complete"] and im["naturalWidth"] > 0 and im["naturalHeight"] > 0 for im in images)

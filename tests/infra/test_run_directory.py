@@ -110,7 +110,13 @@ def test_a_run_that_failed_in_setup_does_not_block_the_rerun(tmp_path, monkeypat
     monkeypatch.setattr(BanditTrainer, "setup", broken)
     with pytest.raises(ValueError, match="setup failed"):
         main(cfg_for(tmp_path, "again", "run.tensorboard=true"))
-    assert {p.name for p in (tmp_path / "again").iterdir()} == {"command.txt", "config.yaml", "log.txt", "samples", "tb"}
+    assert {p.name for p in (tmp_path / "again").iterdir()} == {
+        "command.txt",
+        "config.yaml",
+        "log.txt",
+        "samples",
+        "tb",
+    }
     monkeypatch.setattr(BanditTrainer, "setup", original)
     final = main(cfg_for(tmp_path, "again", "trainer.steps=2"))
     assert final and [r["step"] for r in read_metrics(tmp_path / "again")] == [0, 1, 2]

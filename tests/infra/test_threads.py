@@ -29,7 +29,9 @@ def test_run_threads_is_applied_in_setup():
 def _policy_seen_by_a_fresh_process(env: dict[str, str]) -> str:
     code = "import mmrl, os; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
     clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True, check=True
+    )
     return out.stdout.strip()
 
 

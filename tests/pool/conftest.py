@@ -53,7 +53,9 @@ def flow_factory(shapes_dir):
     return functools.partial(FlowRolloutWorker.from_pretrained, "shapes", shapes_dir, SAMPLING, num_threads=1)
 
 
-def make_requests(prefix: str, n: int, counts: tuple[int, ...] = (2,), seed0: int = 0) -> list[RolloutRequest]:
+def make_requests(
+    prefix: str, n: int, counts: tuple[int, ...] = (2,), seed0: int = 0
+) -> list[RolloutRequest]:
     """``n`` requests of ``len(counts)`` prompts each, seeds ``seed0, seed0+1, ...``."""
     return [
         RolloutRequest(
@@ -86,8 +88,12 @@ def trainer_adapter(shapes_dir):
     transformer = adapter.transformer
     transformer.requires_grad_(False)
     transformer.add_adapter(
-        LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"],
-                   init_lora_weights="gaussian")
+        LoraConfig(
+            r=4,
+            lora_alpha=4,
+            target_modules=["to_q", "to_k", "to_v", "to_out.0"],
+            init_lora_weights="gaussian",
+        )
     )
 
     def step(k: int) -> None:
@@ -115,8 +121,9 @@ def vlm_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def vlm_factory(vlm_dir):
     """A picklable factory of VLM rollout workers (transformers backend, 6 new tokens)."""
-    return functools.partial(VLMRolloutWorker.from_pretrained, vlm_dir, SamplingParams(max_new_tokens=6),
-                             num_threads=1)
+    return functools.partial(
+        VLMRolloutWorker.from_pretrained, vlm_dir, SamplingParams(max_new_tokens=6), num_threads=1
+    )
 
 
 def make_vlm_requests(prefix: str, n: int, counts: list[int]) -> list[RolloutRequest]:
@@ -124,8 +131,14 @@ def make_vlm_requests(prefix: str, n: int, counts: list[int]) -> list[RolloutReq
     scene = Image.new("RGB", (32, 32), (200, 30, 30))
     prompts = [VLMPrompt.from_question(q, [scene], prompt_id=f"q{j}") for j, q in enumerate(QUESTIONS)]
     return [
-        RolloutRequest(f"{prefix}{i}", [p.prompt_id for p in prompts[: len(counts)]], prompts[: len(counts)],
-                       counts, seed=i, metadata=[{"ground_truth": "two"}] * len(counts))
+        RolloutRequest(
+            f"{prefix}{i}",
+            [p.prompt_id for p in prompts[: len(counts)]],
+            prompts[: len(counts)],
+            counts,
+            seed=i,
+            metadata=[{"ground_truth": "two"}] * len(counts),
+        )
         for i in range(n)
     ]
 
@@ -174,10 +187,14 @@ class _FakeLLM:
             completions = []
             for _ in range(p.n):
                 ids = vocab[torch.randint(len(vocab), (p.max_tokens,), generator=g)].tolist()
-                completions.append(SimpleNamespace(
-                    token_ids=ids, text=tokenizer.decode(ids, skip_special_tokens=True), finish_reason="length",
-                    logprobs=[{t: SimpleNamespace(logprob=-1.5, rank=1)} for t in ids],
-                ))
+                completions.append(
+                    SimpleNamespace(
+                        token_ids=ids,
+                        text=tokenizer.decode(ids, skip_special_tokens=True),
+                        finish_reason="length",
+                        logprobs=[{t: SimpleNamespace(logprob=-1.5, rank=1)} for t in ids],
+                    )
+                )
             outputs.append(SimpleNamespace(prompt_token_ids=prompt_ids, outputs=completions))
         return outputs
 

@@ -23,14 +23,28 @@ POOL_ONLY = ("pool/", "tis/", "time/")
 
 
 def make_cfg(*overrides: str) -> FlowGRPOConfig:
-    return load_config(FlowGRPOConfig, None, [
-        f"model.path={CHECKPOINT}", "model.device=cpu", "run.progress=false", "run.tensorboard=false",
-        "sampling.num_steps=4", "sampling.sde_window=2", "sampling.window_schedule=random",
-        "allocation.prompts_per_step=2", "allocation.rollouts_per_step=6", "allocation.n_min=3",
-        "trainer.steps=3", "trainer.minibatch_size=12", "trainer.lr=1e-2", "trainer.drop_zero_advantage=false",
-        "rewards=[{name: jpeg_incompressibility}]",  # a continuous reward: every group has a spread
-        *overrides,
-    ])
+    return load_config(
+        FlowGRPOConfig,
+        None,
+        [
+            f"model.path={CHECKPOINT}",
+            "model.device=cpu",
+            "run.progress=false",
+            "run.tensorboard=false",
+            "sampling.num_steps=4",
+            "sampling.sde_window=2",
+            "sampling.window_schedule=random",
+            "allocation.prompts_per_step=2",
+            "allocation.rollouts_per_step=6",
+            "allocation.n_min=3",
+            "trainer.steps=3",
+            "trainer.minibatch_size=12",
+            "trainer.lr=1e-2",
+            "trainer.drop_zero_advantage=false",
+            "rewards=[{name: jpeg_incompressibility}]",  # a continuous reward: every group has a spread
+            *overrides,
+        ],
+    )
 
 
 def started(cfg: FlowGRPOConfig) -> FlowGRPOTrainer:
@@ -110,12 +124,20 @@ def test_importance_weights_and_advantage_folding():
     behaviour = torch.tensor([0.1, 0.0, 0.0, 0.4])
     lags = torch.tensor([0, 1, 2, 1])
     w = importance_weights(current, behaviour, lags, cap=2.0)
-    torch.testing.assert_close(w, torch.tensor([1.0, torch.exp(torch.tensor(-0.2)).item(), 2.0,
-                                                torch.exp(torch.tensor(-0.3)).item()]))
+    torch.testing.assert_close(
+        w,
+        torch.tensor([1.0, torch.exp(torch.tensor(-0.2)).item(), 2.0, torch.exp(torch.tensor(-0.3)).item()]),
+    )
     assert w[0] == 1.0  # lag 0: exactly 1 whatever the log-probs
     # w * L(r, A) = L(r, w * A): the pooled trainer folds the weight into the advantage
-    logp, old, adv = torch.tensor([0.2, -0.1, 0.05, 0.0]), torch.zeros(4), torch.tensor([1.0, -2.0, 0.5, -0.3])
-    torch.testing.assert_close(clipped_surrogate(logp, old, w * adv, 0.1), w * clipped_surrogate(logp, old, adv, 0.1))
+    logp, old, adv = (
+        torch.tensor([0.2, -0.1, 0.05, 0.0]),
+        torch.zeros(4),
+        torch.tensor([1.0, -2.0, 0.5, -0.3]),
+    )
+    torch.testing.assert_close(
+        clipped_surrogate(logp, old, w * adv, 0.1), w * clipped_surrogate(logp, old, adv, 0.1)
+    )
 
 
 @pytest.mark.parametrize(
@@ -137,18 +159,26 @@ def test_synchronous_pool_resumes_exactly(tmp_path, interrupted_then_resumed):
     from mmrl.run import read_metrics
 
     def cfg(name: str, *extra: str) -> FlowGRPOConfig:
-        return make_cfg("pool.enabled=true", f"run.output_dir={tmp_path}", f"run.name={name}", "run.save_every=1",
-                        "trainer.eval_every=3", "trainer.eval_prompts=2", "sampling.eval_num_steps=2", *extra)
+        return make_cfg(
+            "pool.enabled=true",
+            f"run.output_dir={tmp_path}",
+            f"run.name={name}",
+            "run.save_every=1",
+            "trainer.eval_every=3",
+            "trainer.eval_prompts=2",
+            "sampling.eval_num_steps=2",
+            *extra,
+        )
 
     straight = trainer_module.main(cfg("a"))
     # the new pool starts from the resumed LoRA as its version 0
-    resumed = interrupted_then_resumed(FlowGRPOTrainer, trainer_module.main, cfg("b"), cfg("b", "run.resume=true"),
-                                       at=2)
+    resumed = interrupted_then_resumed(
+        FlowGRPOTrainer, trainer_module.main, cfg("b"), cfg("b", "run.resume=true"), at=2
+    )
     assert {k: v for k, v in resumed.items() if not k.startswith("time/")} == {
         k: v for k, v in straight.items() if not k.startswith("time/")
     }
     assert len(read_metrics(tmp_path / "b")) == 4
-
 
 
 def test_requests_split_over_workers_and_merge():
@@ -158,12 +188,16 @@ def test_requests_split_over_workers_and_merge():
         assert len(trainer.rollout_pool.last.request_seeds) == 2  # 2 prompts, 2 workers: a request each
         assert metrics["rollouts/per_prompt_min"] == 3 and trainer.rollout_pool.last.sample_lags.numel() == 6
         config = trainer.sampling_config()
-        parts = [rollout(trainer.adapter, [prompt], [n], config, torch.Generator().manual_seed(seed))
-                 for prompt, n, seed in (("a red circle", 2, 0), ("two blue squares", 1, 1))]
+        parts = [
+            rollout(trainer.adapter, [prompt], [n], config, torch.Generator().manual_seed(seed))
+            for prompt, n, seed in (("a red circle", 2, 0), ("two blue squares", 1, 1))
+        ]
     finally:
         trainer.cleanup()
     merged = concat_rollouts(parts, "cpu")
-    assert merged.group_index.tolist() == [0, 0, 1] and merged.prompts == ["a red circle"] * 2 + ["two blue squares"]
+    assert merged.group_index.tolist() == [0, 0, 1] and merged.prompts == ["a red circle"] * 2 + [
+        "two blue squares"
+    ]
     assert torch.equal(merged.latents[2], parts[1].latents[0]) and merged.nfe == parts[0].nfe + parts[1].nfe
     assert len(merged.cond) == 3 and len(merged.transitions()) == 3 * int(config.sde_steps().sum())
 
@@ -172,8 +206,9 @@ def test_ray_pool_trains_like_the_inprocess_pool():
     pytest.importorskip("ray")
     overrides = ("pool.enabled=true", "pool.max_staleness=0")
     local = steps(started(make_cfg(*overrides)), 2)
-    remote_trainer = started(make_cfg(*overrides, "pool.executor=ray", "pool.ray={num_cpus: 1}",
-                                      "pool.request_timeout=300"))
+    remote_trainer = started(
+        make_cfg(*overrides, "pool.executor=ray", "pool.ray={num_cpus: 1}", "pool.request_timeout=300")
+    )
     try:
         remote = steps(remote_trainer, 2)
     finally:
@@ -181,5 +216,5 @@ def test_ray_pool_trains_like_the_inprocess_pool():
     # the same request seeds on a Ray actor: the same samples, rewards and updates
     for a, b in zip(local, remote, strict=True):
         assert {k: v for k, v in a.items() if not k.startswith(POOL_ONLY)} == pytest.approx(
-            {k: v for k, v in b.items() if not k.startswith(POOL_ONLY)}, rel=1e-5, abs=1e-6)
-
+            {k: v for k, v in b.items() if not k.startswith(POOL_ONLY)}, rel=1e-5, abs=1e-6
+        )

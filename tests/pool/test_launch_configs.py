@@ -13,10 +13,21 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "accelerate"
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp"])
 def test_accelerate_config_launches_the_cli(name, monkeypatch):
-    command = ["--config_file", str(CONFIGS / f"{name}.yaml"), "-m", "mmrl.cli", "train", "recipe.yaml", "a.b=1"]
+    command = [
+        "--config_file",
+        str(CONFIGS / f"{name}.yaml"),
+        "-m",
+        "mmrl.cli",
+        "train",
+        "recipe.yaml",
+        "a.b=1",
+    ]
     args = _validate_launch_command(launch_command_parser().parse_args(command))[0]
     assert (args.module, args.training_script, args.training_script_args) == (
-        True, "mmrl.cli", ["train", "recipe.yaml", "a.b=1"])
+        True,
+        "mmrl.cli",
+        ["train", "recipe.yaml", "a.b=1"],
+    )
     assert args.num_processes == 8 and args.num_machines == 1
     env = prepare_multi_gpu_env(args)
     if name == "ddp":

@@ -30,8 +30,9 @@ def _sampling() -> SamplingConfig:
 
 def _direct(adapter, request: RolloutRequest):
     """The rollout a worker must reproduce for ``request``."""
-    return rollout(adapter, request.prompts, request.counts, _sampling(),
-                   torch.Generator().manual_seed(request.seed))
+    return rollout(
+        adapter, request.prompts, request.counts, _sampling(), torch.Generator().manual_seed(request.seed)
+    )
 
 
 def test_request_validation():
@@ -138,8 +139,10 @@ def test_async_staleness_bound(flow_factory, trainer_adapter, requests_factory):
             for step, batch in enumerate(
                 pool.stream(lambda s, m=max_staleness: requests_factory(f"s{m}-{s}-", 2, seed0=10 * s), 5)
             ):
-                assert [r.request_id for r in batch.results] == [f"s{max_staleness}-{step}-0",
-                                                                 f"s{max_staleness}-{step}-1"]
+                assert [r.request_id for r in batch.results] == [
+                    f"s{max_staleness}-{step}-0",
+                    f"s{max_staleness}-{step}-1",
+                ]
                 lags.extend(batch.sample_lags().tolist())
                 train(step)
                 pool.broadcast(make_update(adapter.transformer, version=step + 1))
@@ -180,8 +183,10 @@ def test_hung_worker_is_replaced_and_its_request_requeued(caplog, requests_facto
     release, hung = threading.Event(), []
     factory = functools.partial(RolloutWorker, functools.partial(_hang_once, release=release, hung=hung))
     try:
-        with caplog.at_level(logging.WARNING, logger="pipelines.pool.pool"), \
-                RolloutPool(factory, num_workers=2, request_timeout=0.5) as pool:
+        with (
+            caplog.at_level(logging.WARNING, logger="pipelines.pool.pool"),
+            RolloutPool(factory, num_workers=2, request_timeout=0.5) as pool,
+        ):
             batch = pool.run(requests_factory("h", 4), timeout=30)
             assert [r.output for r in batch.results] == [0, 1, 2, 3]
             assert pool.stats["worker_lost"] == 1 and pool.stats["requeued"] >= 1
@@ -221,10 +226,13 @@ def test_reward_workers_score_and_failures_surface(flow_factory, requests_factor
         torch.testing.assert_close(result.reward.scores, expected.scores)
         assert result.reward_inputs is None
     # a reward server that is down: retried, then a clear error (never a zero reward)
-    down = functools.partial(RewardWorker.build, "remote", url=f"http://127.0.0.1:{_free_port()}",
-                             retries=0, timeout=5)
-    with caplog.at_level(logging.WARNING, logger="pipelines.pool.pool"), \
-            RolloutPool(flow_factory, reward=down, reward_retries=2) as pool:
+    down = functools.partial(
+        RewardWorker.build, "remote", url=f"http://127.0.0.1:{_free_port()}", retries=0, timeout=5
+    )
+    with (
+        caplog.at_level(logging.WARNING, logger="pipelines.pool.pool"),
+        RolloutPool(flow_factory, reward=down, reward_retries=2) as pool,
+    ):
         with pytest.raises(RewardError, match="failed 3 times"):
             pool.run(requests_factory("x", 1), timeout=60)
         assert pool.stats["reward_retries"] == 2

@@ -29,9 +29,16 @@ def ray_pool(flow_factory):
     """Two CPU rollout actors and a reward actor, shared by the tests of this module in order (actors take seconds to start)."""
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     # the reward actor reserves no CPU so that all three actors fit the 2-CPU test cluster
-    pool = RolloutPool(flow_factory, num_workers=2, executor="ray", ray=RayOptions(num_cpus=1),
-                       reward=functools.partial(RewardWorker.build, "jpeg_compressibility"),
-                       reward_ray=RayOptions(num_cpus=0), max_staleness=1, request_timeout=120)
+    pool = RolloutPool(
+        flow_factory,
+        num_workers=2,
+        executor="ray",
+        ray=RayOptions(num_cpus=1),
+        reward=functools.partial(RewardWorker.build, "jpeg_compressibility"),
+        reward_ray=RayOptions(num_cpus=0),
+        max_staleness=1,
+        request_timeout=120,
+    )
     try:
         yield pool
     finally:
@@ -48,8 +55,13 @@ def _wait_workers(pool: RolloutPool, n: int, timeout: float = 300) -> None:
 
 
 def _direct(adapter, request):
-    return rollout(adapter, request.prompts, request.counts, SamplingConfig(num_steps=4, height=32, width=32),
-                   torch.Generator().manual_seed(request.seed))
+    return rollout(
+        adapter,
+        request.prompts,
+        request.counts,
+        SamplingConfig(num_steps=4, height=32, width=32),
+        torch.Generator().manual_seed(request.seed),
+    )
 
 
 def test_ray_samples_equal_inprocess(ray_pool, flow_factory, requests_factory):
@@ -129,5 +141,10 @@ def test_ray_vlm_worker_equals_inprocess(ray_pool, vlm_factory, vlm_requests):
     with RolloutPool(vlm_factory, executor="ray", ray=RayOptions(num_cpus=0)) as remote:
         got = remote.run(requests, timeout=120)
     for a, b in zip(expected.results, got.results, strict=True):
-        assert [s.completion_token_ids for s in a.output.samples] == [s.completion_token_ids for s in b.output.samples]
-        assert all(torch.equal(x.logprobs, y.logprobs) for x, y in zip(a.output.samples, b.output.samples, strict=True))
+        assert [s.completion_token_ids for s in a.output.samples] == [
+            s.completion_token_ids for s in b.output.samples
+        ]
+        assert all(
+            torch.equal(x.logprobs, y.logprobs)
+            for x, y in zip(a.output.samples, b.output.samples, strict=True)
+        )

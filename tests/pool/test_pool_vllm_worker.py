@@ -55,12 +55,23 @@ def _check_merged(pushed: dict[str, torch.Tensor], policy) -> None:
 
 
 def test_lora_updates_reach_the_engine_merged(fake_vllm, vlm_dir, vlm_requests):
-    worker = VLMRolloutWorker.from_vllm(vlm_dir, PARAMS, torch_dtype=torch.float32, max_model_len=512,
-                                        gpu_memory_utilization=0.2, dtype="float32", seed=7)
+    worker = VLMRolloutWorker.from_vllm(
+        vlm_dir,
+        PARAMS,
+        torch_dtype=torch.float32,
+        max_model_len=512,
+        gpu_memory_utilization=0.2,
+        dtype="float32",
+        seed=7,
+    )
     (engine,) = fake_vllm.engines
     assert isinstance(worker.backend, VLLMBackend)
     assert {k: engine.kwargs[k] for k in ("max_model_len", "gpu_memory_utilization", "dtype", "seed")} == {
-        "max_model_len": 512, "gpu_memory_utilization": 0.2, "dtype": "float32", "seed": 7}
+        "max_model_len": 512,
+        "gpu_memory_utilization": 0.2,
+        "dtype": "float32",
+        "seed": 7,
+    }
     assert engine.loads == []  # the engine loaded the checkpoint, which is what the CPU copy holds
     assert next(worker.model.parameters()).device.type == "cpu"
 
@@ -91,18 +102,22 @@ def test_lora_updates_reach_the_engine_merged(fake_vllm, vlm_dir, vlm_requests):
 def test_pooled_worker_pushes_the_initial_weights_once(fake_vllm, vlm_dir):
     policy = _policy(vlm_dir)
     _train(policy, 0)
-    worker = PooledVLMWorker.build(vlm_dir, PARAMS, make_update(policy, version=0), "vllm",
-                                   torch_dtype=torch.float32, dtype="float32")
+    worker = PooledVLMWorker.build(
+        vlm_dir, PARAMS, make_update(policy, version=0), "vllm", torch_dtype=torch.float32, dtype="float32"
+    )
     (engine,) = fake_vllm.engines
-    assert worker.version == 0 and len(engine.loads) == 1  # version 0 is the trainer's LoRA, not the checkpoint
+    assert (
+        worker.version == 0 and len(engine.loads) == 1
+    )  # version 0 is the trainer's LoRA, not the checkpoint
     _check_merged(engine.loads[0], policy)
     PooledVLMWorker.build(vlm_dir, PARAMS, None, "vllm", torch_dtype=torch.float32)
     assert fake_vllm.engines[1].loads == []  # nothing to push: the engine runs the checkpoint
 
 
 def test_pool_broadcast_reaches_every_engine(fake_vllm, vlm_dir, vlm_requests):
-    factory = functools.partial(VLMRolloutWorker.from_vllm, vlm_dir, PARAMS, torch_dtype=torch.float32,
-                                dtype="float32")
+    factory = functools.partial(
+        VLMRolloutWorker.from_vllm, vlm_dir, PARAMS, torch_dtype=torch.float32, dtype="float32"
+    )
     policy = _policy(vlm_dir)
     _train(policy, 1)
     with RolloutPool(factory, num_workers=2) as pool:

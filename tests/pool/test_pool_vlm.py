@@ -19,8 +19,9 @@ def _expected(backend: HFBackend, request: RolloutRequest) -> list[list[int]]:
     seeds = torch.randint(0, 2**31 - 1, (len(groups),), generator=torch.Generator().manual_seed(request.seed))
     by_prompt: dict[int, list[list[int]]] = {}
     for (count, indices), seed in zip(groups.items(), seeds.tolist(), strict=True):
-        result = backend.generate([request.prompts[i] for i in indices],
-                                  SamplingParams(max_new_tokens=6, n=count, seed=seed))
+        result = backend.generate(
+            [request.prompts[i] for i in indices], SamplingParams(max_new_tokens=6, n=count, seed=seed)
+        )
         for s in result.samples:
             by_prompt.setdefault(indices[s.prompt_index], []).append(s.completion_token_ids)
     return [ids for index in sorted(by_prompt) for ids in by_prompt[index]]
@@ -38,7 +39,9 @@ def test_vlm_pool_samples_and_lora_broadcast(vlm_factory, vlm_dir, vlm_requests)
         for request, result in zip(requests, batch.results, strict=True):
             samples = result.output.samples
             assert result.num_samples == 5 and [s.prompt_index for s in samples] == [0, 0, 1, 2, 2]
-            assert [s.completion_token_ids for s in samples] == _expected(HFBackend(model, processor), request)
+            assert [s.completion_token_ids for s in samples] == _expected(
+                HFBackend(model, processor), request
+            )
             assert result.reward_inputs["ground_truths"] == ["two"] * 5
         # the trainer's policy is a PeftModel; the worker gets the LoRA under the transformers names
         policy = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))

@@ -29,13 +29,27 @@ POOL_ONLY = ("pool/", "tis/", "time/")
 
 
 def make_cfg(*overrides: str) -> VLMRLVRConfig:
-    return load_config(VLMRLVRConfig, None, [
-        f"model.path={CHECKPOINT}", "model.device=cpu", "run.progress=false", "run.tensorboard=false",
-        "data.train_limit=16", "data.eval_limit=4", "data.image_size=64", "generation.max_new_tokens=8",
-        "trainer.prompts_per_step=6", "trainer.steps=3", "trainer.lr=1e-2", "trainer.beta=0.0",
-        "trainer.minibatch_size=8", "trainer.num_generations=2",
-        *overrides,
-    ])
+    return load_config(
+        VLMRLVRConfig,
+        None,
+        [
+            f"model.path={CHECKPOINT}",
+            "model.device=cpu",
+            "run.progress=false",
+            "run.tensorboard=false",
+            "data.train_limit=16",
+            "data.eval_limit=4",
+            "data.image_size=64",
+            "generation.max_new_tokens=8",
+            "trainer.prompts_per_step=6",
+            "trainer.steps=3",
+            "trainer.lr=1e-2",
+            "trainer.beta=0.0",
+            "trainer.minibatch_size=8",
+            "trainer.num_generations=2",
+            *overrides,
+        ],
+    )
 
 
 def started(cfg: VLMRLVRConfig) -> VLMRLVRTrainer:
@@ -65,8 +79,9 @@ def test_synchronous_pool_equals_in_loop_rollouts():
         # the in-loop path with the seed the worker draws for the pool's single request of this step
         seed = request_seed(cfg.run.seed, 0, plain.step, 0)
         (sub,) = torch.randint(0, 2**31 - 1, (1,), generator=torch.Generator().manual_seed(seed)).tolist()
-        params = SamplingParams(temperature=temperature, top_p=g.top_p, max_new_tokens=g.max_new_tokens, n=n,
-                                seed=sub)
+        params = SamplingParams(
+            temperature=temperature, top_p=g.top_p, max_new_tokens=g.max_new_tokens, n=n, seed=sub
+        )
         result = plain.backend.generate([plain._prompt(ex) for ex in examples], params)
         plain.metrics.add("gen/skipped", float(len(result.skipped)))
         return [(examples[s.prompt_index], s) for s in result.samples]
@@ -96,8 +111,15 @@ def test_synchronous_pool_equals_in_loop_rollouts():
 
 
 def test_async_group_lag_is_bounded_and_stale_samples_are_weighted():
-    trainer = started(make_cfg("pool.enabled=true", "pool.max_staleness=1", "trainer.mode=group",
-                               "trainer.prompts_per_step=2", "trainer.tis_mode=sequence"))
+    trainer = started(
+        make_cfg(
+            "pool.enabled=true",
+            "pool.max_staleness=1",
+            "trainer.mode=group",
+            "trainer.prompts_per_step=2",
+            "trainer.tis_mode=sequence",
+        )
+    )
     seen = []
     original = trainer.rollout_pool.tis_weights
 
@@ -143,8 +165,15 @@ def test_overprovisioned_partial_rollouts_are_carried_and_consumed_once(monkeypa
         return generate(self, request)
 
     monkeypatch.setattr(PooledVLMWorker, "generate", slow_tail)
-    trainer = started(make_cfg("pool.enabled=true", "pool.overprovision=1.0", "pool.prompts_per_request=1",
-                               "trainer.prompts_per_step=2", "trainer.steps=4"))
+    trainer = started(
+        make_cfg(
+            "pool.enabled=true",
+            "pool.overprovision=1.0",
+            "pool.prompts_per_request=1",
+            "trainer.prompts_per_step=2",
+            "trainer.steps=4",
+        )
+    )
     submitted, delivered, infos, metrics = [], [], [], []
     pool = trainer.rollout_pool
     original_submit = pool.pool.submit
@@ -171,7 +200,9 @@ def test_overprovisioned_partial_rollouts_are_carried_and_consumed_once(monkeypa
     ids = [rid for _, rid, _ in submitted]
     assert len(ids) == len(set(ids))  # every request id submitted once
     assert sorted(drained) == sorted(left) == sorted(infos[-1].carried_ids)
-    assert sorted(delivered + drained) == sorted(ids)  # each delivered exactly once: none lost, none duplicated
+    assert sorted(delivered + drained) == sorted(
+        ids
+    )  # each delivered exactly once: none lost, none duplicated
     # step 0: 4 prompts in flight for a target of 2; the 2 slow ones are carried and delivered first at step 1
     assert [rid for s, rid, _ in submitted if s == 0] == [f"step0-{i}" for i in range(4)]
     assert infos[0].request_ids == ["step0-0", "step0-1"] and infos[0].carried_ids == ["step0-2", "step0-3"]
@@ -192,7 +223,10 @@ def test_overprovisioned_partial_rollouts_are_carried_and_consumed_once(monkeypa
         (["generation.backend=vllm", "pool.device=cpu"], "leave pool.device null"),
         (["model.load_in_4bit=true"], "load_in_4bit"),
         (["pool.overprovision=0.5"], "prompts_per_request"),
-        (["pool.overprovision=0.5", "pool.prompts_per_request=1", "pool.max_staleness=2"], "max_staleness <= 1"),
+        (
+            ["pool.overprovision=0.5", "pool.prompts_per_request=1", "pool.max_staleness=2"],
+            "max_staleness <= 1",
+        ),
         (["pool.overprovision=-0.5"], "overprovision"),
         (["pool.tis_cap=0.5"], "tis_cap"),
         (["pool.executor=threads"], "executor"),
@@ -204,8 +238,13 @@ def test_pool_config_validation(overrides, match):
 
 
 def test_vllm_pool_members_own_engines_and_weight_lag0_samples(fake_vllm):
-    cfg = make_cfg("pool.enabled=true", "pool.max_staleness=0", "generation.backend=vllm",
-                   "generation.vllm_gpu_memory_utilization=0.2", "generation.vllm_fp8=true")
+    cfg = make_cfg(
+        "pool.enabled=true",
+        "pool.max_staleness=0",
+        "generation.backend=vllm",
+        "generation.vllm_gpu_memory_utilization=0.2",
+        "generation.vllm_fp8=true",
+    )
     trainer = started(cfg)
     start = {k: v.clone() for k, v in merged_state_dict(trainer.model)}  # version 0: the trainer's LoRA
     try:
@@ -222,8 +261,12 @@ def test_vllm_pool_members_own_engines_and_weight_lag0_samples(fake_vllm):
     assert isinstance(trainer.backend, HFBackend)
     shared = ("max_model_len", "gpu_memory_utilization", "quantization", "dtype", "seed")
     assert {k: member.kwargs[k] for k in shared} == {
-        "max_model_len": 4096, "gpu_memory_utilization": 0.2, "quantization": "fp8", "dtype": "float32",
-        "seed": cfg.run.seed}
+        "max_model_len": 4096,
+        "gpu_memory_utilization": 0.2,
+        "quantization": "fp8",
+        "dtype": "float32",
+        "seed": cfg.run.seed,
+    }
     assert member.kwargs["enable_sleep_mode"] is False  # a member generates while the trainer trains
     # version 0 pushed once at start (the trainer's LoRA merged), version 1 at step 1
     assert len(member.loads) == 2
@@ -235,8 +278,9 @@ def test_vllm_pool_members_own_engines_and_weight_lag0_samples(fake_vllm):
     assert trainer.uses_tis and all(m["pool/lag_max"] == 0 for m in metrics)
     assert all("tis/weight_mean" in m for m in metrics)
     c = cfg.trainer
-    torch.testing.assert_close(weights, truncated_is_weights(old, behaviour, cap=c.tis_cap, mode=c.tis_mode,
-                                                             mask=mask))
+    torch.testing.assert_close(
+        weights, truncated_is_weights(old, behaviour, cap=c.tis_cap, mode=c.tis_mode, mask=mask)
+    )
 
 
 def test_vllm_pool_without_vllm_names_the_extra(monkeypatch):
@@ -255,13 +299,20 @@ def test_synchronous_pool_resumes_exactly(tmp_path, interrupted_then_resumed):
     from mmrl.vlm import trainer as trainer_module
 
     def cfg(name: str, *extra: str) -> VLMRLVRConfig:
-        return make_cfg("pool.enabled=true", f"run.output_dir={tmp_path}", f"run.name={name}", "run.save_every=1",
-                        "trainer.eval_every=3", *extra)
+        return make_cfg(
+            "pool.enabled=true",
+            f"run.output_dir={tmp_path}",
+            f"run.name={name}",
+            "run.save_every=1",
+            "trainer.eval_every=3",
+            *extra,
+        )
 
     straight = trainer_module.main(cfg("a"))
     # the new pool starts from the resumed LoRA as its version 0, the requests of step 2 have step 2's seeds
-    resumed = interrupted_then_resumed(VLMRLVRTrainer, trainer_module.main, cfg("b"), cfg("b", "run.resume=true"),
-                                       at=2)
+    resumed = interrupted_then_resumed(
+        VLMRLVRTrainer, trainer_module.main, cfg("b"), cfg("b", "run.resume=true"), at=2
+    )
     assert {k: v for k, v in resumed.items() if not k.startswith("time/")} == {
         k: v for k, v in straight.items() if not k.startswith("time/")
     }
@@ -276,8 +327,9 @@ def test_ray_pool_trains_like_the_inprocess_pool():
         local = steps(local_trainer, 2)
     finally:
         local_trainer.cleanup()
-    remote_trainer = started(make_cfg(*overrides, "pool.executor=ray", "pool.ray={num_cpus: 1}",
-                                      "pool.request_timeout=300"))
+    remote_trainer = started(
+        make_cfg(*overrides, "pool.executor=ray", "pool.ray={num_cpus: 1}", "pool.request_timeout=300")
+    )
     try:
         remote = steps(remote_trainer, 2)
     finally:
@@ -285,4 +337,5 @@ def test_ray_pool_trains_like_the_inprocess_pool():
     # the same request seeds on a Ray actor: the same answers, rewards and updates
     for a, b in zip(local, remote, strict=True):
         assert {k: v for k, v in a.items() if not k.startswith(POOL_ONLY)} == pytest.approx(
-            {k: v for k, v in b.items() if not k.startswith(POOL_ONLY)}, rel=1e-5, abs=1e-6)
+            {k: v for k, v in b.items() if not k.startswith(POOL_ONLY)}, rel=1e-5, abs=1e-6
+        )

@@ -171,13 +171,25 @@ def test_require_answer_tag_and_length_errors() -> None:
 
 
 def test_exact_match_number_words_only_when_asked() -> None:
-    completions = ["<answer>two</answer>", "<answer>2</answer>", "<answer>Three.</answer>", "<answer>two red</answer>"]
+    completions = [
+        "<answer>two</answer>",
+        "<answer>2</answer>",
+        "<answer>Three.</answer>",
+        "<answer>two red</answer>",
+    ]
     truths = ["2", "two", "3", "2 red"]
-    assert rewards.build("exact_match")(completions=completions, ground_truths=truths).tolist() == [0.0, 0.0, 0.0, 0.0]
+    assert rewards.build("exact_match")(completions=completions, ground_truths=truths).tolist() == [
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+    ]
     lenient = rewards.build("exact_match", number_words=True)
     # a whole-answer number word is its digits, on both sides; inside a longer answer it is left alone
     assert lenient(completions=completions, ground_truths=truths).tolist() == [1.0, 1.0, 1.0, 0.0]
-    assert lenient(completions=["<answer>twenty</answer>", "<answer>one</answer>"], ground_truths=["20", "0"]).tolist() == [1.0, 0.0]
+    assert lenient(
+        completions=["<answer>twenty</answer>", "<answer>one</answer>"], ground_truths=["20", "0"]
+    ).tolist() == [1.0, 0.0]
 
 
 def test_math_verify_in_a_worker_thread() -> None:

@@ -25,10 +25,20 @@ def make_cfg(model_dir, out, name, *overrides):
         VLMRLVRConfig,
         None,
         [
-            f"model.path={model_dir}", "model.device=cpu", f"run.output_dir={out}", f"run.name={name}",
-            "run.progress=false", "run.tensorboard=false", "data.train_limit=24", "data.eval_limit=8",
-            "generation.max_new_tokens=6", "trainer.prompts_per_step=4", "trainer.steps=1", "trainer.lr=1e-2",
-            "trainer.minibatch_size=4", "trainer.num_generations=3",
+            f"model.path={model_dir}",
+            "model.device=cpu",
+            f"run.output_dir={out}",
+            f"run.name={name}",
+            "run.progress=false",
+            "run.tensorboard=false",
+            "data.train_limit=24",
+            "data.eval_limit=8",
+            "generation.max_new_tokens=6",
+            "trainer.prompts_per_step=4",
+            "trainer.steps=1",
+            "trainer.lr=1e-2",
+            "trainer.minibatch_size=4",
+            "trainer.num_generations=3",
             # random weights never answer right: score the format so advantages are not all zero
             "rewards=[{name: exact_match}, {name: format, options: {}, weight: 0.0}]",
             *overrides,
@@ -38,8 +48,11 @@ def make_cfg(model_dir, out, name, *overrides):
 
 @pytest.mark.parametrize(
     "mode",
-    [["trainer.mode=single"], ["trainer.mode=group", "trainer.advantage=grpo"],
-     ["trainer.mode=group", "trainer.advantage=mc_grpo", "trainer.num_generations=2"]],
+    [
+        ["trainer.mode=single"],
+        ["trainer.mode=group", "trainer.advantage=grpo"],
+        ["trainer.mode=group", "trainer.advantage=mc_grpo", "trainer.num_generations=2"],
+    ],
 )
 def test_one_step_trains_only_lora(model_dir, tmp_path, mode):
     cfg = make_cfg(model_dir, tmp_path, "m", *mode)
@@ -68,8 +81,14 @@ def test_one_step_trains_only_lora(model_dir, tmp_path, mode):
 
 @pytest.mark.parametrize("epochs", [1, 2])
 def test_update_takes_old_policy_statistics_from_the_gradient_forward(model_dir, tmp_path, epochs):
-    cfg = make_cfg(model_dir, tmp_path, f"fwd{epochs}", "trainer.mode=group", "trainer.beta=0",
-                   f"trainer.ppo_epochs={epochs}")
+    cfg = make_cfg(
+        model_dir,
+        tmp_path,
+        f"fwd{epochs}",
+        "trainer.mode=group",
+        "trainer.beta=0",
+        f"trainer.ppo_epochs={epochs}",
+    )
     trainer = VLMRLVRTrainer(cfg, None)
     trainer.setup()
     pairs, _, keep = trainer.collect()
@@ -110,8 +129,13 @@ def test_main_writes_peft_adapter_and_eval(model_dir, tmp_path):
     adapter = tmp_path / "run/checkpoints/step_00000001/adapter"
     base = AutoModelForImageTextToText.from_pretrained(model_dir)
     PeftModel.from_pretrained(base, adapter)
-    summary = evaluate(make_cfg(model_dir, tmp_path, "run"), None, tmp_path / "eval",
-                       tmp_path / "run/checkpoints/step_00000001", 1)
+    summary = evaluate(
+        make_cfg(model_dir, tmp_path, "run"),
+        None,
+        tmp_path / "eval",
+        tmp_path / "run/checkpoints/step_00000001",
+        1,
+    )
     assert summary["questions"] == 8 and (tmp_path / "eval/answers.jsonl").is_file()
 
 
@@ -121,9 +145,16 @@ def test_single_rollout_rl_from_the_committed_checkpoint_raises_heldout_accuracy
     exact match rises by far more than 15 points while what it reads (number words accepted) holds."""
     # the reward is exact match; a second, zero-weight copy that accepts number words logs what the model reads
     read = "{name: exact_match, options: {number_words: true}, weight: 0.0, label: read}"
-    cfg = load_config(VLMRLVRConfig, "configs/demo/vlm_shapes_single.yaml",
-                      ["run.progress=false", "trainer.steps=25", "data.eval_limit=140",
-                       f"rewards=[{{name: exact_match}}, {read}]"])
+    cfg = load_config(
+        VLMRLVRConfig,
+        "configs/demo/vlm_shapes_single.yaml",
+        [
+            "run.progress=false",
+            "trainer.steps=25",
+            "data.eval_limit=140",
+            f"rewards=[{{name: exact_match}}, {read}]",
+        ],
+    )
     trainer = VLMRLVRTrainer(cfg, None)
     trainer.setup()
 
@@ -143,10 +174,14 @@ def test_single_rollout_rl_from_the_committed_checkpoint_raises_heldout_accuracy
 
 def test_a_verifier_used_twice_needs_labels_and_logs_under_each(model_dir, tmp_path):
     twice = "rewards=[{name: exact_match}, {name: exact_match, options: {number_words: true}, weight: 0.0}]"
-    with pytest.raises(ValueError, match=r"several rewards log as \['exact_match'\]; give each a distinct `label`"):
+    with pytest.raises(
+        ValueError, match=r"several rewards log as \['exact_match'\]; give each a distinct `label`"
+    ):
         make_cfg(model_dir, tmp_path, "r", twice)
-    labelled = ("rewards=[{name: exact_match}, {name: exact_match, options: {number_words: true}, weight: 0.0, "
-                "label: read}]")
+    labelled = (
+        "rewards=[{name: exact_match}, {name: exact_match, options: {number_words: true}, weight: 0.0, "
+        "label: read}]"
+    )
     trainer = VLMRLVRTrainer(make_cfg(model_dir, tmp_path, "r", labelled), None)
     trainer.setup(for_training=False)
     out = trainer.evaluate()

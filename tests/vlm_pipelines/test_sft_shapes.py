@@ -93,7 +93,16 @@ def test_batcher_writes_the_drawn_share_of_count_answers_as_words():
 
 
 def test_curriculum_grows_scenes_from_one_object_to_four():
-    assert [max_objects(p, 0.6) for p in (0.0, 0.19, 0.2, 0.39, 0.4, 0.59, 0.6, 1.0)] == [1, 1, 2, 2, 3, 3, 4, 4]
+    assert [max_objects(p, 0.6) for p in (0.0, 0.19, 0.2, 0.39, 0.4, 0.59, 0.6, 1.0)] == [
+        1,
+        1,
+        2,
+        2,
+        3,
+        3,
+        4,
+        4,
+    ]
     assert max_objects(0.0, 0.0) == 4  # off: every scene from the start
 
 

@@ -52,7 +52,11 @@ def load_adapter(
     cls = get_adapter(family)
     try:
         return cls.from_pretrained(
-            model_id_or_path, torch_dtype=torch_dtype, device=device, quantization_config=quantization_config, **kwargs
+            model_id_or_path,
+            torch_dtype=torch_dtype,
+            device=device,
+            quantization_config=quantization_config,
+            **kwargs,
         )
     except OSError as error:
         if Path(model_id_or_path).exists():

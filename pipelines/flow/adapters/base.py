@@ -250,7 +250,9 @@ class FlowAdapter(ABC):
         sigma_b = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).reshape(-1).expand(batch)
         if len(cond) != batch:
             raise ValueError(f"conditioning has {len(cond)} rows but x has batch {batch}")
-        autocast = torch.autocast(x.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
+        autocast = torch.autocast(
+            x.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
+        )
         if not self.uses_cfg(guidance_scale):
             with autocast:
                 return self._forward(x, sigma_b, cond.cond, guidance_scale).float()
