@@ -1,6 +1,6 @@
 """Training steps on a shared CPU: step time alone and beside a competing 2-thread torch process.
 
-    python -m benchmarks.shared_cpu [--models flow vlm] [--policies default passive spin threads1] [--steps 3]
+    python -m benchmarks.shared_cpu [--models flow vlm] [--policies default passive mmrl threads1] [--steps 3]
                                     [--repeats 1]
 
 For each model (the flow demo's NFT step, ``configs/demo/flow_shapes.yaml``; the VLM demo's single-rollout step,
@@ -12,9 +12,10 @@ hit every policy alike. Policies:
 
 * ``default``: libgomp's own (waiting threads spin 300,000 times before they sleep), named as
   ``GOMP_SPINCOUNT=300000`` so that mmrl does not apply its own default;
-* ``passive``: mmrl's default, ``OMP_WAIT_POLICY=PASSIVE`` (waiting threads sleep);
-* ``spin``: ``GOMP_SPINCOUNT=10000`` (spin briefly, then sleep);
-* ``threads1``: one torch thread (``run.threads=1``), nothing to wait for.
+* ``passive``: ``OMP_WAIT_POLICY=PASSIVE`` (waiting threads sleep at once);
+* ``mmrl``: mmrl's default, ``GOMP_SPINCOUNT=2000`` (spin briefly, then sleep);
+* ``spin=N``: ``GOMP_SPINCOUNT=N``, to try other counts;
+* ``threads1``: one torch thread (``run.threads=1``, mmrl's wait default), nothing to wait for.
 
 Reported per model and policy: the median quiet and loaded step time, the slowdown (loaded / quiet) and the
 quiet time relative to the default policy's. Goal: loaded <= 2.2x quiet, with no loss at quiet.
@@ -34,7 +35,7 @@ POLICIES: dict[str, dict[str, str]] = {
     # libgomp's documented default spin count, named so that mmrl does not put its own default in place
     "default": {"GOMP_SPINCOUNT": "300000"},
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
-    "spin": {"GOMP_SPINCOUNT": "10000"},
+    "mmrl": {"GOMP_SPINCOUNT": "2000"},
     "threads1": {},
 }
 CONFIGS = {"flow": "configs/demo/flow_shapes.yaml", "vlm": "configs/demo/vlm_shapes_single.yaml"}
@@ -54,8 +55,24 @@ def _policy_env(policy: str) -> dict[str, str]:
         for k, v in os.environ.items()
         if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
     }
-    env.update(POLICIES[policy])
+    env.update(policy_settings(policy))
     return env
+
+
+def policy_settings(policy: str) -> dict[str, str]:
+    """The variables of a named policy, or of ``spin=N`` (``GOMP_SPINCOUNT=N``, any count)."""
+    if policy in POLICIES:
+        return POLICIES[policy]
+    name, _, count = policy.partition("=")
+    if name != "spin" or not count.isdigit():
+        raise argparse.ArgumentTypeError(f"unknown policy {policy!r}: one of {', '.join(POLICIES)} or spin=N")
+    return {"GOMP_SPINCOUNT": count}
+
+
+def policy_name(policy: str) -> str:
+    """argparse type of ``--policies``: a known policy name or ``spin=N``."""
+    policy_settings(policy)
+    return policy
 
 
 def worker(model: str, steps: int, threads: int | None) -> dict[str, object]:
@@ -116,7 +133,9 @@ def _run_worker(model: str, policy: str, steps: int, loaded: bool) -> list[float
 def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["flow", "vlm"], choices=sorted(CONFIGS))
-    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    parser.add_argument(
+        "--policies", nargs="+", default=list(POLICIES), type=policy_name, help="names or spin=N"
+    )
     parser.add_argument("--steps", type=int, default=3, help="timed steps per run (after one warm-up step)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of the interleaved runs")
     parser.add_argument("--worker", choices=sorted(CONFIGS), help=argparse.SUPPRESS)

@@ -35,9 +35,9 @@ def _policy_seen_by_a_fresh_process(env: dict[str, str]) -> str:
     return out.stdout.strip()
 
 
-def test_wait_policy_defaults_to_passive_and_yields_to_the_users_choice():
-    assert CPU_WAIT_ENV == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert _policy_seen_by_a_fresh_process({}) == "PASSIVE None"
+def test_wait_policy_defaults_to_a_short_spin_and_yields_to_the_users_choice():
+    assert CPU_WAIT_ENV == {"GOMP_SPINCOUNT": "2000"}
+    assert _policy_seen_by_a_fresh_process({}) == "None 2000"
     assert _policy_seen_by_a_fresh_process({"OMP_WAIT_POLICY": "ACTIVE"}) == "ACTIVE None"
     assert _policy_seen_by_a_fresh_process({"GOMP_SPINCOUNT": "1000"}) == "None 1000"
 
