@@ -16,6 +16,7 @@ from mmrl.core._checks import check_finite, check_same_shape
 
 __all__ = [
     "aggregate",
+    "awm_log_likelihood",
     "clip_fractions",
     "clipped_surrogate",
     "diffusion_nft_loss",
@@ -316,3 +317,70 @@ def reward_weighted_fm_loss(
     if bool((weights < 0).any()):
         raise ValueError("reward-weighted regression needs non-negative weights")
     return weights.to(v_theta.dtype) * ((v_theta - v_target) ** 2).flatten(1).mean(1)
+
+
+AWMWeighting = Literal["uniform", "sigma", "sigma_squared", "huber", "ghuber"]
+
+
+def awm_log_likelihood(
+    v_theta: torch.Tensor,
+    v_target: torch.Tensor,
+    sigma: torch.Tensor,
+    weighting: AWMWeighting = "ghuber",
+    power: float = 0.25,
+    delta: float = 1e-10,
+) -> torch.Tensor:
+    """Advantage Weighted Matching's log-likelihood surrogate of each regression point: its weighted flow-matching
+    error, negated (Xue et al. 2509.25050; the weightings of its released code).
+
+    With ``l = mean((v_theta - v*)^2)`` over the non-batch dims (``v* = eps - x0`` at ``x_s = (1 - s) x0 + s eps``)
+    the surrogate is ``log p = -w(l, s)``::
+
+        uniform        w = l
+        sigma          w = s l
+        sigma_squared  w = s^2 l
+        huber          w = s (sqrt(l + delta) - sqrt(delta))
+        ghuber         w = s ((l + delta)^p - delta^p) / p      (generalised Huber, p = ``power``)
+
+    ``uniform`` is the pretraining loss itself. ``ghuber`` with ``p < 1`` shrinks the gradient of points with a
+    large error by ``l^(p - 1)`` (a robust loss) and scales each point by its noise level ``s``; ``delta`` keeps
+    that gradient finite at ``l = 0``. Every form is 0 at ``l = 0`` and increasing in ``l``.
+
+    Args:
+        v_theta: ``[N, ...]`` velocity prediction at the points (carries the gradient).
+        v_target: ``[N, ...]`` flow-matching target ``eps - x0``.
+        sigma: ``[N]`` noise level ``s`` of each point.
+        weighting: one of the forms above.
+        power: ``p`` of ``ghuber`` (> 0; 0.25 in the paper's recipes).
+        delta: offset of ``huber`` / ``ghuber``.
+
+    Returns:
+        ``[N]`` log-likelihood surrogates (<= 0), float32 or wider.
+
+    Raises:
+        ValueError: shapes disagree, ``power <= 0`` or an unknown ``weighting``.
+    """
+    check_same_shape(v_theta=v_theta, v_target=v_target)
+    if sigma.shape != v_theta.shape[:1]:
+        raise ValueError(f"sigma must have shape [{v_theta.shape[0]}], got {tuple(sigma.shape)}")
+    if power <= 0:
+        raise ValueError(f"power must be > 0, got {power}")
+    # float32 at least: under bfloat16 autocast the squared error of a good prediction would round to 0
+    dtype = torch.promote_types(v_theta.dtype, torch.float32)
+    err = ((v_theta.to(dtype) - v_target.to(dtype)) ** 2).flatten(1).mean(1)
+    s = sigma.to(dtype)
+    if weighting == "uniform":
+        weighted = err
+    elif weighting == "sigma":
+        weighted = s * err
+    elif weighting == "sigma_squared":
+        weighted = s**2 * err
+    elif weighting == "huber":
+        weighted = s * (torch.sqrt(err + delta) - math.sqrt(delta))
+    elif weighting == "ghuber":
+        weighted = s * ((err + delta) ** power - delta**power) / power
+    else:
+        raise ValueError(
+            f"weighting must be one of uniform, sigma, sigma_squared, huber, ghuber; got {weighting!r}"
+        )
+    return -weighted

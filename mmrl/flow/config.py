@@ -10,6 +10,7 @@ from pydantic import model_validator
 from mmrl.config import Config, Field, RunConfig
 
 __all__ = [
+    "AWMSettings",
     "ExploreSettings",
     "FlowAllocationConfig",
     "FlowGRPOConfig",
@@ -242,11 +243,62 @@ class PoolSettings(Config):
         )
 
 
+class AWMSettings(Config):
+    """Advantage Weighted Matching (``trainer.objective: awm``; Xue et al., arXiv 2509.25050). Defaults: the
+    paper's released SD3.5 recipes (GenEval, OCR)."""
+
+    timesteps: int = Field(
+        6,
+        ge=1,
+        description="Regression points (noise levels) per image: one sampler step drawn in each of this many equal "
+        "strata of the step range below (AWM: 6).",
+    )
+    timestep_fraction: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="The strata cover sampler steps 1 .. floor(fraction * sampling.num_steps) - 1, at those steps' "
+        "sigmas: the pure-noise first step and the last, nearly clean steps are never regressed (AWM: 0.9).",
+    )
+    weighting: Literal["uniform", "sigma", "sigma_squared", "huber", "ghuber"] = Field(
+        "ghuber",
+        description="Weighting w(l, s) of a point's matching error l at noise level s, log p = -w: uniform l (the "
+        "pretraining loss), sigma s l, sigma_squared s^2 l, huber s sqrt(l), ghuber s l^p / p (AWM: ghuber; "
+        "mmrl.core.losses.awm_log_likelihood).",
+    )
+    ghuber_power: float = Field(
+        0.25, gt=0, description="p of the ghuber weighting: p < 1 damps points with large errors (AWM: 0.25)."
+    )
+    advantage_max: float = Field(
+        1.0,
+        gt=0,
+        description="Advantages clipped to +-trainer.adv_clip_max are rescaled to +-advantage_max (AWM: 1 with "
+        "clip 5, i.e. A / 5).",
+    )
+    clip_range: float = Field(
+        1.0,
+        gt=0,
+        description="PPO clip of the ratio exp(log p - log p_old) of the weighted matching log-likelihoods (AWM: "
+        "1). With one optimizer step per rollout batch and no trainer.old_policy_decay the ratio is exactly 1.",
+    )
+    old_kl_beta: float = Field(
+        1.0,
+        ge=0,
+        description="Weight of mean((v - v_old)^2), the squared velocity distance to the sampling policy at each "
+        "point (AWM's EMA KL, weight 1). It acts where the sampling policy differs from the trained weights: "
+        "under trainer.old_policy_decay (an EMA of the weights samples) or several optimizer steps per batch "
+        "(trainer.gradient_accumulation). AWM's code keeps its EMA apart from the sampler, decay min(0.3, "
+        "0.001 step).",
+    )
+
+
 class FlowTrainerConfig(Config):
-    objective: Literal["grpo", "nft", "rwr"] = Field(
+    objective: Literal["grpo", "nft", "rwr", "awm"] = Field(
         "grpo",
         description="grpo: clipped ratio on SDE log-probs; nft: DiffusionNFT (likelihood-free); rwr: "
-        "advantage-weighted flow matching on the preferred samples (RAFT-style, likelihood-free).",
+        "advantage-weighted flow matching on the preferred samples (RAFT-style, likelihood-free); awm: Advantage "
+        "Weighted Matching, the flow-matching loss weighted by every sample's advantage (likelihood-free; "
+        "settings in trainer.awm).",
     )
     steps: int = Field(100, ge=1, description="Training steps (one rollout batch each).")
     lr: float = Field(3e-4, gt=0, description="AdamW learning rate.")
@@ -278,7 +330,7 @@ class FlowTrainerConfig(Config):
         ge=0,
         description="KL coefficient to the reference: on SDE means (grpo, in the form kl_form names; "
         "Flow-GRPO: 0.004 for SD3.5-M GenEval/OCR, 0.01 PickScore), on the velocity at the regressed points "
-        "(nft, rwr).",
+        "(nft, rwr, awm; AWM: 0.003 GenEval/OCR, 1e-4 PickScore).",
     )
     kl_form: Literal["flow_grpo", "exact"] = Field(
         "flow_grpo",
@@ -324,6 +376,9 @@ class FlowTrainerConfig(Config):
     )
     ema_decay: float | None = Field(
         None, gt=0, lt=1, description="EMA of trainable weights for eval (null: off)."
+    )
+    awm: AWMSettings = Field(
+        default_factory=AWMSettings, description="Advantage Weighted Matching settings (objective=awm)."
     )
     eval_every: int = Field(10, ge=1, description="Evaluate on held-out prompts every this many steps.")
     eval_prompts: int = Field(64, ge=1, description="Held-out prompts scored per evaluation.")
@@ -396,6 +451,16 @@ class FlowGRPOConfig(Config):
                 "pool.enabled takes flat rollouts from the pool: set sampling.rollout=flat and explore.enabled=false "
                 f"(got sampling.rollout={self.sampling.rollout}, explore.enabled={self.explore.enabled})"
             )
+        if self.trainer.objective == "awm":
+            awm = self.trainer.awm
+            steps = int(awm.timestep_fraction * self.sampling.num_steps) - 1  # steps 1 .. floor(f * n) - 1
+            if awm.timesteps > steps:
+                raise ValueError(
+                    f"trainer.awm.timesteps ({awm.timesteps}) exceeds the {max(steps, 0)} sampler steps it draws "
+                    f"from (steps 1 .. floor(trainer.awm.timestep_fraction * sampling.num_steps) - 1 with "
+                    f"timestep_fraction={awm.timestep_fraction}, num_steps={self.sampling.num_steps}): lower "
+                    "timesteps or raise num_steps / timestep_fraction"
+                )
         if self.trainer.objective == "grpo" and self.sampling.sde_kind == "cps" and w is None:
             raise ValueError(
                 "sde_kind=cps adds no noise at the last step: set sampling.sde_window < num_steps"

@@ -9,7 +9,8 @@ One training step:
 4. advantages per prompt group (GRPO / Dr.GRPO / RLOO / global std; GDPO for several rewards), clipped;
 5. GRPO: re-score the stored SDE transitions under the current weights, clipped ratio loss + KL on the SDE means
    to the reference (the LoRA switched off) (Flow-GRPO, arXiv 2505.05470 eq. 8-10);
-   NFT: DiffusionNFT's negative-aware flow-matching loss on the final images (arXiv 2509.16117).
+   NFT: DiffusionNFT's negative-aware flow-matching loss on the final images (arXiv 2509.16117);
+   AWM: the advantage-weighted flow-matching loss on the final images (arXiv 2509.25050, mmrl/flow/awm.py).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from mmrl.distributed import (
     shard_model,
 )
 from mmrl.ema import EMA
+from mmrl.flow.awm import awm_update
 from mmrl.flow.config import FlowGRPOConfig
 from mmrl.images import make_grid, tensor_to_pil
 from mmrl.loop import run_recipe, train_loop
@@ -668,12 +670,19 @@ class FlowGRPOTrainer:
         return sde_noise_scale(sigma, sigma_next, mb.noise_level, mb.sde_kind)
 
     def _noised(
-        self, x0: torch.Tensor, groups: torch.Tensor
+        self,
+        x0: torch.Tensor,
+        groups: torch.Tensor,
+        num_timesteps: int | None = None,
+        draw_steps: Callable[[int], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Forward-process points for the likelihood-free objectives: ``nft_timesteps`` noise levels per image,
-        drawn from the sigmas the sampler visits. (Uniform sigmas put most of the loss where the model was never
-        trained or used: near sigma = 0 the target ``eps - x0`` is unpredictable noise, and its gradients wrecked
-        the shapes model in a few dozen steps.)
+        """Forward-process points for the likelihood-free objectives: ``T`` noise levels per image, drawn from the
+        sigmas the sampler visits. (Uniform sigmas put most of the loss where the model was never trained or used:
+        near sigma = 0 the target ``eps - x0`` is unpredictable noise, and its gradients wrecked the shapes model in
+        a few dozen steps.)
+
+        ``T`` is ``num_timesteps`` (default ``trainer.nft_timesteps``); ``draw_steps(n_owners) -> [T, n_owners]``
+        picks the sampler steps of the draws (default: uniform over the steps; AWM stratifies them).
 
         Returns ``(rows [B*T] image index, sigma [B*T], x_t, v* = eps - x0)``.
         """
@@ -681,15 +690,18 @@ class FlowGRPOTrainer:
         schedule = self.adapter.sigmas(s.num_steps, s.height, s.width, s.num_frames).float().cpu()
         schedule = schedule[schedule > 0]
         t = self.cfg.trainer
-        rows = torch.arange(x0.shape[0]).repeat(t.nft_timesteps)
+        timesteps = num_timesteps or t.nft_timesteps
+        rows = torch.arange(x0.shape[0]).repeat(timesteps)
         # a draw per (group, timestep) when the group shares them, else per (image, timestep)
         owner = groups if t.shared_regression_noise else torch.arange(x0.shape[0])
         n_owners = int(owner.max()) + 1
-        draw = owner.repeat(t.nft_timesteps) + n_owners * torch.arange(t.nft_timesteps).repeat_interleave(
-            x0.shape[0]
-        )
-        n_draws = n_owners * t.nft_timesteps
-        sigma = schedule[torch.randint(schedule.numel(), (n_draws,), generator=self.generator)][draw]
+        draw = owner.repeat(timesteps) + n_owners * torch.arange(timesteps).repeat_interleave(x0.shape[0])
+        n_draws = n_owners * timesteps
+        if draw_steps is None:
+            steps = torch.randint(schedule.numel(), (n_draws,), generator=self.generator)
+        else:
+            steps = draw_steps(n_owners).flatten()  # [T, n_owners] -> timestep-major, as `draw` indexes
+        sigma = schedule[steps][draw]
         eps = torch.randn((n_draws, *x0.shape[1:]), generator=self.generator)[draw]
         sig = sigma.view(-1, *([1] * (x0.ndim - 1)))
         return rows, sigma, (1 - sig) * x0[rows] + sig * eps, eps - x0[rows]
@@ -813,6 +825,8 @@ class FlowGRPOTrainer:
             self.grpo_update(batch.transitions, batch.adv)
         elif objective == "nft":
             self.nft_update(batch.final_latents, batch.cond, batch.sample_adv, batch.groups)
+        elif objective == "awm":
+            awm_update(self, batch.final_latents, batch.cond, batch.sample_adv, batch.groups)
         else:
             self.rwr_update(batch.final_latents, batch.cond, batch.sample_adv, batch.groups)
         if self.old_policy is not None:

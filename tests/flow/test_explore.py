@@ -76,8 +76,10 @@ def test_explorer_previews_predict_full_precision_and_leave_policy_untouched(mod
     assert (prev[:, :2].min(dim=1).values >= prev[:, 2:].max(dim=1).values).all()
 
 
-@pytest.mark.parametrize("rollout_mode", ["flat", "branch"])
-def test_trainer_explore_mode(model_dir, tmp_path, rollout_mode):
+@pytest.mark.parametrize(
+    "rollout_mode, objective", [("flat", "grpo"), ("branch", "grpo"), ("flat", "awm"), ("branch", "awm")]
+)
+def test_trainer_explore_mode(model_dir, tmp_path, rollout_mode, objective):
     cfg = load_config(
         FlowGRPOConfig,
         None,
@@ -100,6 +102,8 @@ def test_trainer_explore_mode(model_dir, tmp_path, rollout_mode):
             "explore.keep_worst=1",
             f"sampling.rollout={rollout_mode}",
             "tree.split_steps=[0]",
+            f"trainer.objective={objective}",
+            "trainer.awm.timesteps=2",
         ],
     )
     trainer = FlowGRPOTrainer(cfg, None)

@@ -1,4 +1,5 @@
-"""One flow-GRPO training step through the trainer for every model family (tiny random SD3, FLUX, SANA, Wan)."""
+"""One flow training step (GRPO and AWM) through the trainer for every model family (tiny random SD3, FLUX, SANA,
+Wan)."""
 
 import json
 
@@ -11,8 +12,9 @@ from mmrl.flow.trainer import FlowGRPOTrainer
 from pipelines.flow.tiny import TINY_LOAD_KWARGS, TINY_SIZES, build_tiny_pipeline
 
 
+@pytest.mark.parametrize("objective", ["grpo", "awm"])
 @pytest.mark.parametrize("family", ["sd3", "flux", "sana", "wan"])
-def test_trainer_step_for_family(family, tmp_path):
+def test_trainer_step_for_family(family, objective, tmp_path):
     torch.manual_seed(0)
     build_tiny_pipeline(family, seed=0).save_pretrained(tmp_path / "model")
     sizes = TINY_SIZES[family]
@@ -40,6 +42,8 @@ def test_trainer_step_for_family(family, tmp_path):
         "allocation.rollouts_per_step=4",
         "trainer.minibatch_size=4",
         "trainer.drop_zero_advantage=false",
+        f"trainer.objective={objective}",
+        "trainer.awm.timesteps=1",  # 3 sampler steps leave step 1 to regress on
     ]
     if "num_frames" in sizes:
         overrides.append(f"sampling.num_frames={sizes['num_frames']}")

@@ -369,3 +369,148 @@ def test_eval_prompts_outside_the_grammar_are_refused_before_generation(model_di
         ValueError, match=r"p\.txt line 3: cannot parse shapes prompt 'a photo of three dragons'"
     ):
         evaluate(cfg, str(prompts), tmp_path / "eval", None, images_per_prompt=1)
+
+
+# ---------------------------------------------------------------- Advantage Weighted Matching (objective=awm)
+AWM = ("trainer.objective=awm", "trainer.awm.timesteps=2")  # 4 sampler steps leave steps 1..2 to draw from
+
+
+@pytest.mark.parametrize(
+    "rollout_mode, lora",
+    [("flat", True), ("flat", False), ("branch", True)],
+    ids=["flat", "flat-full", "branch"],
+)
+def test_awm_step_trains_on_policy_in_each_rollout_mode(model_dir, tmp_path, rollout_mode, lora):
+    extra = ["model.lora=null"] if not lora else []
+    if rollout_mode == "branch":
+        extra += ["sampling.rollout=branch", "tree.split_steps=[0, 1]"]
+    cfg = make_cfg(model_dir, tmp_path, "awm" + rollout_mode + str(lora), *AWM, "trainer.beta=0.5", *extra)
+    trainer = FlowGRPOTrainer(cfg, None)
+    trainer.setup()
+    named = dict(trainer.adapter.transformer.named_parameters())
+    before = {n: p.detach().clone() for n, p in named.items()}
+    metrics = trainer.train_step()
+    # one optimizer step after all minibatches and no old policy: ratio exactly 1, the reference not yet left
+    assert metrics["policy/ratio_mean"] == 1.0
+    assert metrics["policy/kl"] == 0.0
+    assert metrics["awm/log_p"] < 0 and "policy/kl_old" not in metrics
+    images = 8  # flat: 8 rollouts; branch: 2 trees x 4 leaves
+    # rollout + per point (2 per image) one policy and one reference forward
+    assert metrics["nfe/total"] == metrics["nfe/rollout"] + 2 * (2 * images)
+    trained = [n for n, p in named.items() if p.requires_grad]
+    assert trained and (all("lora" in n for n in trained) if lora else len(trained) == len(named))
+    assert any(not torch.equal(before[n], named[n]) for n in trained)
+    assert all(torch.equal(before[n], p) for n, p in named.items() if not p.requires_grad)
+    assert trainer.train_step()["policy/kl"] > 0.0
+
+
+def test_awm_advantage_sign_moves_the_sample_fit_and_zero_advantages_move_nothing(model_dir, tmp_path):
+    from mmrl.core.losses import awm_log_likelihood
+    from mmrl.flow.awm import awm_update
+
+    cfg = make_cfg(
+        model_dir,
+        tmp_path,
+        "awmsign",
+        *AWM,
+        "trainer.beta=0.0",
+        "trainer.weight_decay=0.0",
+        "trainer.lr=1e-4",
+    )
+    trainer = FlowGRPOTrainer(cfg, None)
+    trainer.setup()
+    batch = trainer.collect()
+    points = {}
+    noised = trainer._noised
+
+    def remember(*args, **kwargs):
+        points["value"] = noised(*args, **kwargs)
+        return points["value"]
+
+    trainer._noised = remember
+
+    def log_p_of_sample(sample):  # mean AWM log-likelihood of one sample's points, at the update's points
+        rows, sigma, x_t, target = points["value"]
+        keep = torch.nonzero(rows == sample).flatten()
+        with torch.no_grad():
+            v = trainer.adapter.velocity(x_t[keep], sigma[keep], batch.cond.select(rows[keep]), 1.0)
+        return float(awm_log_likelihood(v, target[keep], sigma[keep]).mean())
+
+    # zero advantages: zero gradient, and Adam without weight decay leaves the weights exactly where they were
+    before = [p.detach().clone() for p in trainer.trainable]
+    awm_update(trainer, batch.final_latents, batch.cond, torch.zeros(8), batch.groups)
+    assert all(torch.equal(b, p) for b, p in zip(before, trainer.trainable, strict=True))
+    for sign in (1.0, -1.0):  # only sample 3 weighted: its points fit better (A > 0) or worse (A < 0)
+        adv = torch.zeros(8)
+        adv[3] = sign
+        state = [p.detach().clone() for p in trainer.trainable]
+        trainer._noised = lambda *a, **k: points["value"]  # the same points for the update and the check
+        start = log_p_of_sample(3)
+        awm_update(trainer, batch.final_latents, batch.cond, adv, batch.groups)
+        assert (log_p_of_sample(3) - start) * sign > 0
+        with torch.no_grad():
+            for p, s in zip(trainer.trainable, state, strict=True):
+                p.copy_(s)
+
+
+def test_awm_points_are_stratified_and_shared_within_a_prompt_group(model_dir, tmp_path):
+    from mmrl.flow.awm import stratified_steps
+
+    # 10 steps, fraction 0.9: steps 1..8 cut into 6 strata {1} {2} {3, 4} {5} {6} {7, 8}
+    steps = stratified_steps(500, 6, 10, 0.9, torch.Generator().manual_seed(0))
+    strata = [{1}, {2}, {3, 4}, {5}, {6}, {7, 8}]
+    assert steps.shape == (6, 500)
+    assert all(set(steps[k].tolist()) == strata[k] for k in range(6))
+    with pytest.raises(ValueError, match=r"3 timesteps need as many sampler steps in 1 \.\. 2"):
+        stratified_steps(1, 3, 4, 0.9, torch.Generator())
+    cfg = make_cfg(model_dir, tmp_path, "awmpts", "trainer.objective=awm", "sampling.num_steps=10")
+    trainer = FlowGRPOTrainer(cfg, None)
+    trainer.setup()
+    schedule = trainer.adapter.sigmas(10, 32, 32, None).float()
+    x0, groups = torch.randn(6, 3, 8, 8), torch.tensor([0, 0, 0, 1, 1, 1])
+    draw = lambda n: stratified_steps(n, 6, 10, 0.9, trainer.generator)  # noqa: E731
+    rows, sigma, _, target = trainer._noised(x0, groups, 6, draw)
+    assert rows.tolist() == list(range(6)) * 6
+    sigma = sigma.view(6, 6)  # [T, B]
+    for k in range(6):
+        assert set(sigma[k].tolist()) <= {float(schedule[i]) for i in strata[k]}
+        assert sigma[k, 0] == sigma[k, 1] == sigma[k, 2] and sigma[k, 3] == sigma[k, 4] == sigma[k, 5]
+    eps = (target + x0[rows]).view(6, 6, -1)
+    torch.testing.assert_close(eps[:, 0], eps[:, 2], atol=1e-6, rtol=0)
+
+
+def test_awm_with_a_soft_updated_old_policy_pulls_toward_it_and_resumes_exactly(
+    model_dir, tmp_path, interrupted_then_resumed
+):
+    old = ("trainer.old_policy_decay=0.5", "trainer.awm.clip_range=0.5")
+    cfg = make_cfg(model_dir, tmp_path, "awmold", *AWM, *old)
+    trainer = FlowGRPOTrainer(cfg, None)
+    trainer.setup()
+    first = trainer.train_step()  # the old policy still equals the weights: ratio 1, no pull
+    assert first["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-6) and first["policy/kl_old"] == 0.0
+    second = trainer.train_step()  # now it lags half a step behind
+    assert second["policy/kl_old"] > 0.0 and second["policy/ratio_mean"] != pytest.approx(1.0, abs=1e-7)
+    assert 0.0 <= second["clip/low_frac"] <= 1.0
+    args = (*AWM, *old, "trainer.steps=3", "run.save_every=1", "trainer.eval_every=3")
+    straight = main(make_cfg(model_dir, tmp_path, "awma", *args))
+    resumed = interrupted_then_resumed(
+        FlowGRPOTrainer,
+        main,
+        make_cfg(model_dir, tmp_path, "awmb", *args),
+        make_cfg(model_dir, tmp_path, "awmb", *args, "run.resume=true"),
+        at=2,
+    )
+    drop = ("time/rollout_s", "time/train_s")
+    assert {k: v for k, v in resumed.items() if k not in drop} == {
+        k: v for k, v in straight.items() if k not in drop
+    }
+
+
+def test_awm_config_errors_name_the_key(model_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"trainer\.awm\.timesteps \(6\) exceeds the 2 sampler steps"):
+        make_cfg(model_dir, tmp_path, "bad", "trainer.objective=awm")
+    with pytest.raises(ValueError, match=r"trainer\.awm\.weighting"):
+        make_cfg(model_dir, tmp_path, "bad", *AWM, "trainer.awm.weighting=t")
+    with pytest.raises(ValueError, match=r"trainer\.awm\.ghuber_power"):
+        make_cfg(model_dir, tmp_path, "bad", *AWM, "trainer.awm.ghuber_power=0")
+    make_cfg(model_dir, tmp_path, "fine", "trainer.awm.timesteps=6")  # only checked for objective=awm

@@ -1,0 +1,137 @@
+"""Advantage Weighted Matching (AWM): the flow-matching loss of pretraining, on the policy's own samples, weighted
+by each sample's advantage (Xue et al., "Advantage Weighted Matching: Aligning RL with Pretraining in Diffusion
+Models", arXiv 2509.25050; timestep rule, weighting and defaults from its released SD3.5 recipes).
+
+Notation: ``B`` final samples ``x0 [B, C, H, W]`` (or ``[B, C, F, H, W]`` for video) with advantages ``A [B]``;
+``T`` regression points per sample (``trainer.awm.timesteps``), ``N = B * T`` points in all. Point ``(i, k)``
+re-noises ``x0_i`` at the sigma ``s_k`` of a sampler step: ``x_s = (1 - s) x0 + s eps``, target ``v* = eps - x0``.
+
+    l_ik     = mean((v_theta(x_s, s, c_i) - v*)^2)                          [N]  matching error
+    log p_ik = -w(l_ik, s_k)                                                [N]  (ghuber: w = s l^p / p)
+    rho_ik   = exp(log p_ik - log p_old_ik)                                 [N]
+    A^_i     = clip(A_i, -A_max, A_max) * a_max / A_max                     [B]  (A_max = trainer.adv_clip_max)
+    L        = mean_ik max(-A^_i rho_ik, -A^_i clip(rho_ik, 1 - e, 1 + e))
+               + beta mean((v_theta - v_ref)^2) + beta_old mean((v_theta - v_old)^2)
+
+On policy (one optimizer step per rollout batch, the sampling policy = the trained weights) ``rho = 1`` and the
+gradient is ``sum_ik A^_i grad w(l_ik, s_k)`` / N: pretraining's loss with each sample weighted by its advantage,
+so a better-than-its-group image is fitted more closely and a worse one pushed away, without an SDE, a
+log-density, or the noisy per-step targets of DDPO-style objectives (the paper's variance argument).
+
+Sampler steps (the paper's "discrete without init" rule): the steps ``1 .. floor(f * n) - 1`` of the ``n``-step
+sampling schedule (``f = timestep_fraction``) are cut into ``T`` equal strata and one step is drawn uniformly in
+each, so every update covers the noise range evenly and never regresses on pure noise (step 0) or on the last,
+nearly clean steps. The paper's code uses one draw for the whole batch; here each prompt group (with
+``trainer.shared_regression_noise``, else each image) draws its own, sharing sigma and noise within the group so
+the noise, common to the group, cancels in the advantage-weighted gradient.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from mmrl.core import losses as loss_lib
+from pipelines.flow.adapters import Conditioning
+
+if TYPE_CHECKING:
+    from mmrl.flow.trainer import FlowGRPOTrainer
+
+__all__ = ["awm_update", "stratified_steps"]
+
+
+def stratified_steps(
+    n_owners: int, num_timesteps: int, num_steps: int, fraction: float, generator: torch.Generator
+) -> torch.Tensor:
+    """``[T, n_owners]`` sampler step indices: for each owner one step drawn uniformly in each of ``T`` equal
+    strata of the steps ``1 .. floor(fraction * num_steps) - 1``.
+
+    Stratum ``k`` holds the steps ``e_k .. e_{k+1} - 1`` with ``e_k = floor(1 + k (last - 1) / T)`` and
+    ``last = floor(fraction * num_steps)``; the strata are disjoint and, when ``T <= last - 1``, none is empty, so
+    each owner's ``T`` steps are distinct and increasing in ``k``.
+
+    Raises:
+        ValueError: fewer than ``num_timesteps`` steps in the range.
+    """
+    last = int(fraction * num_steps)
+    if num_timesteps > last - 1:
+        raise ValueError(
+            f"{num_timesteps} timesteps need as many sampler steps in 1 .. {last - 1} "
+            f"(fraction {fraction} of {num_steps} steps)"
+        )
+    edges = torch.floor(1 + torch.arange(num_timesteps + 1, dtype=torch.float64) * (last - 1) / num_timesteps)
+    edges = edges.long()
+    width = (edges[1:] - edges[:-1]).unsqueeze(1)  # [T, 1], each >= 1
+    offset = torch.floor(
+        torch.rand(num_timesteps, n_owners, generator=generator, dtype=torch.float64) * width
+    )
+    return edges[:-1].unsqueeze(1) + offset.long()
+
+
+def awm_update(
+    trainer: FlowGRPOTrainer, x0: torch.Tensor, cond: Conditioning, adv: torch.Tensor, groups: torch.Tensor
+) -> None:
+    """One AWM update of ``trainer``'s weights on the final samples ``x0 [B, ...]`` with advantages ``adv [B]``
+    (``groups [B]``: prompt group of each sample), through the trainer's minibatched regression (the reference
+    KL, gradient accumulation and optimizer steps are the trainer's)."""
+    t = trainer.cfg.trainer
+    settings = t.awm
+    num_steps = trainer.cfg.sampling.num_steps
+
+    # 1. regression points: T stratified sampler steps per owner (prompt group or image), shared noise
+    def draw(n_owners: int) -> torch.Tensor:
+        return stratified_steps(
+            n_owners, settings.timesteps, num_steps, settings.timestep_fraction, trainer.generator
+        )
+
+    rows, sigma, x_t, target = trainer._noised(x0, groups, settings.timesteps, draw)
+    cond = cond.select(rows)
+    scaled_adv = adv.clamp(-t.adv_clip_max, t.adv_clip_max) * (settings.advantage_max / t.adv_clip_max)
+    point_adv = scaled_adv[rows].float()  # [N]
+
+    # 2. the sampling policy at the points, where it differs from the weights about to be trained
+    v_old = old_logp = None
+    if trainer.old_policy is not None or t.gradient_accumulation > 0:
+        guidance = trainer._regression_guidance(cond)
+        with torch.no_grad(), trainer.sampling_weights():
+            trainer.adapter.transformer.eval()
+            v_old = torch.cat(
+                [
+                    trainer.adapter.velocity(
+                        x_t[idx].to(trainer.device), sigma[idx].to(trainer.device), cond.select(idx), guidance
+                    )
+                    .float()
+                    .cpu()
+                    for idx in torch.arange(rows.numel()).split(t.minibatch_size)
+                ]
+            )
+        trainer.nfe_total += rows.numel()
+        old_logp = loss_lib.awm_log_likelihood(
+            v_old, target, sigma, settings.weighting, settings.ghuber_power
+        )
+
+    # 3. clipped ratio of the weighted matching log-likelihoods (+ the pull toward the sampling policy)
+    def loss_fn(v: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        logp = loss_lib.awm_log_likelihood(
+            v,
+            target[idx].to(v.device),
+            sigma[idx].to(v.device),
+            settings.weighting,
+            settings.ghuber_power,
+        )
+        # on policy the ratio is exactly 1 and only its gradient, grad log p, matters
+        old = logp.detach() if old_logp is None else old_logp[idx].to(v.device)
+        a = point_adv[idx].to(v.device)
+        loss = loss_lib.clipped_surrogate(logp, old, a, settings.clip_range)
+        n = len(idx)
+        trainer.metrics.add("awm/log_p", logp.detach().mean(), count=n)
+        trainer.metrics.add("policy/ratio_mean", torch.exp(logp - old).detach().mean(), count=n)
+        trainer.metrics.add_dict(loss_lib.clip_fractions(logp, old, a, settings.clip_range), count=n)
+        if v_old is not None and settings.old_kl_beta > 0:
+            kl_old = ((v.float() - v_old[idx].to(v.device)) ** 2).flatten(1).mean(1)
+            loss = loss + settings.old_kl_beta * kl_old
+            trainer.metrics.add("policy/kl_old", kl_old.detach().mean(), count=n)
+        return loss
+
+    trainer._regress(x_t, sigma, cond, loss_fn)
