@@ -444,6 +444,7 @@ def test_awm_advantage_sign_moves_the_sample_fit_and_zero_advantages_move_nothin
         adv = torch.zeros(8)
         adv[3] = sign
         state = [p.detach().clone() for p in trainer.trainable]
+        trainer.optimizer.state.clear()  # each sign's step from a fresh Adam: no momentum of the other sign
         trainer._noised = lambda *a, **k: points["value"]  # the same points for the update and the check
         start = log_p_of_sample(3)
         awm_update(trainer, batch.final_latents, batch.cond, adv, batch.groups)
