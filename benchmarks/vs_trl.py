@@ -99,13 +99,13 @@ def config_overrides(variant: str, seed: int, threads: int) -> list[str]:
         f"trainer.minibatch_size={ROLLOUTS_PER_STEP}",
     ]
     if variant == "mmrl_single":
-        return [*common, "trainer.mode=single", f"trainer.prompts_per_step={ROLLOUTS_PER_STEP}"]
+        return [*common, "trainer.mode=single", f"allocation.prompts_per_step={ROLLOUTS_PER_STEP}"]
     if variant == "mmrl_group":
         return [
             *common,
             "trainer.mode=group",
             f"trainer.num_generations={G}",
-            f"trainer.prompts_per_step={ROLLOUTS_PER_STEP // G}",
+            f"allocation.prompts_per_step={ROLLOUTS_PER_STEP // G}",
             "trainer.entropy_shaping.enabled=false",
         ]
     if variant == "trl":

@@ -32,6 +32,7 @@ from mmrl.checkpoint import load_checkpoint, load_trainable, save_checkpoint
 from mmrl.core import advantages as adv_lib
 from mmrl.core import allocation as alloc_lib
 from mmrl.core import losses as loss_lib
+from mmrl.core.estimators import Advantages, RewardBatch, get_estimator
 from mmrl.core.groups import effective_ratio, make_groups
 from mmrl.core.stats import PromptStats
 from mmrl.data.prompts import check_prompts, load_prompts
@@ -320,18 +321,19 @@ class FlowGRPOTrainer:
         """Weighted sum of the rewards ``[B]`` (what is logged and stored as the prompt's reward)."""
         return raw @ self.reward_weights
 
-    def advantages(self, raw: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    def advantages(self, raw: torch.Tensor, group_index: torch.Tensor, prompts: list[str]) -> Advantages:
+        """Step 4: the configured estimator's advantages of a scored batch, clipped; folds the rewards into the
+        statistics store first (an estimator that needs the store's baseline gets it from before the update).
+        GDPO replaces the estimator when ``trainer.multi_reward=gdpo`` and there are several rewards."""
         t = self.cfg.trainer
-        if raw.shape[1] > 1 and t.multi_reward == "gdpo":
-            adv = adv_lib.decoupled_multi_reward(raw, group_index, self.reward_weights)
-        else:
-            total = self.combine(raw)
-            if t.advantage == "rloo":
-                adv = adv_lib.rloo(total, group_index)
-            else:
-                std = {"grpo": "group", "dr_grpo": "none", "global_std": "global"}[t.advantage]
-                adv = adv_lib.group_normalized(total, group_index, std=std)
-        return adv_lib.clip_advantages(adv, t.adv_clip_max)
+        name = "gdpo" if raw.shape[1] > 1 and t.multi_reward == "gdpo" else t.advantage
+        estimator = get_estimator(name)
+        total = self.combine(raw)
+        baseline = self.stats.success_prob(prompts).float() if estimator.needs_baseline else None
+        self.stats.update_distributed(prompts, total, step=self.step)
+        options = t.advantage_options if name == t.advantage else {}
+        result = estimator.fn(RewardBatch(total, group_index, raw, self.reward_weights, baseline), **options)
+        return Advantages(adv_lib.clip_advantages(result.adv, t.adv_clip_max), result.keep)
 
     # ------------------------------------------------------------------ one step
     def sde_window(self, step: int) -> tuple[int, int] | None:
@@ -464,13 +466,16 @@ class FlowGRPOTrainer:
         the transitions to train)`` (the in-process and the pooled flat paths share this)."""
         raw, components = self.score(ro.images, ro.prompts)
         total = self.combine(raw)
-        self.stats.update_distributed(ro.prompts, total, step=self.step)
-        adv = self.advantages(raw, ro.group_index)
+        result = self.advantages(raw, ro.group_index, ro.prompts)
+        adv = result.adv
         self._log_rewards(total, raw, components, ro.group_index)
         counts = torch.bincount(ro.group_index)
         self.metrics.add("rollouts/per_prompt_min", counts.min().float())
         self.metrics.add("rollouts/per_prompt_max", counts.max().float())
-        return total, adv, ro.transitions(self._train_steps(ro.sde_steps))
+        trans = ro.transitions(self._train_steps(ro.sde_steps))
+        if result.keep is not None:  # samples the estimator leaves out of the loss (MC-GRPO's pivot)
+            trans = trans.select(torch.nonzero(result.keep[trans.sample_index]).flatten())
+        return total, adv, trans
 
     def _collect_branch(self, prompts: list[str], explored: ExploreResult | None) -> StepBatch:
         """One tree per prompt (per kept seed when exploring); node advantages by depth (BranchGRPO), pruned."""
@@ -496,7 +501,8 @@ class FlowGRPOTrainer:
                 torch.zeros(len(prompts)).index_add_(0, tr.leaf_tree, total) / tr.tree.leaves_per_tree()
             )
             self.metrics.add("explore/spearman", spearman(explored.chosen_preview_rewards, per_tree))
-        self.stats.update_distributed(tr.leaf_prompts, total, step=self.step)
+        # per-leaf advantages (for the NFT objective, which trains on final images); updates the store
+        leaf_adv = self.advantages(raw, tr.leaf_tree, tr.leaf_prompts).adv
         self._log_rewards(total, raw, components, tr.leaf_tree)
         edge_logprob = None
         if t.fusion == "path_prob":
@@ -518,7 +524,6 @@ class FlowGRPOTrainer:
         steps = self._train_steps(config.sde_steps())
         keep = keep[torch.isin(tr.transitions.step_index[keep], steps)]
         trans = tr.transitions.select(keep)
-        leaf_adv = self.advantages(raw, tr.leaf_tree)  # for the NFT objective, which trains on final images
         self.metrics.add("tree/nodes", float(tr.parent.numel()))
         self.metrics.add("tree/trained_transitions", float(len(trans)))
         return StepBatch(

@@ -40,6 +40,7 @@ from mmrl.checkpoint import load_checkpoint, load_trainable, save_checkpoint
 from mmrl.core import advantages as adv_lib
 from mmrl.core import allocation as alloc_lib
 from mmrl.core import losses as loss_lib
+from mmrl.core.estimators import RewardBatch, get_estimator
 from mmrl.core.groups import effective_ratio
 from mmrl.core.stats import PromptStats
 from mmrl.data.vqa import VQAExample, load_vqa
@@ -175,9 +176,9 @@ class VLMRLVRTrainer:
                 "not, so one rank's batch could run the sharded vision tower while another's does not; use data "
                 "where every question has an image (or none does), or launch with configs/accelerate/ddp.yaml"
             )
-        if cfg.trainer.prompts_per_step > len(self.train_set):
+        if cfg.allocation.prompts_per_step > len(self.train_set):
             raise ValueError(
-                f"trainer.prompts_per_step ({cfg.trainer.prompts_per_step}) exceeds the {len(self.train_set)} "
+                f"allocation.prompts_per_step ({cfg.allocation.prompts_per_step}) exceeds the {len(self.train_set)} "
                 "train examples"
             )
         # 4. optimizer and the persistent per-prompt baseline
@@ -186,7 +187,7 @@ class VLMRLVRTrainer:
         self.optimizer = torch.optim.AdamW(
             self.trainable, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay
         )
-        self.stats = PromptStats(rho=cfg.trainer.rho, prior_strength=cfg.trainer.prior_strength)
+        self.stats = PromptStats(rho=cfg.allocation.rho, prior_strength=cfg.allocation.prior_strength)
         ckpt = resume_checkpoint(cfg.run) if self.run is not None or self.dist.active else None
         if ckpt is not None:
             self.load_state(load_checkpoint(ckpt))
@@ -253,9 +254,9 @@ class VLMRLVRTrainer:
             )
         if t.mode == "group" and t.dynamic_sampling:
             refused.append("trainer.dynamic_sampling: a per-rank number of samples")
-        if t.mode == "group" and t.allocation != "uniform":
+        if t.mode == "group" and cfg.allocation.method != "uniform":
             refused.append(
-                f"trainer.allocation={t.allocation}: per-rank group sizes, so a per-rank number of "
+                f"allocation.method={cfg.allocation.method}: per-rank group sizes, so a per-rank number of "
                 "generate calls"
             )
         if refused:
@@ -340,23 +341,21 @@ class VLMRLVRTrainer:
 
     # ------------------------------------------------------------------ one step
     def choose_prompts(self, k: int, exclude: frozenset[str] = frozenset()) -> tuple[list[str], list[int]]:
-        """Step 1: ``k`` prompt ids (not in ``exclude``) and the rollouts of each (single: 1; group: the allocator's)."""
-        t = self.cfg.trainer
+        """Step 1: ``k`` prompt ids (not in ``exclude``) and the rollouts of each (single: 1; group: the allocator's
+        split of ``k`` prompts' share of the step budget)."""
+        a = self.cfg.allocation
         ids = [ex.prompt_id for ex in self.train_set if ex.prompt_id not in exclude]
-        if t.mode == "single":
-            chosen = alloc_lib.sample_prompts(
-                self.stats, ids, k, method=t.selection, generator=self.generator
-            )
+        chosen = alloc_lib.sample_prompts(self.stats, ids, k, method=a.selection, generator=self.generator)
+        if self.cfg.trainer.mode == "single":
             return chosen, [1] * len(chosen)
-        chosen = alloc_lib.sample_prompts(self.stats, ids, k, method="uniform", generator=self.generator)
-        g = t.num_generations + (1 if t.advantage == "mc_grpo" else 0)
-        counts = alloc_lib.allocate(self.stats, chosen, g * len(chosen), method=t.allocation, n_min=2)
+        budget = self.cfg.rollouts_per_step * len(chosen) // a.prompts_per_step
+        counts = alloc_lib.allocate(self.stats, chosen, budget, method=a.method, n_min=a.n_min, n_max=a.n_max)
         return chosen, counts.tolist()
 
     def rollouts(self) -> list[tuple[VQAExample, GenerationSample]]:
         """Steps 1-2 in the training loop: the step's prompts, then one ``generate`` per distinct count."""
         temp = self.cfg.generation.temperature
-        chosen, counts = self.choose_prompts(self.cfg.trainer.prompts_per_step)
+        chosen, counts = self.choose_prompts(self.cfg.allocation.prompts_per_step)
         pairs = []
         for n in sorted(set(counts)):
             pairs.extend(
@@ -370,27 +369,18 @@ class VLMRLVRTrainer:
         # the pool's samples for this step (mmrl/vlm/pooled.py), or generated here
         pairs = self.rollout_pool.collect() if self.rollout_pool is not None else self.rollouts()
         total, raw = self.verify(pairs)
-        if t.mode == "single":
-            pids = [ex.prompt_id for ex, _ in pairs]
-            baseline = self.stats.success_prob(pids).float()  # V(x) before this batch
-            adv = adv_lib.single_rollout(total, baseline, scale="batch_std", center=t.center)
-            self.stats.update_distributed(pids, total, step=self.step)
-            keep = torch.ones(len(pairs), dtype=torch.bool)
+        pids = [ex.prompt_id for ex, _ in pairs]
+        group_ids = torch.tensor(_group_index(pids))
+        estimator = get_estimator(self.cfg.estimator_name)
+        baseline = self.stats.success_prob(pids).float() if estimator.needs_baseline else None  # V(x) before
+        self.stats.update_distributed(pids, total, step=self.step)
+        result = estimator.fn(
+            RewardBatch(total, group_ids, raw, self.reward_weights, baseline), **t.advantage_options
+        )
+        adv, keep = result.adv, result.keep_mask()
+        if baseline is not None:
             self.metrics.add("baseline/mean", baseline.mean())
-        else:
-            pids = [ex.prompt_id for ex, _ in pairs]
-            group_ids = torch.tensor(_group_index(pids))
-            self.stats.update_distributed(pids, total, step=self.step)
-            keep = torch.ones(len(pairs), dtype=torch.bool)
-            if t.advantage == "mc_grpo":
-                adv, pivot = adv_lib.median_centered(total, group_ids)
-                keep &= ~pivot
-            elif t.advantage == "rloo":
-                adv = adv_lib.rloo(total, group_ids)
-            else:
-                adv = adv_lib.group_normalized(
-                    total, group_ids, std="group" if t.advantage == "grpo" else "none"
-                )
+        if t.mode == "group":
             self.metrics.add("train/effective_ratio", effective_ratio(total, group_ids))
             if t.dynamic_sampling:
                 keep &= adv != 0
