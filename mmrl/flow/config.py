@@ -26,8 +26,10 @@ class FlowLora(LoraSettings):
 
 
 class FlowModelConfig(Config):
-    family: Literal["shapes", "sd3", "flux", "sana", "wan"] = Field(
-        "shapes", description="Adapter family (pipelines/flow/adapters)."
+    family: str = Field(
+        "shapes",
+        description="Registered flow family (pipelines.flow.adapters.list_adapters(): shapes, sd3, flux, sana, "
+        "wan, or one registered with register_flow_family).",
     )
     path: str = Field("checkpoints/shapes_flow", description="Hub id or local diffusers directory.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(

@@ -53,7 +53,7 @@ from mmrl.images import make_grid, tensor_to_pil
 from mmrl.loop import run_recipe, train_loop
 from mmrl.run import MetricAccumulator, Run, resume_checkpoint, write_summary_json
 from mmrl.seeding import get_rng_state, seed_everything, set_rng_state
-from pipelines.flow.adapters import Conditioning, FlowAdapter, load_adapter
+from pipelines.flow.adapters import Conditioning, FlowAdapter, list_adapters, load_adapter
 from pipelines.flow.branch import TreeConfig, prune_transitions, tree_rollout
 from pipelines.flow.explore import ExploreConfig, ExploreResult, explore, spearman
 from pipelines.flow.rollout import Rollout, SamplingConfig, TransitionBatch, rescore, rollout
@@ -147,6 +147,10 @@ class FlowGRPOTrainer:
         if self.world_size > 1 and self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
         # 2. model
+        if cfg.model.family not in list_adapters():
+            raise ValueError(
+                f"model.family: unknown flow family {cfg.model.family!r}; registered: {list_adapters()}"
+            )
         self.adapter: FlowAdapter = load_adapter(
             cfg.model.family,
             cfg.model.path,

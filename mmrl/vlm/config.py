@@ -29,6 +29,11 @@ class VLMModelConfig(Config):
     path: str = Field(
         "checkpoints/shapes_vlm", description="Hub id or local directory (AutoModelForImageTextToText)."
     )
+    family: str | None = Field(
+        None,
+        description="Registered VLM family (pipelines.vlm.families.list_vlm_families(): qwen2_5_vl, ...): its "
+        "prompt layout, vision tokens and tower. null: the family serving the checkpoint's model_type.",
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype.")
     device: str = Field("auto", description="'auto', 'cpu', 'cuda', ...")
     lora: VLMLora | None = Field(

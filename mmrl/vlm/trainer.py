@@ -61,6 +61,7 @@ from mmrl.seeding import get_rng_state, seed_everything, set_rng_state
 from mmrl.vlm.config import VLMRLVRConfig
 from pipelines.threads import set_cpu_threads
 from pipelines.vlm.backend import GenerationBackend, GenerationSample, SamplingParams
+from pipelines.vlm.families import VLMFamily, family_for_model_type, get_vlm_family
 from pipelines.vlm.inputs import VLMPrompt
 from pipelines.vlm.logprobs import TokenStats, backbone_and_head, build_scoring_batch, completion_token_stats
 from rewards.base import checked_score
@@ -68,13 +69,6 @@ from rewards.base import checked_score
 __all__ = ["VLMRLVRTrainer", "evaluate", "load_examples", "main"]
 
 logger = logging.getLogger(__name__)
-
-
-def _lora_targets(names: list[str], train_vision: bool) -> str | list[str]:
-    """peft ``target_modules``: the names anywhere, or (vision frozen) only outside the vision tower."""
-    if train_vision:
-        return names
-    return r"^(?!.*visual).*\.(" + "|".join(n.replace(".", r"\.") for n in names) + r")$"
 
 
 class VLMRLVRTrainer:
@@ -113,6 +107,8 @@ class VLMRLVRTrainer:
                 load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=DTYPES[m.dtype]
             )
         self.processor, model = load_vlm(m.path, **kwargs)
+        # the model family's conventions (prompt layout, vision tokens and tower): named, or from the checkpoint
+        self.family = get_vlm_family(m.family) if m.family else family_for_model_type(model.config.model_type)
         if not m.load_in_4bit:
             model.to(self.device)
         model.requires_grad_(False)
@@ -125,14 +121,14 @@ class VLMRLVRTrainer:
                     r=m.lora.rank,
                     lora_alpha=m.lora.alpha,
                     lora_dropout=m.lora.dropout,
-                    target_modules=_lora_targets(list(m.lora.target_modules), m.train_vision),
+                    target_modules=self.family.lora_target_pattern(m.lora.target_modules, m.train_vision),
                 ),
             )
         else:
             model.requires_grad_(True)
             if not m.train_vision:
                 for name, p in model.named_parameters():
-                    if "visual" in name:
+                    if self.family.is_vision_parameter(name):
                         p.requires_grad_(False)
         if m.gradient_checkpointing:
             model.gradient_checkpointing_enable()
@@ -144,11 +140,16 @@ class VLMRLVRTrainer:
         if self.dist.fsdp:
             if self.reference is not None:
                 shard_model(
-                    self.reference, self.dist.reshard_after_forward, extra=_fsdp_units(self.reference)
+                    self.reference,
+                    self.dist.reshard_after_forward,
+                    extra=_fsdp_units(self.reference, self.family),
                 )
             # generate() runs the units itself: wrapped, its call is the root's forward (the policy's first call)
             shard_model(
-                model, self.dist.reshard_after_forward, extra=_fsdp_units(model), methods=("generate",)
+                model,
+                self.dist.reshard_after_forward,
+                extra=_fsdp_units(model, self.family),
+                methods=("generate",),
             )
         self.model = model
         self.trainable = [p for p in model.parameters() if p.requires_grad]  # DTensor shards under FSDP
@@ -216,6 +217,7 @@ class VLMRLVRTrainer:
                 quantization="fp8" if g.vllm_fp8 else None,
                 dtype=self.cfg.model.dtype,
                 seed=self.cfg.run.seed,
+                family=self.family,
             )
         from pipelines.vlm.hf_backend import HFBackend
 
@@ -227,6 +229,7 @@ class VLMRLVRTrainer:
             max_prompt_length=g.max_prompt_length,
             batch_size=g.batch_size,
             synced_gpus=self.dist.fsdp,
+            family=self.family,
         )
 
     def _check_fsdp(self) -> None:
@@ -272,7 +275,7 @@ class VLMRLVRTrainer:
 
     # ------------------------------------------------------------------ helpers
     def _prompt(self, ex: VQAExample) -> VLMPrompt:
-        return VLMPrompt.from_question(
+        return self.family.prompt(
             ex.question, ex.images, system=self.cfg.data.system_prompt, prompt_id=ex.prompt_id
         )
 
@@ -317,6 +320,7 @@ class VLMRLVRTrainer:
             [s.prompt_token_ids for _, s in pairs],
             [s.completion_token_ids for _, s in pairs],
             [ex.images for ex, _ in pairs],
+            family=self.family,
         )
         suppressed = getattr(self.backend, "suppressed_token_ids", ())
         chunk_size = self.cfg.trainer.logprob_chunk_size
@@ -640,14 +644,14 @@ def load_examples(cfg: VLMRLVRConfig, which: Literal["train", "eval"]) -> list[V
     )
 
 
-def _fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module | list[torch.nn.Module]]:
+def _fsdp_units(model: torch.nn.Module, family: VLMFamily) -> list[torch.nn.Module | list[torch.nn.Module]]:
     """The FSDP units besides the blocks: the modules called directly, not from within the model's ``forward``, so
     that their parameters are gathered when called. Scoring calls the backbone and the LM head
     (``backbone_and_head``); ``generate`` encodes the images before its first forward with the backbone's
     ``get_image_features``, which calls the vision tower. An LM head tied to the input embeddings shares their
     weight, so the two form one grouped unit. Inner modules come first."""
     backbone, head = backbone_and_head(model)
-    vision = getattr(backbone, "visual", None)
+    vision = family.vision_tower(backbone)
     units: list[torch.nn.Module | list[torch.nn.Module]] = [vision] if vision is not None else []
     embed = model.get_input_embeddings()
     if embed is not None and head.weight is embed.weight:
