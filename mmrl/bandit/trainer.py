@@ -19,18 +19,15 @@ import torch
 from pydantic import model_validator
 
 from mmrl.bandit.world import BanditPolicy, BanditWorld
-from mmrl.checkpoint import load_checkpoint, save_checkpoint
 from mmrl.config import Config, Field, RunConfig
 from mmrl.core import allocation as alloc_lib
 from mmrl.core import losses as loss_lib
 from mmrl.core.estimators import RewardBatch, check_estimator, get_estimator
 from mmrl.core.groups import effective_ratio
 from mmrl.core.stats import PromptStats
-from mmrl.loop import run_recipe, train_loop
-from mmrl.run import MetricAccumulator, Run
+from mmrl.loop import run_recipe
 from mmrl.sections import AllocationConfig
-from mmrl.seeding import get_rng_state, seed_everything, set_rng_state
-from pipelines.threads import set_cpu_threads
+from mmrl.trainer_base import TrainerBase
 
 __all__ = ["BanditRecipeConfig", "BanditTrainer", "main"]
 
@@ -98,20 +95,15 @@ class BanditRecipeConfig(Config):
         return self
 
 
-class BanditTrainer:
+class BanditTrainer(TrainerBase):
     """GRPO over the bandit world with the core's selection, allocation, advantages and losses."""
 
-    def __init__(self, cfg: BanditRecipeConfig, run: Run | None = None) -> None:
-        self.cfg = cfg
-        self.run = run
-        self.step = 0
-        self.metrics = MetricAccumulator()
+    show = ("reward/mean", "eval/heldout_success")
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         cfg = self.cfg
-        self.generator = seed_everything(cfg.run.seed)
-        set_cpu_threads(cfg.run.threads)
+        self.setup_runtime()
         self.world = BanditWorld(**cfg.world.model_dump())
         if cfg.allocation.prompts_per_step > len(self.world.train_ids):
             raise ValueError(
@@ -123,12 +115,7 @@ class BanditTrainer:
         trainable = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.Adam(trainable, lr=cfg.trainer.lr)
         self.stats = PromptStats(rho=cfg.allocation.rho, prior_strength=cfg.allocation.prior_strength)
-        if self.run is not None:
-            ckpt = self.run.resume_checkpoint()
-            if ckpt is not None:
-                self.load_state(load_checkpoint(ckpt))
-                self.run.truncate_metrics(self.step)
-                logger.info("resumed from %s at step %d", ckpt, self.step)
+        self.resume()
 
     # ------------------------------------------------------------------ one step
     def rollout(self) -> dict[str, torch.Tensor]:
@@ -200,44 +187,22 @@ class BanditTrainer:
             "eval/train_success": float(self.policy.success_prob(train, self.world.correct).mean()),
         }
 
-    # ------------------------------------------------------------------ loop
-    def train(self) -> dict[str, float]:
-        return train_loop(
-            self,
-            self.cfg.trainer.steps,
-            self.cfg.trainer.eval_every,
-            self.cfg.run,
-            self.run,
-            show=("reward/mean", "eval/heldout_success"),
-        )
-
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         return {
-            "step": self.step,
+            **self.base_state(),
             "policy": self.policy.state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "stats": self.stats.state_dict(),
-            "rng": get_rng_state({"train": self.generator}),
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
+        self.load_base_state(state)
         self.policy.load_state_dict(state["policy"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.stats.load_state_dict(state["stats"])
-        set_rng_state(state["rng"], {"train": self.generator})
 
     def save_checkpoint(self) -> None:
-        if self.run is None:
-            return
-        save_checkpoint(
-            self.run.checkpoint_dir, self.step, self.state_dict(), keep_last=self.cfg.run.keep_last
-        )
-
-    def cleanup(self) -> None:
-        if self.run is not None:
-            self.run.close()
+        if self.checkpoint_wanted():
+            self.write_checkpoint(self.state_dict())
 
 
 def main(cfg: BanditRecipeConfig) -> dict[str, float]:
