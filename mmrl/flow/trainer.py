@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 import rewards as reward_registry
-from mmrl.checkpoint import load_checkpoint, load_trainable, save_checkpoint
+from mmrl.checkpoint import load_checkpoint, load_trainable
 from mmrl.core import advantages as adv_lib
 from mmrl.core import allocation as alloc_lib
 from mmrl.core import losses as loss_lib
@@ -36,13 +36,10 @@ from mmrl.core.estimators import Advantages, RewardBatch, get_estimator
 from mmrl.core.groups import effective_ratio, make_groups
 from mmrl.core.stats import PromptStats
 from mmrl.data.prompts import check_prompts, load_prompts
-from mmrl.device import DTYPES, resolve_device
+from mmrl.device import DTYPES
 from mmrl.distributed import (
-    all_reduce_grads,
     broadcast_params,
     full_state_dict,
-    full_tensor,
-    init_distributed,
     load_optimizer_state,
     optimizer_state,
     shard_model,
@@ -50,15 +47,14 @@ from mmrl.distributed import (
 from mmrl.ema import EMA
 from mmrl.flow.config import FlowGRPOConfig
 from mmrl.images import make_grid, tensor_to_pil
-from mmrl.loop import run_recipe, train_loop
-from mmrl.run import MetricAccumulator, Run, resume_checkpoint, write_summary_json
-from mmrl.seeding import get_rng_state, seed_everything, set_rng_state
+from mmrl.loop import run_recipe
+from mmrl.run import Run, write_summary_json
+from mmrl.trainer_base import TrainerBase
 from pipelines.flow.adapters import Conditioning, FlowAdapter, list_adapters, load_adapter
 from pipelines.flow.branch import TreeConfig, prune_transitions, tree_rollout
 from pipelines.flow.explore import ExploreConfig, ExploreResult, explore, spearman
 from pipelines.flow.rollout import Rollout, SamplingConfig, TransitionBatch, rescore, rollout
 from pipelines.flow.sde import sde_noise_scale
-from pipelines.threads import set_cpu_threads
 from rewards.base import checked_score
 
 __all__ = ["FlowGRPOTrainer", "evaluate", "main"]
@@ -122,30 +118,20 @@ class StepBatch:
         return prompt_ids(self.prompts)
 
 
-class FlowGRPOTrainer:
+class FlowGRPOTrainer(TrainerBase):
     """GRPO / DiffusionNFT over any flow adapter, with the core's selection, allocation and advantages."""
 
+    show = ("reward/mean", "eval/reward_mean")
+
     def __init__(self, cfg: FlowGRPOConfig, run: Run | None = None) -> None:
-        self.cfg = cfg
-        self.run = run
-        self.step = 0
+        super().__init__(cfg, run)
         self.nfe_total = 0
-        self.metrics = MetricAccumulator()
-        self.rollout_pool = (
-            None  # a mmrl.flow.pooled.PooledRollouts when cfg.pool.enabled (set up last in setup())
-        )
 
     # ------------------------------------------------------------------ setup
     def setup(self, for_training: bool = True) -> None:
         cfg = self.cfg
         # 1. seeds and device; one process per GPU under `accelerate launch` (mmrl/distributed.py)
-        self.dist = init_distributed()
-        self.rank, self.world_size = self.dist.rank, self.dist.world_size
-        self.generator = seed_everything(cfg.run.seed + self.rank)
-        set_cpu_threads(cfg.run.threads)
-        self.device = resolve_device(cfg.model.device)
-        if self.world_size > 1 and self.device.type == "cuda":
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.setup_runtime(cfg.model.device)
         # 2. model
         if cfg.model.family not in list_adapters():
             raise ValueError(
@@ -245,12 +231,7 @@ class FlowGRPOTrainer:
         decay = cfg.trainer.old_policy_decay
         self.old_policy = EMA(transformer, decay) if decay else None
         # 5. resume
-        ckpt = resume_checkpoint(cfg.run) if self.run is not None or self.dist.active else None
-        if ckpt is not None:
-            self.load_state(load_checkpoint(ckpt, map_location="cpu"))
-            if self.run is not None:
-                self.run.truncate_metrics(self.step)
-            logger.info("resumed from %s at step %d", ckpt, self.step)
+        self.resume()
         # 6. rollout pool, started from the weights held now (so after a resume)
         if cfg.pool.enabled:
             # imported here: mmrl.flow.pooled imports StepBatch from this module
@@ -597,18 +578,14 @@ class FlowGRPOTrainer:
                 self._optimizer_step()
 
     def _optimizer_step(self) -> None:
-        if not self.dist.fsdp:  # FSDP reduces the gradients of its shards itself
-            all_reduce_grads(self.trainable, self.world_size)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.trainer.max_grad_norm)
-        self.metrics.add("train/grad_norm", full_tensor(grad_norm))
         t = self.cfg.trainer
-        if (
-            t.lr_schedule == "cosine"
-        ):  # a function of the training step, so a resumed run continues it exactly
-            for group in self.optimizer.param_groups:
-                group["lr"] = t.lr * 0.5 * (1.0 + math.cos(math.pi * self.step / t.steps))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        # cosine: a function of the training step, so a resumed run continues it exactly
+        lr = (
+            t.lr * 0.5 * (1.0 + math.cos(math.pi * self.step / t.steps))
+            if t.lr_schedule == "cosine"
+            else None
+        )
+        self.optimizer_step(self.optimizer, self.trainable, t.max_grad_norm, lr=lr)
         if self.ema is not None:
             self.ema.update()
 
@@ -887,18 +864,6 @@ class FlowGRPOTrainer:
             self.run.save_samples(self.step, "eval", records, ro.images[:n])
         return out
 
-    # ------------------------------------------------------------------ loop
-    def train(self) -> dict[str, float]:
-        return train_loop(
-            self,
-            self.cfg.trainer.steps,
-            self.cfg.trainer.eval_every,
-            self.cfg.run,
-            self.run,
-            show=("reward/mean", "eval/reward_mean"),
-            main_process=self.rank == 0,
-        )
-
     # ------------------------------------------------------------------ state
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """The trained parameters as whole CPU tensors (gathered from the ranks' shards under FSDP)."""
@@ -906,30 +871,23 @@ class FlowGRPOTrainer:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "step": self.step,
+            **self.base_state(),
             "nfe_total": self.nfe_total,
             "trainable": self.trainable_state(),
             "optimizer": optimizer_state(self.adapter.transformer, self.optimizer),
-            "stats": self.stats.state_dict(),
             "ema": self.ema.state_dict() if self.ema is not None else None,
             "old_policy": self.old_policy.state_dict() if self.old_policy is not None else None,
-            "rng": get_rng_state({"train": self.generator}),
-            "rng_per_rank": self.dist.gather(get_rng_state({"train": self.generator}))
-            if self.dist.active
-            else None,
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
         load_trainable(self.adapter.transformer, state["trainable"])
-        self.step = int(state["step"])
+        self.load_base_state(state)
         self.nfe_total = int(state["nfe_total"])
         load_optimizer_state(self.adapter.transformer, self.optimizer, state["optimizer"])
-        self.stats.load_state_dict(state["stats"])
         if self.ema is not None and state.get("ema") is not None:
             self.ema.load_state_dict(state["ema"])
         if self.old_policy is not None and state.get("old_policy") is not None:
             self.old_policy.load_state_dict(state["old_policy"])
-        set_rng_state(self.dist.own(state.get("rng_per_rank"), state["rng"]), {"train": self.generator})
 
     def save_lora(self, directory: Path) -> None:
         """The LoRA in diffusers/PEFT format: ``pipe.load_lora_weights(directory)`` loads it on the base model."""
@@ -985,11 +943,9 @@ class FlowGRPOTrainer:
     def save_checkpoint(self) -> None:
         """Rank 0 writes; under data parallelism every rank first gathers the state with it (its RNG states, and
         its shards under FSDP: collectives)."""
-        if self.run is None and not self.dist.active:
+        if not self.checkpoint_wanted():
             return
         state = self.state_dict()
-        if self.run is None:
-            return
 
         def extra(directory: Path) -> None:  # what diffusers loads, beside the trainer's state.pt
             if self.cfg.model.lora is not None:
@@ -997,15 +953,7 @@ class FlowGRPOTrainer:
             else:
                 self.save_transformer(directory / "transformer", state["trainable"])
 
-        save_checkpoint(
-            self.run.checkpoint_dir, self.step, state, extra=extra, keep_last=self.cfg.run.keep_last
-        )
-
-    def cleanup(self) -> None:
-        if self.rollout_pool is not None:
-            self.rollout_pool.close()
-        if self.run is not None:
-            self.run.close()
+        self.write_checkpoint(state, extra)
 
 
 def main(cfg: FlowGRPOConfig) -> dict[str, float]:

@@ -36,7 +36,7 @@ from typing import Any, Literal
 import torch
 
 import rewards as reward_registry
-from mmrl.checkpoint import load_checkpoint, load_trainable, save_checkpoint
+from mmrl.checkpoint import load_checkpoint, load_trainable
 from mmrl.core import advantages as adv_lib
 from mmrl.core import allocation as alloc_lib
 from mmrl.core import losses as loss_lib
@@ -44,22 +44,18 @@ from mmrl.core.estimators import RewardBatch, get_estimator
 from mmrl.core.groups import effective_ratio
 from mmrl.core.stats import PromptStats
 from mmrl.data.vqa import VQAExample, load_vqa
-from mmrl.device import DTYPES, resolve_device
+from mmrl.device import DTYPES
 from mmrl.distributed import (
-    all_reduce_grads,
     broadcast_params,
     full_state_dict,
-    full_tensor,
-    init_distributed,
     load_optimizer_state,
     optimizer_state,
     shard_model,
 )
-from mmrl.loop import run_recipe, train_loop
-from mmrl.run import MetricAccumulator, Run, resume_checkpoint, write_summary_json
-from mmrl.seeding import get_rng_state, seed_everything, set_rng_state
+from mmrl.loop import run_recipe
+from mmrl.run import write_summary_json
+from mmrl.trainer_base import TrainerBase
 from mmrl.vlm.config import VLMRLVRConfig
-from pipelines.threads import set_cpu_threads
 from pipelines.vlm.backend import GenerationBackend, GenerationSample, SamplingParams
 from pipelines.vlm.families import VLMFamily, family_for_model_type, get_vlm_family
 from pipelines.vlm.inputs import VLMPrompt
@@ -71,17 +67,10 @@ __all__ = ["VLMRLVRTrainer", "evaluate", "load_examples", "main"]
 logger = logging.getLogger(__name__)
 
 
-class VLMRLVRTrainer:
+class VLMRLVRTrainer(TrainerBase):
     """Single-rollout or group RLVR for a transformers VLM, with the core's baseline, selection and losses."""
 
-    def __init__(self, cfg: VLMRLVRConfig, run: Run | None = None) -> None:
-        self.cfg = cfg
-        self.run = run
-        self.step = 0
-        self.metrics = MetricAccumulator()
-        self.rollout_pool = (
-            None  # a mmrl.vlm.pooled.PooledVLMRollouts when cfg.pool.enabled (set up last in setup())
-        )
+    show = ("reward/mean", "eval/accuracy")
 
     # ------------------------------------------------------------------ setup
     def setup(self, for_training: bool = True) -> None:
@@ -90,14 +79,9 @@ class VLMRLVRTrainer:
         cfg = self.cfg
         m = cfg.model
         # one process per GPU under `accelerate launch` (mmrl/distributed.py): each rank rolls out its own prompts
-        self.dist = init_distributed()
+        self.setup_runtime(m.device)
         if self.dist.fsdp:
             self._check_fsdp()
-        self.generator = seed_everything(cfg.run.seed + self.dist.rank)
-        set_cpu_threads(cfg.run.threads)
-        self.device = resolve_device(m.device)
-        if self.dist.active and self.device.type == "cuda":
-            self.device = torch.device("cuda", torch.cuda.current_device())
         # 1. model and processor, loaded as users load Qwen2.5-VL
         kwargs: dict[str, Any] = {"dtype": DTYPES[m.dtype]}
         if m.load_in_4bit:
@@ -189,12 +173,7 @@ class VLMRLVRTrainer:
             self.trainable, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay
         )
         self.stats = PromptStats(rho=cfg.allocation.rho, prior_strength=cfg.allocation.prior_strength)
-        ckpt = resume_checkpoint(cfg.run) if self.run is not None or self.dist.active else None
-        if ckpt is not None:
-            self.load_state(load_checkpoint(ckpt))
-            if self.run is not None:
-                self.run.truncate_metrics(self.step)
-            logger.info("resumed from %s at step %d", ckpt, self.step)
+        self.resume()
         # 5. rollout pool, started from the weights held now (so after a resume)
         if cfg.pool.enabled:
             from mmrl.vlm.pooled import PooledVLMRollouts
@@ -478,12 +457,7 @@ class VLMRLVRTrainer:
                         new.logprobs, o.logprobs, a_tok, t.epsilon_low, t.epsilon_high, mask=mask
                     )
                 )
-            if not self.dist.fsdp:  # FSDP reduces the gradients of its shards itself
-                all_reduce_grads(self.trainable, self.dist.world_size)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, t.max_grad_norm)
-            self.metrics.add("train/grad_norm", full_tensor(grad_norm))  # (a DTensor under FSDP)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer_step(self.optimizer, self.trainable, t.max_grad_norm)
         self.backend.sync_weights(self.model)
 
     def train_step(self) -> dict[str, float]:
@@ -549,50 +523,29 @@ class VLMRLVRTrainer:
             self._save_samples(self.step, "eval", pairs[:32], total[:32], raw[:32])
         return out
 
-    # ------------------------------------------------------------------ loop
-    def train(self) -> dict[str, float]:
-        return train_loop(
-            self,
-            self.cfg.trainer.steps,
-            self.cfg.trainer.eval_every,
-            self.cfg.run,
-            self.run,
-            show=("reward/mean", "eval/accuracy"),
-            main_process=self.dist.is_main,
-        )
-
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         return {
-            "step": self.step,
+            **self.base_state(),
             "trainable": full_state_dict(self.model),  # whole tensors, gathered from the shards under FSDP
             "optimizer": optimizer_state(self.model, self.optimizer),
-            "stats": self.stats.state_dict(),
-            "rng": get_rng_state({"train": self.generator}),
-            "rng_per_rank": self.dist.gather(get_rng_state({"train": self.generator}))
-            if self.dist.active
-            else None,
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
         load_trainable(self.model, state["trainable"])
-        self.step = int(state["step"])
+        self.load_base_state(state)
         load_optimizer_state(self.model, self.optimizer, state["optimizer"])
-        self.stats.load_state_dict(state["stats"])
-        set_rng_state(self.dist.own(state.get("rng_per_rank"), state["rng"]), {"train": self.generator})
         self.backend.sync_weights(self.model)
 
     def save_checkpoint(self) -> None:
         """Rank 0 writes; under data parallelism every rank first gathers the state with it (its RNG states, and
         its shards of the weights and optimizer state under FSDP: collectives)."""
-        if self.run is None and not self.dist.active:
+        if not self.checkpoint_wanted():
             return
         state = self.state_dict()
         lora = self.cfg.model.lora is not None
         # a full fine-tune under FSDP: every rank gathers the frozen shards too (collectives)
         weights = full_state_dict(self.model, trainable_only=False) if not lora and self.dist.fsdp else None
-        if self.run is None:
-            return
 
         def extra(directory: Path) -> None:
             """What transformers loads, beside the trainer's state.pt: ``adapter/`` (peft) or ``model/``
@@ -610,15 +563,7 @@ class VLMRLVRTrainer:
                 ]
                 config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
-        save_checkpoint(
-            self.run.checkpoint_dir, self.step, state, extra=extra, keep_last=self.cfg.run.keep_last
-        )
-
-    def cleanup(self) -> None:
-        if self.rollout_pool is not None:
-            self.rollout_pool.close()
-        if self.run is not None:
-            self.run.close()
+        self.write_checkpoint(state, extra)
 
 
 def load_examples(cfg: VLMRLVRConfig, which: Literal["train", "eval"]) -> list[VQAExample]:
