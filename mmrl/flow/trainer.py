@@ -21,7 +21,6 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +44,9 @@ from mmrl.distributed import (
     shard_model,
 )
 from mmrl.ema import EMA
+from mmrl.flow.batch import StepBatch
 from mmrl.flow.config import FlowGRPOConfig
+from mmrl.flow.pooled import PooledRollouts
 from mmrl.images import make_grid, tensor_to_pil
 from mmrl.loop import run_recipe
 from mmrl.run import Run, write_summary_json
@@ -62,12 +63,6 @@ __all__ = ["FlowGRPOTrainer", "evaluate", "main"]
 logger = logging.getLogger(__name__)
 
 EVAL_SEED = 1234  # evaluation noise is the same at every evaluation, so scores are comparable across steps
-
-
-def prompt_ids(prompts: list[str]) -> torch.Tensor:
-    """``[B]`` group id of each sample: the index of its prompt's first occurrence."""
-    ids: dict[str, int] = {}
-    return torch.tensor([ids.setdefault(p, len(ids)) for p in prompts])
 
 
 def sample_records(
@@ -87,35 +82,6 @@ def sample_records(
         record.update({name.removeprefix("reward/"): float(v[i]) for name, v in components.items()})
         records.append(record)
     return records
-
-
-@dataclass
-class StepBatch:
-    """What one rollout step hands to the update, whatever the rollout mode.
-
-    Attributes:
-        transitions: the SDE transitions to train on (after timestep subsampling / pruning).
-        adv: ``[N]`` advantage of each transition (its sample's, or its tree node's).
-        images, prompts: the final samples and their prompts.
-        final_latents: ``[B, ...]`` clean latents (DiffusionNFT trains on these).
-        cond: conditioning of the ``B`` final samples.
-        sample_adv: ``[B]`` per-sample advantages.
-        nfe: transformer evaluations the rollout spent.
-    """
-
-    transitions: TransitionBatch
-    adv: torch.Tensor
-    images: torch.Tensor
-    prompts: list[str]
-    final_latents: torch.Tensor
-    cond: Conditioning
-    sample_adv: torch.Tensor
-    nfe: int
-
-    @property
-    def groups(self) -> torch.Tensor:
-        """``[B]`` group id of each final sample (the images of one prompt form a group)."""
-        return prompt_ids(self.prompts)
 
 
 class FlowGRPOTrainer(TrainerBase):
@@ -234,9 +200,6 @@ class FlowGRPOTrainer(TrainerBase):
         self.resume()
         # 6. rollout pool, started from the weights held now (so after a resume)
         if cfg.pool.enabled:
-            # imported here: mmrl.flow.pooled imports StepBatch from this module
-            from mmrl.flow.pooled import PooledRollouts
-
             self.rollout_pool = PooledRollouts(self)
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
