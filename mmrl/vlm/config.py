@@ -219,7 +219,7 @@ class VLMRLVRConfig(Config):
         """The selection/allocation keys of the trainer section moved to ``allocation:`` (shared with the other
         recipes); old configs still load, with a warning naming the new key."""
         trainer = data.get("trainer") if isinstance(data, dict) else None
-        if not isinstance(trainer, dict) or not set(trainer) & set(MOVED_TO_ALLOCATION):
+        if not isinstance(trainer, dict) or not set(trainer) & {*MOVED_TO_ALLOCATION, "center"}:
             return data
         data = {**data, "trainer": dict(trainer)}
         allocation = dict(data.get("allocation") or {})

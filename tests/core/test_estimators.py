@@ -114,5 +114,7 @@ def test_vlm_trainer_keys_moved_to_the_allocation_section_still_load(caplog):
     assert (cfg.allocation.prompts_per_step, cfg.allocation.rho) == (4, 0.5)
     assert cfg.trainer.advantage_options == {"center": True}
     assert "trainer.prompts_per_step is deprecated: use allocation.prompts_per_step" in caplog.text
+    alone = load_config(VLMRLVRConfig, overrides=["trainer.center=true"])
+    assert alone.trainer.advantage_options == {"center": True}
     with pytest.raises(ConfigError, match="both set"):
         load_config(VLMRLVRConfig, overrides=["trainer.rho=0.5", "allocation.rho=0.7"])
