@@ -192,7 +192,7 @@ class FlowGRPOTrainer(TrainerBase):
                 "explore/weight_mb_policy": full / 1e6,
                 "explore/weight_mb_explorer": small / 1e6,
             }
-        self.stats = PromptStats(rho=cfg.allocation.rho)
+        self.stats = PromptStats(rho=cfg.allocation.rho, prior_strength=cfg.allocation.prior_strength)
         self.ema = EMA(transformer, cfg.trainer.ema_decay) if cfg.trainer.ema_decay else None
         decay = cfg.trainer.old_policy_decay
         self.old_policy = EMA(transformer, decay) if decay else None
