@@ -25,6 +25,7 @@ only settings with the same number of samples per rank (:meth:`VLMRLVRTrainer._c
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import math
@@ -72,6 +73,17 @@ class VLMRLVRTrainer(TrainerBase):
 
     show = ("reward/mean", "eval/accuracy")
 
+    @functools.cached_property
+    def family(self) -> VLMFamily:
+        """The model family's conventions (prompt layout, vision tokens and tower): ``model.family``, or the family
+        serving the checkpoint's ``model_type`` (read from its config, so prompts can be built before setup)."""
+        m = self.cfg.model
+        if m.family:
+            return get_vlm_family(m.family)
+        from transformers import AutoConfig
+
+        return family_for_model_type(AutoConfig.from_pretrained(m.path).model_type)
+
     # ------------------------------------------------------------------ setup
     def setup(self, for_training: bool = True) -> None:
         from pipelines.vlm.hf_backend import load_vlm
@@ -91,8 +103,6 @@ class VLMRLVRTrainer(TrainerBase):
                 load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=DTYPES[m.dtype]
             )
         self.processor, model = load_vlm(m.path, **kwargs)
-        # the model family's conventions (prompt layout, vision tokens and tower): named, or from the checkpoint
-        self.family = get_vlm_family(m.family) if m.family else family_for_model_type(model.config.model_type)
         if not m.load_in_4bit:
             model.to(self.device)
         model.requires_grad_(False)
