@@ -99,13 +99,13 @@ def config_overrides(variant: str, seed: int, threads: int) -> list[str]:
         f"trainer.minibatch_size={ROLLOUTS_PER_STEP}",
     ]
     if variant == "mmrl_single":
-        return [*common, "trainer.mode=single", f"trainer.prompts_per_step={ROLLOUTS_PER_STEP}"]
+        return [*common, "trainer.mode=single", f"allocation.prompts_per_step={ROLLOUTS_PER_STEP}"]
     if variant == "mmrl_group":
         return [
             *common,
             "trainer.mode=group",
             f"trainer.num_generations={G}",
-            f"trainer.prompts_per_step={ROLLOUTS_PER_STEP // G}",
+            f"allocation.prompts_per_step={ROLLOUTS_PER_STEP // G}",
             "trainer.entropy_shaping.enabled=false",
         ]
     if variant == "trl":
@@ -221,21 +221,22 @@ def run_trl(cfg: Any, marks: dict[int, int], save: Callable[[int, dict[str, Any]
     from trl import GRPOTrainer
 
     from mmrl.device import DTYPES
-    from mmrl.vlm.trainer import _lora_targets, load_examples
-    from pipelines.vlm.inputs import vision_token_ids
+    from mmrl.vlm.trainer import load_examples
+    from pipelines.vlm.families import family_for_model_type
 
     m = cfg.model
     processor = AutoProcessor.from_pretrained(m.path)
     model = AutoModelForImageTextToText.from_pretrained(m.path, dtype=DTYPES[m.dtype])
+    family = family_for_model_type(model.config.model_type)
     lora = LoraConfig(
         r=m.lora.rank,
         lora_alpha=m.lora.alpha,
         lora_dropout=m.lora.dropout,
-        target_modules=_lora_targets(list(m.lora.target_modules), m.train_vision),
+        target_modules=family.lora_target_pattern(m.lora.target_modules, m.train_vision),
     )
     dataset = datasets.Dataset.from_list(trl_rows(load_examples(cfg, "train"), cfg.data.system_prompt))
     args = trl_config(
-        cfg, max(marks), tempfile.mkdtemp(prefix="vs_trl_"), vision_token_ids(processor.tokenizer)
+        cfg, max(marks), tempfile.mkdtemp(prefix="vs_trl_"), family.suppressed_token_ids(processor.tokenizer)
     )
     times = StepTimes()
 

@@ -6,7 +6,7 @@ Lifecycle (as every mmrl trainer): ``BanditTrainer(cfg)`` -> ``setup()`` -> ``tr
 1. select prompts from the train pool (uniform, Thompson or priority, from the prompt statistics store);
 2. allocate the rollout budget over them (uniform, knapsack or square-root rule);
 3. sample answers, score them, fold the rewards into the store;
-4. advantages (GRPO / Dr.GRPO / RLOO / global-std) and the clipped surrogate (+ optional KL to the start policy).
+4. advantages (the registered estimator: GRPO / Dr.GRPO / RLOO / global-std ...) and the clipped surrogate (+ optional KL to the start policy).
 """
 
 from __future__ import annotations
@@ -19,17 +19,15 @@ import torch
 from pydantic import model_validator
 
 from mmrl.bandit.world import BanditPolicy, BanditWorld
-from mmrl.checkpoint import load_checkpoint, save_checkpoint
 from mmrl.config import Config, Field, RunConfig
-from mmrl.core import advantages as adv_lib
 from mmrl.core import allocation as alloc_lib
 from mmrl.core import losses as loss_lib
+from mmrl.core.estimators import RewardBatch, check_estimator, get_estimator
 from mmrl.core.groups import effective_ratio
 from mmrl.core.stats import PromptStats
-from mmrl.loop import run_recipe, train_loop
-from mmrl.run import MetricAccumulator, Run
-from mmrl.seeding import get_rng_state, seed_everything, set_rng_state
-from pipelines.threads import set_cpu_threads
+from mmrl.loop import run_recipe
+from mmrl.sections import AllocationConfig
+from mmrl.trainer_base import TrainerBase
 
 __all__ = ["BanditRecipeConfig", "BanditTrainer", "main"]
 
@@ -52,40 +50,24 @@ class PolicyConfig(Config):
     init_noise: float = Field(0.3, ge=0, description="Noise of the start weights.")
 
 
-class AllocationConfig(Config):
-    selection: Literal["uniform", "thompson", "priority"] = Field(
-        "uniform", description="How prompts are picked each step (MoPPS Thompson, SPO priority)."
-    )
-    method: Literal["uniform", "knapsack", "sqrt"] = Field(
-        "uniform", description="How the rollout budget is split over the picked prompts."
-    )
+class BanditAllocation(AllocationConfig):
+    """The shared allocation section with the bandit's defaults (64 prompts, 512 rollouts, at most 64 each)."""
+
     prompts_per_step: int = Field(64, ge=1, description="Prompts picked per step.")
     rollouts_per_step: int = Field(512, ge=1, description="Rollout budget per step (sum over prompts).")
-    n_min: int = Field(2, ge=1, description="Fewest rollouts a picked prompt gets.")
     n_max: int | None = Field(64, ge=1, description="Most rollouts a prompt gets (null: no cap).")
-    rho: float = Field(1.0, gt=0, le=1, description="Forgetting factor of the prompt statistics store.")
-
-    @model_validator(mode="after")
-    def _budget_fits(self) -> AllocationConfig:
-        if self.rollouts_per_step < self.prompts_per_step * self.n_min:
-            raise ValueError(
-                f"rollouts_per_step ({self.rollouts_per_step}) must be >= prompts_per_step * n_min "
-                f"({self.prompts_per_step} * {self.n_min})"
-            )
-        if self.n_max is not None and self.rollouts_per_step > self.prompts_per_step * self.n_max:
-            raise ValueError(
-                f"rollouts_per_step ({self.rollouts_per_step}) must be <= prompts_per_step * n_max "
-                f"({self.prompts_per_step} * {self.n_max})"
-            )
-        return self
 
 
 class TrainerConfig(Config):
     steps: int = Field(150, ge=1, description="Training steps.")
     lr: float = Field(0.1, gt=0, description="Adam learning rate.")
-    advantage: Literal["grpo", "dr_grpo", "rloo", "global_std"] = Field(
+    advantage: str = Field(
         "grpo",
-        description="grpo: group mean/std; dr_grpo: no std; rloo: leave-one-out; global_std: batch std.",
+        description="Advantage estimator (mmrl.core.estimators.list_estimators()): grpo: group mean/std; "
+        "dr_grpo: no std; rloo: leave-one-out; global_std: batch std; mc_grpo; single; ...",
+    )
+    advantage_options: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword options of the estimator (e.g. single: {center: true})."
     )
     epsilon_low: float = Field(0.2, ge=0, description="Lower clip range of the ratio.")
     epsilon_high: float = Field(0.28, ge=0, description="Upper clip range (clip-higher, DAPO uses 0.28).")
@@ -100,24 +82,28 @@ class BanditRecipeConfig(Config):
     run: RunConfig = Field(default_factory=lambda: RunConfig(name="bandit"))
     world: WorldConfig = Field(default_factory=WorldConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
-    allocation: AllocationConfig = Field(default_factory=AllocationConfig)
+    allocation: BanditAllocation = Field(default_factory=BanditAllocation)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
 
+    @model_validator(mode="after")
+    def _check(self) -> BanditRecipeConfig:
+        estimator = check_estimator(self.trainer.advantage, self.trainer.advantage_options)
+        if estimator.odd_groups and self.allocation.method != "uniform":
+            raise ValueError(
+                f"trainer.advantage={estimator.name} needs odd, equal group sizes: use allocation.method=uniform"
+            )
+        return self
 
-class BanditTrainer:
+
+class BanditTrainer(TrainerBase):
     """GRPO over the bandit world with the core's selection, allocation, advantages and losses."""
 
-    def __init__(self, cfg: BanditRecipeConfig, run: Run | None = None) -> None:
-        self.cfg = cfg
-        self.run = run
-        self.step = 0
-        self.metrics = MetricAccumulator()
+    show = ("reward/mean", "eval/heldout_success")
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         cfg = self.cfg
-        self.generator = seed_everything(cfg.run.seed)
-        set_cpu_threads(cfg.run.threads)
+        self.setup_runtime()
         self.world = BanditWorld(**cfg.world.model_dump())
         if cfg.allocation.prompts_per_step > len(self.world.train_ids):
             raise ValueError(
@@ -128,13 +114,8 @@ class BanditTrainer:
         self.reference = copy.deepcopy(self.policy).requires_grad_(False)
         trainable = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.Adam(trainable, lr=cfg.trainer.lr)
-        self.stats = PromptStats(rho=cfg.allocation.rho)
-        if self.run is not None:
-            ckpt = self.run.resume_checkpoint()
-            if ckpt is not None:
-                self.load_state(load_checkpoint(ckpt))
-                self.run.truncate_metrics(self.step)
-                logger.info("resumed from %s at step %d", ckpt, self.step)
+        self.stats = PromptStats(rho=cfg.allocation.rho, prior_strength=cfg.allocation.prior_strength)
+        self.resume()
 
     # ------------------------------------------------------------------ one step
     def rollout(self) -> dict[str, torch.Tensor]:
@@ -159,23 +140,17 @@ class BanditTrainer:
             "counts": counts,
         }
 
-    def advantages(self, rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-        kind = self.cfg.trainer.advantage
-        if kind == "grpo":
-            return adv_lib.group_normalized(rewards, group_ids, std="group")
-        if kind == "dr_grpo":
-            return adv_lib.group_normalized(rewards, group_ids, std="none")
-        if kind == "global_std":
-            return adv_lib.group_normalized(rewards, group_ids, std="global")
-        return adv_lib.rloo(rewards, group_ids)
-
     def train_step(self) -> dict[str, float]:
         t = self.cfg.trainer
         batch = self.rollout()
         prompt_idx, rewards = batch["prompt_idx"], batch["rewards"]
-        self.stats.update(prompt_idx.tolist(), rewards, step=self.step)
-        adv = self.advantages(rewards, prompt_idx)
-        mask = torch.ones(rewards.numel(), 1)
+        estimator = get_estimator(t.advantage)
+        prompts = prompt_idx.tolist()
+        baseline = self.stats.success_prob(prompts).float() if estimator.needs_baseline else None
+        self.stats.update(prompts, rewards, step=self.step)
+        result = estimator.fn(RewardBatch(rewards, prompt_idx, baseline=baseline), **t.advantage_options)
+        adv = result.adv
+        mask = result.keep_mask().float().unsqueeze(1)  # [N, 1]: samples the estimator excludes do not count
         for _ in range(t.ppo_epochs):
             logp = self.policy.log_prob(prompt_idx, batch["answers"])
             per_sample = loss_lib.clipped_surrogate(
@@ -212,44 +187,22 @@ class BanditTrainer:
             "eval/train_success": float(self.policy.success_prob(train, self.world.correct).mean()),
         }
 
-    # ------------------------------------------------------------------ loop
-    def train(self) -> dict[str, float]:
-        return train_loop(
-            self,
-            self.cfg.trainer.steps,
-            self.cfg.trainer.eval_every,
-            self.cfg.run,
-            self.run,
-            show=("reward/mean", "eval/heldout_success"),
-        )
-
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         return {
-            "step": self.step,
+            **self.base_state(),
             "policy": self.policy.state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "stats": self.stats.state_dict(),
-            "rng": get_rng_state({"train": self.generator}),
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
+        self.load_base_state(state)
         self.policy.load_state_dict(state["policy"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.stats.load_state_dict(state["stats"])
-        set_rng_state(state["rng"], {"train": self.generator})
 
     def save_checkpoint(self) -> None:
-        if self.run is None:
-            return
-        save_checkpoint(
-            self.run.checkpoint_dir, self.step, self.state_dict(), keep_last=self.cfg.run.keep_last
-        )
-
-    def cleanup(self) -> None:
-        if self.run is not None:
-            self.run.close()
+        if self.checkpoint_wanted():
+            self.write_checkpoint(self.state_dict())
 
 
 def main(cfg: BanditRecipeConfig) -> dict[str, float]:

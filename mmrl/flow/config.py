@@ -2,41 +2,35 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import model_validator
 
 from mmrl.config import Config, Field, RunConfig
+from mmrl.core.estimators import check_estimator
+from mmrl.sections import AllocationConfig, LoraSettings, PoolSettings, RewardSpec, check_reward_keys
 
 __all__ = [
     "AWMSettings",
     "ExploreSettings",
-    "FlowAllocationConfig",
     "FlowGRPOConfig",
+    "FlowLora",
     "FlowModelConfig",
     "FlowSamplingConfig",
     "FlowTrainerConfig",
-    "LoraSettings",
-    "PoolSettings",
-    "RewardSpec",
     "TreeSettings",
 ]
 
 
-class LoraSettings(Config):
-    rank: int = Field(8, ge=1, description="LoRA rank r (Flow-GRPO: 32 for SD3.5-M).")
-    alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha / r.")
-    dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout.")
-    target_modules: list[str] = Field(
-        default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"],
-        description="Module names that get adapters (attention projections of the diffusers transformers).",
-    )
+class FlowLora(LoraSettings):
+    """LoRA of a diffusers transformer (defaults: its attention projections)."""
 
 
 class FlowModelConfig(Config):
-    family: Literal["shapes", "sd3", "flux", "sana", "wan"] = Field(
-        "shapes", description="Adapter family (pipelines/flow/adapters)."
+    family: str = Field(
+        "shapes",
+        description="Registered flow family (pipelines.flow.adapters.list_adapters(): shapes, sd3, flux, sana, "
+        "wan, or one registered with register_flow_family).",
     )
     path: str = Field("checkpoints/shapes_flow", description="Hub id or local diffusers directory.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
@@ -50,8 +44,8 @@ class FlowModelConfig(Config):
         description="Mixed precision: the transformer computes in this dtype under torch.autocast while weights, "
         "LoRA and optimizer stay in model.dtype (faster on GPUs and on CPUs with bfloat16 instructions).",
     )
-    lora: LoraSettings | None = Field(
-        default_factory=LoraSettings, description="LoRA settings; null trains the full transformer."
+    lora: FlowLora | None = Field(
+        default_factory=FlowLora, description="LoRA settings; null trains the full transformer."
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward (less memory)."
@@ -63,29 +57,6 @@ class FlowModelConfig(Config):
         default_factory=dict,
         description="More from_pretrained / adapter options (revision, variant, max_sequence_length, ...).",
     )
-
-
-class RewardSpec(Config):
-    name: str = Field(description="Registered reward name (rewards.list_rewards()).")
-    weight: float = Field(1.0, description="Weight in the sum (or in GDPO's weighted sum).")
-    options: dict[str, Any] = Field(default_factory=dict, description="Keyword options of rewards.build.")
-    label: str | None = Field(
-        None,
-        description="Name of its metrics (reward/LABEL/mean, eval/LABEL...); null: the reward's name. Needed "
-        "when one reward appears twice with other options.",
-    )
-
-    @property
-    def key(self) -> str:
-        return self.label or self.name
-
-
-def check_reward_keys(specs: list[RewardSpec], where: str) -> None:
-    """Each reward of a list logs under its own key: a repeated name without labels would overwrite metrics."""
-    keys = [spec.key for spec in specs]
-    repeated = sorted({k for k in keys if keys.count(k) > 1})
-    if repeated:
-        raise ValueError(f"{where}: several rewards log as {repeated}; give each a distinct `label`")
 
 
 class FlowSamplingConfig(Config):
@@ -153,94 +124,6 @@ class ExploreSettings(Config):
         "extremes", description="Selection rule."
     )
     extra_random: int = Field(0, ge=0, description="Middle seeds added by extremes_random.")
-
-
-class FlowAllocationConfig(Config):
-    selection: Literal["uniform", "thompson", "priority"] = Field("uniform", description="Prompt selection.")
-    method: Literal["uniform", "knapsack", "sqrt"] = Field("uniform", description="Rollout allocation.")
-    prompts_per_step: int = Field(8, ge=1, description="Prompts per step.")
-    rollouts_per_step: int = Field(64, ge=1, description="Images generated per step (sum of group sizes).")
-    n_min: int = Field(2, ge=1, description="Fewest images per prompt.")
-    n_max: int | None = Field(None, ge=1, description="Most images per prompt.")
-    rho: float = Field(1.0, gt=0, le=1, description="Forgetting factor of the prompt statistics store.")
-
-    @model_validator(mode="after")
-    def _budget_fits(self) -> FlowAllocationConfig:
-        if self.rollouts_per_step < self.prompts_per_step * self.n_min:
-            raise ValueError(
-                f"rollouts_per_step ({self.rollouts_per_step}) must be >= prompts_per_step * n_min "
-                f"({self.prompts_per_step} * {self.n_min})"
-            )
-        return self
-
-
-class PoolSettings(Config):
-    enabled: bool = Field(
-        False,
-        description="Take the flat rollouts from a rollout pool (pipelines/pool, mmrl/flow/pooled.py) "
-        "instead of generating them in the training loop.",
-    )
-    executor: Literal["inprocess", "ray"] = Field(
-        "inprocess",
-        description="inprocess: worker threads in the trainer process (one GPU); ray: Ray actors.",
-    )
-    num_workers: int = Field(
-        1,
-        ge=1,
-        description="Rollout workers; a step's prompts are split into one request per worker.",
-    )
-    max_staleness: int = Field(
-        0,
-        ge=0,
-        description="Most weight versions a sample may lag behind the trainer: 0 synchronous on-policy, "
-        "1 generates step k+1 while step k trains (AReaL, arXiv 2505.24298).",
-    )
-    request_timeout: float | None = Field(
-        None,
-        gt=0,
-        description="Seconds a request may run before its worker is replaced (null: wait forever).",
-    )
-    tis_cap: float = Field(
-        2.0,
-        ge=1.0,
-        description="Cap C of the truncated importance weight min(pi_current / pi_behaviour, C) of "
-        "stale samples (TIS); >= 1 so that on-policy samples keep weight 1.",
-    )
-    device: str | None = Field(
-        None,
-        description="Device of the rollout workers (null: the trainer's; a Ray actor sees its own GPU as cuda).",
-    )
-    ray: dict[str, Any] = Field(
-        default_factory=dict,
-        description="RayOptions of the actors (address, num_cpus, num_gpus, resources, runtime_env).",
-    )
-
-    def build_pool(self, factory: Callable[[], Any]) -> Any:
-        """The :class:`~pipelines.pool.pool.RolloutPool` these settings describe, its workers built by ``factory``.
-
-        Raises:
-            ValueError: ``ray`` holds a key that is not a RayOptions field.
-        """
-        from pipelines.pool.executors import RayOptions
-        from pipelines.pool.pool import RolloutPool
-
-        ray = None
-        if self.executor == "ray":
-            try:
-                ray = RayOptions(**self.ray)
-            except TypeError as err:
-                raise ValueError(
-                    f"pool.ray: {err}; the keys are RayOptions fields (address, num_cpus, num_gpus, "
-                    "resources, runtime_env)"
-                ) from err
-        return RolloutPool(
-            factory,
-            self.num_workers,
-            executor=self.executor,
-            max_staleness=self.max_staleness,
-            request_timeout=self.request_timeout,
-            ray=ray,
-        )
 
 
 class AWMSettings(Config):
@@ -311,8 +194,13 @@ class FlowTrainerConfig(Config):
         "adamw", description="adamw8bit: bitsandbytes 8-bit AdamW."
     )
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
-    advantage: Literal["grpo", "dr_grpo", "rloo", "global_std"] = Field(
-        "grpo", description="Advantage estimator."
+    advantage: str = Field(
+        "grpo",
+        description="Advantage estimator, a name of mmrl.core.estimators.list_estimators(): grpo, dr_grpo, "
+        "rloo, global_std, mc_grpo (odd group sizes), single (store baseline), gdpo, or one you registered.",
+    )
+    advantage_options: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword options of the estimator (e.g. single: {center: true})."
     )
     multi_reward: Literal["weighted_sum", "gdpo"] = Field(
         "weighted_sum", description="How several rewards combine: weighted sum then GRPO, or GDPO."
@@ -401,7 +289,7 @@ class FlowGRPOConfig(Config):
         "verifier while training on its partial-credit form.",
     )
     sampling: FlowSamplingConfig = Field(default_factory=FlowSamplingConfig)
-    allocation: FlowAllocationConfig = Field(default_factory=FlowAllocationConfig)
+    allocation: AllocationConfig = Field(default_factory=AllocationConfig)
     tree: TreeSettings = Field(
         default_factory=TreeSettings, description="Branching settings (sampling.rollout=branch)."
     )
@@ -423,6 +311,11 @@ class FlowGRPOConfig(Config):
             )
         check_reward_keys(self.rewards, "rewards")
         check_reward_keys(self.eval_rewards or [], "eval_rewards")
+        estimator = check_estimator(self.trainer.advantage, self.trainer.advantage_options)
+        if estimator.odd_groups and self.allocation.method != "uniform":
+            raise ValueError(
+                f"trainer.advantage={estimator.name} needs odd, equal group sizes: use allocation.method=uniform"
+            )
         w = self.sampling.sde_window
         if w is not None and w > self.sampling.num_steps:
             raise ValueError(

@@ -35,7 +35,7 @@ import torch
 from mmrl.core import allocation as alloc_lib
 from mmrl.core.losses import truncated_is_weights
 from mmrl.device import DTYPES
-from mmrl.flow.trainer import StepBatch
+from mmrl.flow.batch import StepBatch
 from mmrl.seeding import request_seed
 from pipelines.flow.adapters import Conditioning
 from pipelines.flow.rollout import Rollout, SamplingConfig, TransitionBatch, rescore, rollout

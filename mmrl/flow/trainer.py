@@ -22,44 +22,42 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import rewards as reward_registry
-from mmrl.checkpoint import load_checkpoint, load_trainable, save_checkpoint
+from mmrl.checkpoint import load_checkpoint, load_trainable
 from mmrl.core import advantages as adv_lib
 from mmrl.core import allocation as alloc_lib
 from mmrl.core import losses as loss_lib
+from mmrl.core.estimators import Advantages, RewardBatch, get_estimator
 from mmrl.core.groups import effective_ratio, make_groups
 from mmrl.core.stats import PromptStats
 from mmrl.data.prompts import check_prompts, load_prompts
-from mmrl.device import DTYPES, resolve_device
+from mmrl.device import DTYPES
 from mmrl.distributed import (
-    all_reduce_grads,
     broadcast_params,
     full_state_dict,
-    full_tensor,
-    init_distributed,
     load_optimizer_state,
     optimizer_state,
     shard_model,
 )
 from mmrl.ema import EMA
 from mmrl.flow.awm import awm_update
+from mmrl.flow.batch import StepBatch
 from mmrl.flow.config import FlowGRPOConfig
+from mmrl.flow.pooled import PooledRollouts
 from mmrl.images import make_grid, tensor_to_pil
-from mmrl.loop import run_recipe, train_loop
-from mmrl.run import MetricAccumulator, Run, resume_checkpoint, write_summary_json
-from mmrl.seeding import get_rng_state, seed_everything, set_rng_state
-from pipelines.flow.adapters import Conditioning, FlowAdapter, load_adapter
+from mmrl.loop import run_recipe
+from mmrl.run import Run, write_summary_json
+from mmrl.trainer_base import TrainerBase
+from pipelines.flow.adapters import Conditioning, FlowAdapter, list_adapters, load_adapter
 from pipelines.flow.branch import TreeConfig, prune_transitions, tree_rollout
 from pipelines.flow.explore import ExploreConfig, ExploreResult, explore, spearman
 from pipelines.flow.rollout import Rollout, SamplingConfig, TransitionBatch, rescore, rollout
 from pipelines.flow.sde import sde_noise_scale
-from pipelines.threads import set_cpu_threads
 from rewards.base import checked_score
 
 __all__ = ["FlowGRPOTrainer", "evaluate", "main"]
@@ -67,12 +65,6 @@ __all__ = ["FlowGRPOTrainer", "evaluate", "main"]
 logger = logging.getLogger(__name__)
 
 EVAL_SEED = 1234  # evaluation noise is the same at every evaluation, so scores are comparable across steps
-
-
-def prompt_ids(prompts: list[str]) -> torch.Tensor:
-    """``[B]`` group id of each sample: the index of its prompt's first occurrence."""
-    ids: dict[str, int] = {}
-    return torch.tensor([ids.setdefault(p, len(ids)) for p in prompts])
 
 
 def sample_records(
@@ -94,60 +86,25 @@ def sample_records(
     return records
 
 
-@dataclass
-class StepBatch:
-    """What one rollout step hands to the update, whatever the rollout mode.
-
-    Attributes:
-        transitions: the SDE transitions to train on (after timestep subsampling / pruning).
-        adv: ``[N]`` advantage of each transition (its sample's, or its tree node's).
-        images, prompts: the final samples and their prompts.
-        final_latents: ``[B, ...]`` clean latents (DiffusionNFT trains on these).
-        cond: conditioning of the ``B`` final samples.
-        sample_adv: ``[B]`` per-sample advantages.
-        nfe: transformer evaluations the rollout spent.
-    """
-
-    transitions: TransitionBatch
-    adv: torch.Tensor
-    images: torch.Tensor
-    prompts: list[str]
-    final_latents: torch.Tensor
-    cond: Conditioning
-    sample_adv: torch.Tensor
-    nfe: int
-
-    @property
-    def groups(self) -> torch.Tensor:
-        """``[B]`` group id of each final sample (the images of one prompt form a group)."""
-        return prompt_ids(self.prompts)
-
-
-class FlowGRPOTrainer:
+class FlowGRPOTrainer(TrainerBase):
     """GRPO / DiffusionNFT over any flow adapter, with the core's selection, allocation and advantages."""
 
+    show = ("reward/mean", "eval/reward_mean")
+
     def __init__(self, cfg: FlowGRPOConfig, run: Run | None = None) -> None:
-        self.cfg = cfg
-        self.run = run
-        self.step = 0
+        super().__init__(cfg, run)
         self.nfe_total = 0
-        self.metrics = MetricAccumulator()
-        self.rollout_pool = (
-            None  # a mmrl.flow.pooled.PooledRollouts when cfg.pool.enabled (set up last in setup())
-        )
 
     # ------------------------------------------------------------------ setup
     def setup(self, for_training: bool = True) -> None:
         cfg = self.cfg
         # 1. seeds and device; one process per GPU under `accelerate launch` (mmrl/distributed.py)
-        self.dist = init_distributed()
-        self.rank, self.world_size = self.dist.rank, self.dist.world_size
-        self.generator = seed_everything(cfg.run.seed + self.rank)
-        set_cpu_threads(cfg.run.threads)
-        self.device = resolve_device(cfg.model.device)
-        if self.world_size > 1 and self.device.type == "cuda":
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.setup_runtime(cfg.model.device)
         # 2. model
+        if cfg.model.family not in list_adapters():
+            raise ValueError(
+                f"model.family: unknown flow family {cfg.model.family!r}; registered: {list_adapters()}"
+            )
         self.adapter: FlowAdapter = load_adapter(
             cfg.model.family,
             cfg.model.path,
@@ -237,22 +194,14 @@ class FlowGRPOTrainer:
                 "explore/weight_mb_policy": full / 1e6,
                 "explore/weight_mb_explorer": small / 1e6,
             }
-        self.stats = PromptStats(rho=cfg.allocation.rho)
+        self.stats = PromptStats(rho=cfg.allocation.rho, prior_strength=cfg.allocation.prior_strength)
         self.ema = EMA(transformer, cfg.trainer.ema_decay) if cfg.trainer.ema_decay else None
         decay = cfg.trainer.old_policy_decay
         self.old_policy = EMA(transformer, decay) if decay else None
         # 5. resume
-        ckpt = resume_checkpoint(cfg.run) if self.run is not None or self.dist.active else None
-        if ckpt is not None:
-            self.load_state(load_checkpoint(ckpt, map_location="cpu"))
-            if self.run is not None:
-                self.run.truncate_metrics(self.step)
-            logger.info("resumed from %s at step %d", ckpt, self.step)
+        self.resume()
         # 6. rollout pool, started from the weights held now (so after a resume)
         if cfg.pool.enabled:
-            # imported here: mmrl.flow.pooled imports StepBatch from this module
-            from mmrl.flow.pooled import PooledRollouts
-
             self.rollout_pool = PooledRollouts(self)
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
@@ -322,18 +271,19 @@ class FlowGRPOTrainer:
         """Weighted sum of the rewards ``[B]`` (what is logged and stored as the prompt's reward)."""
         return raw @ self.reward_weights
 
-    def advantages(self, raw: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    def advantages(self, raw: torch.Tensor, group_index: torch.Tensor, prompts: list[str]) -> Advantages:
+        """Step 4: the configured estimator's advantages of a scored batch, clipped; folds the rewards into the
+        statistics store first (an estimator that needs the store's baseline gets it from before the update).
+        GDPO replaces the estimator when ``trainer.multi_reward=gdpo`` and there are several rewards."""
         t = self.cfg.trainer
-        if raw.shape[1] > 1 and t.multi_reward == "gdpo":
-            adv = adv_lib.decoupled_multi_reward(raw, group_index, self.reward_weights)
-        else:
-            total = self.combine(raw)
-            if t.advantage == "rloo":
-                adv = adv_lib.rloo(total, group_index)
-            else:
-                std = {"grpo": "group", "dr_grpo": "none", "global_std": "global"}[t.advantage]
-                adv = adv_lib.group_normalized(total, group_index, std=std)
-        return adv_lib.clip_advantages(adv, t.adv_clip_max)
+        name = "gdpo" if raw.shape[1] > 1 and t.multi_reward == "gdpo" else t.advantage
+        estimator = get_estimator(name)
+        total = self.combine(raw)
+        baseline = self.stats.success_prob(prompts).float() if estimator.needs_baseline else None
+        self.stats.update_distributed(prompts, total, step=self.step)
+        options = t.advantage_options if name == t.advantage else {}
+        result = estimator.fn(RewardBatch(total, group_index, raw, self.reward_weights, baseline), **options)
+        return Advantages(adv_lib.clip_advantages(result.adv, t.adv_clip_max), result.keep)
 
     # ------------------------------------------------------------------ one step
     def sde_window(self, step: int) -> tuple[int, int] | None:
@@ -466,13 +416,16 @@ class FlowGRPOTrainer:
         the transitions to train)`` (the in-process and the pooled flat paths share this)."""
         raw, components = self.score(ro.images, ro.prompts)
         total = self.combine(raw)
-        self.stats.update_distributed(ro.prompts, total, step=self.step)
-        adv = self.advantages(raw, ro.group_index)
+        result = self.advantages(raw, ro.group_index, ro.prompts)
+        adv = result.adv
         self._log_rewards(total, raw, components, ro.group_index)
         counts = torch.bincount(ro.group_index)
         self.metrics.add("rollouts/per_prompt_min", counts.min().float())
         self.metrics.add("rollouts/per_prompt_max", counts.max().float())
-        return total, adv, ro.transitions(self._train_steps(ro.sde_steps))
+        trans = ro.transitions(self._train_steps(ro.sde_steps))
+        if result.keep is not None:  # samples the estimator leaves out of the loss (MC-GRPO's pivot)
+            trans = trans.select(torch.nonzero(result.keep[trans.sample_index]).flatten())
+        return total, adv, trans
 
     def _collect_branch(self, prompts: list[str], explored: ExploreResult | None) -> StepBatch:
         """One tree per prompt (per kept seed when exploring); node advantages by depth (BranchGRPO), pruned."""
@@ -498,7 +451,8 @@ class FlowGRPOTrainer:
                 torch.zeros(len(prompts)).index_add_(0, tr.leaf_tree, total) / tr.tree.leaves_per_tree()
             )
             self.metrics.add("explore/spearman", spearman(explored.chosen_preview_rewards, per_tree))
-        self.stats.update_distributed(tr.leaf_prompts, total, step=self.step)
+        # per-leaf advantages (for the NFT objective, which trains on final images); updates the store
+        leaf_adv = self.advantages(raw, tr.leaf_tree, tr.leaf_prompts).adv
         self._log_rewards(total, raw, components, tr.leaf_tree)
         edge_logprob = None
         if t.fusion == "path_prob":
@@ -520,7 +474,6 @@ class FlowGRPOTrainer:
         steps = self._train_steps(config.sde_steps())
         keep = keep[torch.isin(tr.transitions.step_index[keep], steps)]
         trans = tr.transitions.select(keep)
-        leaf_adv = self.advantages(raw, tr.leaf_tree)  # for the NFT objective, which trains on final images
         self.metrics.add("tree/nodes", float(tr.parent.numel()))
         self.metrics.add("tree/trained_transitions", float(len(trans)))
         return StepBatch(
@@ -590,18 +543,14 @@ class FlowGRPOTrainer:
                 self._optimizer_step()
 
     def _optimizer_step(self) -> None:
-        if not self.dist.fsdp:  # FSDP reduces the gradients of its shards itself
-            all_reduce_grads(self.trainable, self.world_size)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.trainer.max_grad_norm)
-        self.metrics.add("train/grad_norm", full_tensor(grad_norm))
         t = self.cfg.trainer
-        if (
-            t.lr_schedule == "cosine"
-        ):  # a function of the training step, so a resumed run continues it exactly
-            for group in self.optimizer.param_groups:
-                group["lr"] = t.lr * 0.5 * (1.0 + math.cos(math.pi * self.step / t.steps))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        # cosine: a function of the training step, so a resumed run continues it exactly
+        lr = (
+            t.lr * 0.5 * (1.0 + math.cos(math.pi * self.step / t.steps))
+            if t.lr_schedule == "cosine"
+            else None
+        )
+        self.optimizer_step(self.optimizer, self.trainable, t.max_grad_norm, lr=lr)
         if self.ema is not None:
             self.ema.update()
 
@@ -892,18 +841,6 @@ class FlowGRPOTrainer:
             self.run.save_samples(self.step, "eval", records, ro.images[:n])
         return out
 
-    # ------------------------------------------------------------------ loop
-    def train(self) -> dict[str, float]:
-        return train_loop(
-            self,
-            self.cfg.trainer.steps,
-            self.cfg.trainer.eval_every,
-            self.cfg.run,
-            self.run,
-            show=("reward/mean", "eval/reward_mean"),
-            main_process=self.rank == 0,
-        )
-
     # ------------------------------------------------------------------ state
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """The trained parameters as whole CPU tensors (gathered from the ranks' shards under FSDP)."""
@@ -911,30 +848,23 @@ class FlowGRPOTrainer:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "step": self.step,
+            **self.base_state(),
             "nfe_total": self.nfe_total,
             "trainable": self.trainable_state(),
             "optimizer": optimizer_state(self.adapter.transformer, self.optimizer),
-            "stats": self.stats.state_dict(),
             "ema": self.ema.state_dict() if self.ema is not None else None,
             "old_policy": self.old_policy.state_dict() if self.old_policy is not None else None,
-            "rng": get_rng_state({"train": self.generator}),
-            "rng_per_rank": self.dist.gather(get_rng_state({"train": self.generator}))
-            if self.dist.active
-            else None,
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
         load_trainable(self.adapter.transformer, state["trainable"])
-        self.step = int(state["step"])
+        self.load_base_state(state)
         self.nfe_total = int(state["nfe_total"])
         load_optimizer_state(self.adapter.transformer, self.optimizer, state["optimizer"])
-        self.stats.load_state_dict(state["stats"])
         if self.ema is not None and state.get("ema") is not None:
             self.ema.load_state_dict(state["ema"])
         if self.old_policy is not None and state.get("old_policy") is not None:
             self.old_policy.load_state_dict(state["old_policy"])
-        set_rng_state(self.dist.own(state.get("rng_per_rank"), state["rng"]), {"train": self.generator})
 
     def save_lora(self, directory: Path) -> None:
         """The LoRA in diffusers/PEFT format: ``pipe.load_lora_weights(directory)`` loads it on the base model."""
@@ -990,11 +920,9 @@ class FlowGRPOTrainer:
     def save_checkpoint(self) -> None:
         """Rank 0 writes; under data parallelism every rank first gathers the state with it (its RNG states, and
         its shards under FSDP: collectives)."""
-        if self.run is None and not self.dist.active:
+        if not self.checkpoint_wanted():
             return
         state = self.state_dict()
-        if self.run is None:
-            return
 
         def extra(directory: Path) -> None:  # what diffusers loads, beside the trainer's state.pt
             if self.cfg.model.lora is not None:
@@ -1002,15 +930,7 @@ class FlowGRPOTrainer:
             else:
                 self.save_transformer(directory / "transformer", state["trainable"])
 
-        save_checkpoint(
-            self.run.checkpoint_dir, self.step, state, extra=extra, keep_last=self.cfg.run.keep_last
-        )
-
-    def cleanup(self) -> None:
-        if self.rollout_pool is not None:
-            self.rollout_pool.close()
-        if self.run is not None:
-            self.run.close()
+        self.write_checkpoint(state, extra)
 
 
 def main(cfg: FlowGRPOConfig) -> dict[str, float]:

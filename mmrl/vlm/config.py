@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import logging
+from typing import Any, Literal
 
 from pydantic import model_validator
 
 from mmrl.config import Config, Field, RunConfig
-from mmrl.flow.config import PoolSettings, RewardSpec, check_reward_keys
+from mmrl.core.estimators import check_estimator, get_estimator
+from mmrl.sections import AllocationConfig, LoraSettings, PoolSettings, RewardSpec, check_reward_keys
 
-__all__ = ["VLMPoolSettings", "VLMRLVRConfig"]
+__all__ = ["VLMAllocation", "VLMPoolSettings", "VLMRLVRConfig"]
+
+logger = logging.getLogger(__name__)
 
 
-class VLMLora(Config):
+class VLMLora(LoraSettings):
     rank: int = Field(16, ge=1, description="LoRA rank.")
     alpha: float = Field(32.0, gt=0, description="LoRA alpha (scale alpha / r).")
-    dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout.")
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         description="Language-model modules that get adapters (the vision tower's are added when it is trained).",
@@ -25,6 +28,11 @@ class VLMLora(Config):
 class VLMModelConfig(Config):
     path: str = Field(
         "checkpoints/shapes_vlm", description="Hub id or local directory (AutoModelForImageTextToText)."
+    )
+    family: str | None = Field(
+        None,
+        description="Registered VLM family (pipelines.vlm.families.list_vlm_families(): qwen2_5_vl, ...): its "
+        "prompt layout, vision tokens and tower. null: the family serving the checkpoint's model_type.",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype.")
     device: str = Field("auto", description="'auto', 'cpu', 'cuda', ...")
@@ -88,22 +96,22 @@ class VLMTrainerConfig(Config):
         "single", description="single: MSSR/SPO one rollout; group: GRPO family."
     )
     steps: int = Field(100, ge=1, description="Training steps.")
-    prompts_per_step: int = Field(16, ge=1, description="Prompts per step.")
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
-    # single mode
-    selection: Literal["uniform", "thompson", "priority"] = Field("uniform", description="Prompt selection.")
-    rho: float = Field(0.9, gt=0, le=1, description="Forgetting factor of the per-prompt baseline.")
-    prior_strength: float = Field(2.0, gt=0, description="Pseudo-count of the baseline's shrinkage prior.")
-    center: bool = Field(False, description="Centre single-rollout advantages on the batch mean (off: MSSR).")
+    advantage: str | None = Field(
+        None,
+        description="Advantage estimator (mmrl.core.estimators.list_estimators()); null: single in single "
+        "mode, grpo in group mode. Group mode: grpo, dr_grpo, rloo, global_std, mc_grpo (G+1 rollouts), ...",
+    )
+    advantage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword options of the estimator, e.g. single: {center: true} centres the advantages on "
+        "the batch mean (off in MSSR: it can turn a correct answer negative).",
+    )
     # group mode
     num_generations: int = Field(
         8, ge=2, description="Rollouts per prompt in group mode (G; MC-GRPO uses G+1)."
-    )
-    advantage: Literal["grpo", "dr_grpo", "rloo", "mc_grpo"] = Field("grpo", description="Group estimator.")
-    allocation: Literal["uniform", "knapsack", "sqrt"] = Field(
-        "uniform", description="Group sizes from the core."
     )
     dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal.")
     # shared
@@ -168,6 +176,30 @@ class VLMPoolSettings(PoolSettings):
     )
 
 
+class VLMAllocation(AllocationConfig):
+    """The shared allocation section with the VLM recipe's defaults: 16 prompts, group sizes from
+    ``trainer.num_generations``, forgetting 0.9 (the single-rollout baseline tracks a moving policy)."""
+
+    prompts_per_step: int = Field(16, ge=1, description="Prompts picked per step.")
+    rollouts_per_step: int | None = Field(
+        None,
+        ge=1,
+        description="Rollout budget per step in group mode; null: prompts_per_step * trainer.num_generations "
+        "(+1 each for mc_grpo). Single mode: one rollout per prompt.",
+    )
+    rho: float = Field(0.9, gt=0, le=1, description="Forgetting factor of the per-prompt baseline.")
+
+
+#: keys of the VLM trainer section that moved to the shared allocation section: old -> new name
+MOVED_TO_ALLOCATION = {
+    "prompts_per_step": "prompts_per_step",
+    "selection": "selection",
+    "allocation": "method",
+    "rho": "rho",
+    "prior_strength": "prior_strength",
+}
+
+
 class VLMRLVRConfig(Config):
     recipe: Literal["vlm_rlvr"] = "vlm_rlvr"
     run: RunConfig = Field(default_factory=lambda: RunConfig(name="vlm_rlvr"))
@@ -175,19 +207,86 @@ class VLMRLVRConfig(Config):
     data: VLMDataConfig = Field(default_factory=VLMDataConfig)
     rewards: list[VLMRewardSpec] = Field(default_factory=lambda: [VLMRewardSpec(name="exact_match")])
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    allocation: VLMAllocation = Field(default_factory=VLMAllocation)
     trainer: VLMTrainerConfig = Field(default_factory=VLMTrainerConfig)
     pool: VLMPoolSettings = Field(
         default_factory=VLMPoolSettings, description="Rollouts from a rollout pool."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        """The selection/allocation keys of the trainer section moved to ``allocation:`` (shared with the other
+        recipes); old configs still load, with a warning naming the new key."""
+        trainer = data.get("trainer") if isinstance(data, dict) else None
+        if not isinstance(trainer, dict) or not set(trainer) & {*MOVED_TO_ALLOCATION, "center"}:
+            return data
+        data = {**data, "trainer": dict(trainer)}
+        allocation = dict(data.get("allocation") or {})
+        if "center" in data["trainer"]:
+            center = data["trainer"].pop("center")
+            data["trainer"]["advantage_options"] = {
+                **data["trainer"].get("advantage_options", {}),
+                "center": center,
+            }
+            logger.warning("config key trainer.center is deprecated: use trainer.advantage_options.center")
+        for old, new in MOVED_TO_ALLOCATION.items():
+            if old in data["trainer"]:
+                if new in allocation:
+                    raise ValueError(
+                        f"trainer.{old} and allocation.{new} are both set; keep allocation.{new}"
+                    )
+                allocation[new] = data["trainer"].pop(old)
+                logger.warning("config key trainer.%s is deprecated: use allocation.%s", old, new)
+        data["allocation"] = allocation
+        return data
+
+    @property
+    def estimator_name(self) -> str:
+        """The advantage estimator the trainer uses: ``trainer.advantage``, or the mode's default."""
+        t = self.trainer
+        if t.advantage is not None:
+            return t.advantage
+        return "single" if t.mode == "single" else "grpo"
+
+    @property
+    def group_size(self) -> int:
+        """Rollouts per prompt before allocation: 1 in single mode, ``num_generations`` (+ the estimator's extra,
+        MC-GRPO's pivot) in group mode."""
+        if self.trainer.mode == "single":
+            return 1
+        return self.trainer.num_generations + get_estimator(self.estimator_name).extra_per_group
+
+    @property
+    def rollouts_per_step(self) -> int:
+        """The step's rollout budget: ``allocation.rollouts_per_step`` or ``prompts_per_step * group_size``."""
+        a = self.allocation
+        return (
+            a.rollouts_per_step if a.rollouts_per_step is not None else a.prompts_per_step * self.group_size
+        )
 
     @model_validator(mode="after")
     def _check(self) -> VLMRLVRConfig:
         if not self.rewards:
             raise ValueError("rewards: at least one verifier is needed")
         check_reward_keys(self.rewards, "rewards")
-        t = self.trainer
-        if t.mode == "group" and t.advantage == "mc_grpo" and t.allocation != "uniform":
-            raise ValueError("mc_grpo needs odd, equal group sizes: use trainer.allocation=uniform")
+        t, a = self.trainer, self.allocation
+        estimator = check_estimator(self.estimator_name, t.advantage_options)
+        if estimator.single_rollout != (t.mode == "single"):
+            raise ValueError(
+                f"trainer.advantage={estimator.name} is a {'single' if estimator.single_rollout else 'group'} "
+                f"estimator but trainer.mode={t.mode}; set trainer.mode="
+                f"{'single' if estimator.single_rollout else 'group'} or another estimator"
+            )
+        if t.mode == "single" and (
+            a.method != "uniform" or a.rollouts_per_step not in (None, a.prompts_per_step)
+        ):
+            raise ValueError(
+                "trainer.mode=single rolls out once per prompt: set allocation.method=uniform and leave "
+                "allocation.rollouts_per_step null"
+            )
+        if t.mode == "group" and estimator.odd_groups and a.method != "uniform":
+            raise ValueError(f"{estimator.name} needs odd, equal group sizes: use allocation.method=uniform")
         p = self.pool
         if p.enabled:
             if self.generation.backend == "vllm" and p.device is not None:

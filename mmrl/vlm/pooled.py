@@ -37,7 +37,7 @@ sampling seed differs (hashed per request instead of drawn from the trainer's ge
 ``k + 1`` (with version ``k`` weights) while step ``k`` trains.
 
 APRIL (arXiv 2509.18521) with ``pool.overprovision = f``: every step has ``ceil(P (1 + f))`` prompts in flight,
-``P = trainer.prompts_per_step``: the prompts carried from the previous step plus new ones (never the same prompt
+``P = allocation.prompts_per_step``: the prompts carried from the previous step plus new ones (never the same prompt
 twice in a step); the step trains once the samples of ``P`` prompts are complete (``collect(min_samples=...)``),
 on every finished sample. A carried request is delivered at the next step, exactly once.
 """
@@ -137,15 +137,14 @@ class PooledVLMRollouts:
         self.step_of: dict[str, int] = {}  # pool step each pending request is delivered at
         self.lags = torch.zeros(0, dtype=torch.long)  # [N] per sample of the step being trained
         self.last: PoolStepInfo | None = None
-        group = 1 if t.mode == "single" else t.num_generations + (1 if t.advantage == "mc_grpo" else 0)
-        self.target_samples = t.prompts_per_step * group
+        self.target_samples = cfg.rollouts_per_step
         self.in_flight = math.ceil(
-            t.prompts_per_step * (1 + p.overprovision)
+            cfg.allocation.prompts_per_step * (1 + p.overprovision)
         )  # prompts per step, carried + new
         if self.in_flight > len(trainer.train_set):
             raise ValueError(
                 f"pool.overprovision={p.overprovision} keeps {self.in_flight} prompts per step in flight, more than "
-                f"the {len(trainer.train_set)} train examples; lower it or trainer.prompts_per_step"
+                f"the {len(trainer.train_set)} train examples; lower it or allocation.prompts_per_step"
             )
         g = cfg.generation
         params = SamplingParams(

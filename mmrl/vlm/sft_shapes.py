@@ -42,8 +42,9 @@ import rewards
 from mmrl.data.shapes import COLOURS, SHAPES, Scene
 from mmrl.data.shapes_vqa import VQA_KINDS, VQAItem, format_prompt, make_vqa_items
 from pipelines.vlm.backend import SamplingParams
+from pipelines.vlm.families.qwen2_5_vl import mm_token_type_ids
 from pipelines.vlm.hf_backend import HFBackend
-from pipelines.vlm.inputs import VLMPrompt, mm_token_type_ids, prepare_prompts
+from pipelines.vlm.inputs import VLMPrompt, prepare_prompts
 from pipelines.vlm.tiny import TinyVLMConfig, build_model, build_processor, train_tokenizer
 from rewards.text import NUMBER_WORDS
 

@@ -25,6 +25,7 @@ only settings with the same number of samples per rank (:meth:`VLMRLVRTrainer._c
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import math
@@ -36,30 +37,28 @@ from typing import Any, Literal
 import torch
 
 import rewards as reward_registry
-from mmrl.checkpoint import load_checkpoint, load_trainable, save_checkpoint
+from mmrl.checkpoint import load_checkpoint, load_trainable
 from mmrl.core import advantages as adv_lib
 from mmrl.core import allocation as alloc_lib
 from mmrl.core import losses as loss_lib
+from mmrl.core.estimators import RewardBatch, get_estimator
 from mmrl.core.groups import effective_ratio
 from mmrl.core.stats import PromptStats
 from mmrl.data.vqa import VQAExample, load_vqa
-from mmrl.device import DTYPES, resolve_device
+from mmrl.device import DTYPES
 from mmrl.distributed import (
-    all_reduce_grads,
     broadcast_params,
     full_state_dict,
-    full_tensor,
-    init_distributed,
     load_optimizer_state,
     optimizer_state,
     shard_model,
 )
-from mmrl.loop import run_recipe, train_loop
-from mmrl.run import MetricAccumulator, Run, resume_checkpoint, write_summary_json
-from mmrl.seeding import get_rng_state, seed_everything, set_rng_state
+from mmrl.loop import run_recipe
+from mmrl.run import write_summary_json
+from mmrl.trainer_base import TrainerBase
 from mmrl.vlm.config import VLMRLVRConfig
-from pipelines.threads import set_cpu_threads
 from pipelines.vlm.backend import GenerationBackend, GenerationSample, SamplingParams
+from pipelines.vlm.families import VLMFamily, family_for_model_type, get_vlm_family
 from pipelines.vlm.inputs import VLMPrompt
 from pipelines.vlm.logprobs import TokenStats, backbone_and_head, build_scoring_batch, completion_token_stats
 from rewards.base import checked_score
@@ -69,24 +68,21 @@ __all__ = ["VLMRLVRTrainer", "evaluate", "load_examples", "main"]
 logger = logging.getLogger(__name__)
 
 
-def _lora_targets(names: list[str], train_vision: bool) -> str | list[str]:
-    """peft ``target_modules``: the names anywhere, or (vision frozen) only outside the vision tower."""
-    if train_vision:
-        return names
-    return r"^(?!.*visual).*\.(" + "|".join(n.replace(".", r"\.") for n in names) + r")$"
-
-
-class VLMRLVRTrainer:
+class VLMRLVRTrainer(TrainerBase):
     """Single-rollout or group RLVR for a transformers VLM, with the core's baseline, selection and losses."""
 
-    def __init__(self, cfg: VLMRLVRConfig, run: Run | None = None) -> None:
-        self.cfg = cfg
-        self.run = run
-        self.step = 0
-        self.metrics = MetricAccumulator()
-        self.rollout_pool = (
-            None  # a mmrl.vlm.pooled.PooledVLMRollouts when cfg.pool.enabled (set up last in setup())
-        )
+    show = ("reward/mean", "eval/accuracy")
+
+    @functools.cached_property
+    def family(self) -> VLMFamily:
+        """The model family's conventions (prompt layout, vision tokens and tower): ``model.family``, or the family
+        serving the checkpoint's ``model_type`` (read from its config, so prompts can be built before setup)."""
+        m = self.cfg.model
+        if m.family:
+            return get_vlm_family(m.family)
+        from transformers import AutoConfig
+
+        return family_for_model_type(AutoConfig.from_pretrained(m.path).model_type)
 
     # ------------------------------------------------------------------ setup
     def setup(self, for_training: bool = True) -> None:
@@ -95,14 +91,9 @@ class VLMRLVRTrainer:
         cfg = self.cfg
         m = cfg.model
         # one process per GPU under `accelerate launch` (mmrl/distributed.py): each rank rolls out its own prompts
-        self.dist = init_distributed()
+        self.setup_runtime(m.device)
         if self.dist.fsdp:
             self._check_fsdp()
-        self.generator = seed_everything(cfg.run.seed + self.dist.rank)
-        set_cpu_threads(cfg.run.threads)
-        self.device = resolve_device(m.device)
-        if self.dist.active and self.device.type == "cuda":
-            self.device = torch.device("cuda", torch.cuda.current_device())
         # 1. model and processor, loaded as users load Qwen2.5-VL
         kwargs: dict[str, Any] = {"dtype": DTYPES[m.dtype]}
         if m.load_in_4bit:
@@ -124,14 +115,14 @@ class VLMRLVRTrainer:
                     r=m.lora.rank,
                     lora_alpha=m.lora.alpha,
                     lora_dropout=m.lora.dropout,
-                    target_modules=_lora_targets(list(m.lora.target_modules), m.train_vision),
+                    target_modules=self.family.lora_target_pattern(m.lora.target_modules, m.train_vision),
                 ),
             )
         else:
             model.requires_grad_(True)
             if not m.train_vision:
                 for name, p in model.named_parameters():
-                    if "visual" in name:
+                    if self.family.is_vision_parameter(name):
                         p.requires_grad_(False)
         if m.gradient_checkpointing:
             model.gradient_checkpointing_enable()
@@ -143,11 +134,16 @@ class VLMRLVRTrainer:
         if self.dist.fsdp:
             if self.reference is not None:
                 shard_model(
-                    self.reference, self.dist.reshard_after_forward, extra=_fsdp_units(self.reference)
+                    self.reference,
+                    self.dist.reshard_after_forward,
+                    extra=_fsdp_units(self.reference, self.family),
                 )
             # generate() runs the units itself: wrapped, its call is the root's forward (the policy's first call)
             shard_model(
-                model, self.dist.reshard_after_forward, extra=_fsdp_units(model), methods=("generate",)
+                model,
+                self.dist.reshard_after_forward,
+                extra=_fsdp_units(model, self.family),
+                methods=("generate",),
             )
         self.model = model
         self.trainable = [p for p in model.parameters() if p.requires_grad]  # DTensor shards under FSDP
@@ -175,9 +171,9 @@ class VLMRLVRTrainer:
                 "not, so one rank's batch could run the sharded vision tower while another's does not; use data "
                 "where every question has an image (or none does), or launch with configs/accelerate/ddp.yaml"
             )
-        if cfg.trainer.prompts_per_step > len(self.train_set):
+        if cfg.allocation.prompts_per_step > len(self.train_set):
             raise ValueError(
-                f"trainer.prompts_per_step ({cfg.trainer.prompts_per_step}) exceeds the {len(self.train_set)} "
+                f"allocation.prompts_per_step ({cfg.allocation.prompts_per_step}) exceeds the {len(self.train_set)} "
                 "train examples"
             )
         # 4. optimizer and the persistent per-prompt baseline
@@ -186,13 +182,8 @@ class VLMRLVRTrainer:
         self.optimizer = torch.optim.AdamW(
             self.trainable, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay
         )
-        self.stats = PromptStats(rho=cfg.trainer.rho, prior_strength=cfg.trainer.prior_strength)
-        ckpt = resume_checkpoint(cfg.run) if self.run is not None or self.dist.active else None
-        if ckpt is not None:
-            self.load_state(load_checkpoint(ckpt))
-            if self.run is not None:
-                self.run.truncate_metrics(self.step)
-            logger.info("resumed from %s at step %d", ckpt, self.step)
+        self.stats = PromptStats(rho=cfg.allocation.rho, prior_strength=cfg.allocation.prior_strength)
+        self.resume()
         # 5. rollout pool, started from the weights held now (so after a resume)
         if cfg.pool.enabled:
             from mmrl.vlm.pooled import PooledVLMRollouts
@@ -215,6 +206,7 @@ class VLMRLVRTrainer:
                 quantization="fp8" if g.vllm_fp8 else None,
                 dtype=self.cfg.model.dtype,
                 seed=self.cfg.run.seed,
+                family=self.family,
             )
         from pipelines.vlm.hf_backend import HFBackend
 
@@ -226,6 +218,7 @@ class VLMRLVRTrainer:
             max_prompt_length=g.max_prompt_length,
             batch_size=g.batch_size,
             synced_gpus=self.dist.fsdp,
+            family=self.family,
         )
 
     def _check_fsdp(self) -> None:
@@ -253,9 +246,9 @@ class VLMRLVRTrainer:
             )
         if t.mode == "group" and t.dynamic_sampling:
             refused.append("trainer.dynamic_sampling: a per-rank number of samples")
-        if t.mode == "group" and t.allocation != "uniform":
+        if t.mode == "group" and cfg.allocation.method != "uniform":
             refused.append(
-                f"trainer.allocation={t.allocation}: per-rank group sizes, so a per-rank number of "
+                f"allocation.method={cfg.allocation.method}: per-rank group sizes, so a per-rank number of "
                 "generate calls"
             )
         if refused:
@@ -271,7 +264,7 @@ class VLMRLVRTrainer:
 
     # ------------------------------------------------------------------ helpers
     def _prompt(self, ex: VQAExample) -> VLMPrompt:
-        return VLMPrompt.from_question(
+        return self.family.prompt(
             ex.question, ex.images, system=self.cfg.data.system_prompt, prompt_id=ex.prompt_id
         )
 
@@ -316,6 +309,7 @@ class VLMRLVRTrainer:
             [s.prompt_token_ids for _, s in pairs],
             [s.completion_token_ids for _, s in pairs],
             [ex.images for ex, _ in pairs],
+            family=self.family,
         )
         suppressed = getattr(self.backend, "suppressed_token_ids", ())
         chunk_size = self.cfg.trainer.logprob_chunk_size
@@ -340,23 +334,21 @@ class VLMRLVRTrainer:
 
     # ------------------------------------------------------------------ one step
     def choose_prompts(self, k: int, exclude: frozenset[str] = frozenset()) -> tuple[list[str], list[int]]:
-        """Step 1: ``k`` prompt ids (not in ``exclude``) and the rollouts of each (single: 1; group: the allocator's)."""
-        t = self.cfg.trainer
+        """Step 1: ``k`` prompt ids (not in ``exclude``) and the rollouts of each (single: 1; group: the allocator's
+        split of ``k`` prompts' share of the step budget)."""
+        a = self.cfg.allocation
         ids = [ex.prompt_id for ex in self.train_set if ex.prompt_id not in exclude]
-        if t.mode == "single":
-            chosen = alloc_lib.sample_prompts(
-                self.stats, ids, k, method=t.selection, generator=self.generator
-            )
+        chosen = alloc_lib.sample_prompts(self.stats, ids, k, method=a.selection, generator=self.generator)
+        if self.cfg.trainer.mode == "single":
             return chosen, [1] * len(chosen)
-        chosen = alloc_lib.sample_prompts(self.stats, ids, k, method="uniform", generator=self.generator)
-        g = t.num_generations + (1 if t.advantage == "mc_grpo" else 0)
-        counts = alloc_lib.allocate(self.stats, chosen, g * len(chosen), method=t.allocation, n_min=2)
+        budget = self.cfg.rollouts_per_step * len(chosen) // a.prompts_per_step
+        counts = alloc_lib.allocate(self.stats, chosen, budget, method=a.method, n_min=a.n_min, n_max=a.n_max)
         return chosen, counts.tolist()
 
     def rollouts(self) -> list[tuple[VQAExample, GenerationSample]]:
         """Steps 1-2 in the training loop: the step's prompts, then one ``generate`` per distinct count."""
         temp = self.cfg.generation.temperature
-        chosen, counts = self.choose_prompts(self.cfg.trainer.prompts_per_step)
+        chosen, counts = self.choose_prompts(self.cfg.allocation.prompts_per_step)
         pairs = []
         for n in sorted(set(counts)):
             pairs.extend(
@@ -370,27 +362,18 @@ class VLMRLVRTrainer:
         # the pool's samples for this step (mmrl/vlm/pooled.py), or generated here
         pairs = self.rollout_pool.collect() if self.rollout_pool is not None else self.rollouts()
         total, raw = self.verify(pairs)
-        if t.mode == "single":
-            pids = [ex.prompt_id for ex, _ in pairs]
-            baseline = self.stats.success_prob(pids).float()  # V(x) before this batch
-            adv = adv_lib.single_rollout(total, baseline, scale="batch_std", center=t.center)
-            self.stats.update_distributed(pids, total, step=self.step)
-            keep = torch.ones(len(pairs), dtype=torch.bool)
+        pids = [ex.prompt_id for ex, _ in pairs]
+        group_ids = torch.tensor(_group_index(pids))
+        estimator = get_estimator(self.cfg.estimator_name)
+        baseline = self.stats.success_prob(pids).float() if estimator.needs_baseline else None  # V(x) before
+        self.stats.update_distributed(pids, total, step=self.step)
+        result = estimator.fn(
+            RewardBatch(total, group_ids, raw, self.reward_weights, baseline), **t.advantage_options
+        )
+        adv, keep = result.adv, result.keep_mask()
+        if baseline is not None:
             self.metrics.add("baseline/mean", baseline.mean())
-        else:
-            pids = [ex.prompt_id for ex, _ in pairs]
-            group_ids = torch.tensor(_group_index(pids))
-            self.stats.update_distributed(pids, total, step=self.step)
-            keep = torch.ones(len(pairs), dtype=torch.bool)
-            if t.advantage == "mc_grpo":
-                adv, pivot = adv_lib.median_centered(total, group_ids)
-                keep &= ~pivot
-            elif t.advantage == "rloo":
-                adv = adv_lib.rloo(total, group_ids)
-            else:
-                adv = adv_lib.group_normalized(
-                    total, group_ids, std="group" if t.advantage == "grpo" else "none"
-                )
+        if t.mode == "group":
             self.metrics.add("train/effective_ratio", effective_ratio(total, group_ids))
             if t.dynamic_sampling:
                 keep &= adv != 0
@@ -484,12 +467,7 @@ class VLMRLVRTrainer:
                         new.logprobs, o.logprobs, a_tok, t.epsilon_low, t.epsilon_high, mask=mask
                     )
                 )
-            if not self.dist.fsdp:  # FSDP reduces the gradients of its shards itself
-                all_reduce_grads(self.trainable, self.dist.world_size)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, t.max_grad_norm)
-            self.metrics.add("train/grad_norm", full_tensor(grad_norm))  # (a DTensor under FSDP)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer_step(self.optimizer, self.trainable, t.max_grad_norm)
         self.backend.sync_weights(self.model)
 
     def train_step(self) -> dict[str, float]:
@@ -555,50 +533,29 @@ class VLMRLVRTrainer:
             self._save_samples(self.step, "eval", pairs[:32], total[:32], raw[:32])
         return out
 
-    # ------------------------------------------------------------------ loop
-    def train(self) -> dict[str, float]:
-        return train_loop(
-            self,
-            self.cfg.trainer.steps,
-            self.cfg.trainer.eval_every,
-            self.cfg.run,
-            self.run,
-            show=("reward/mean", "eval/accuracy"),
-            main_process=self.dist.is_main,
-        )
-
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         return {
-            "step": self.step,
+            **self.base_state(),
             "trainable": full_state_dict(self.model),  # whole tensors, gathered from the shards under FSDP
             "optimizer": optimizer_state(self.model, self.optimizer),
-            "stats": self.stats.state_dict(),
-            "rng": get_rng_state({"train": self.generator}),
-            "rng_per_rank": self.dist.gather(get_rng_state({"train": self.generator}))
-            if self.dist.active
-            else None,
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
         load_trainable(self.model, state["trainable"])
-        self.step = int(state["step"])
+        self.load_base_state(state)
         load_optimizer_state(self.model, self.optimizer, state["optimizer"])
-        self.stats.load_state_dict(state["stats"])
-        set_rng_state(self.dist.own(state.get("rng_per_rank"), state["rng"]), {"train": self.generator})
         self.backend.sync_weights(self.model)
 
     def save_checkpoint(self) -> None:
         """Rank 0 writes; under data parallelism every rank first gathers the state with it (its RNG states, and
         its shards of the weights and optimizer state under FSDP: collectives)."""
-        if self.run is None and not self.dist.active:
+        if not self.checkpoint_wanted():
             return
         state = self.state_dict()
         lora = self.cfg.model.lora is not None
         # a full fine-tune under FSDP: every rank gathers the frozen shards too (collectives)
         weights = full_state_dict(self.model, trainable_only=False) if not lora and self.dist.fsdp else None
-        if self.run is None:
-            return
 
         def extra(directory: Path) -> None:
             """What transformers loads, beside the trainer's state.pt: ``adapter/`` (peft) or ``model/``
@@ -616,15 +573,7 @@ class VLMRLVRTrainer:
                 ]
                 config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
-        save_checkpoint(
-            self.run.checkpoint_dir, self.step, state, extra=extra, keep_last=self.cfg.run.keep_last
-        )
-
-    def cleanup(self) -> None:
-        if self.rollout_pool is not None:
-            self.rollout_pool.close()
-        if self.run is not None:
-            self.run.close()
+        self.write_checkpoint(state, extra)
 
 
 def load_examples(cfg: VLMRLVRConfig, which: Literal["train", "eval"]) -> list[VQAExample]:
@@ -650,14 +599,14 @@ def load_examples(cfg: VLMRLVRConfig, which: Literal["train", "eval"]) -> list[V
     )
 
 
-def _fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module | list[torch.nn.Module]]:
+def _fsdp_units(model: torch.nn.Module, family: VLMFamily) -> list[torch.nn.Module | list[torch.nn.Module]]:
     """The FSDP units besides the blocks: the modules called directly, not from within the model's ``forward``, so
     that their parameters are gathered when called. Scoring calls the backbone and the LM head
     (``backbone_and_head``); ``generate`` encodes the images before its first forward with the backbone's
     ``get_image_features``, which calls the vision tower. An LM head tied to the input embeddings shares their
     weight, so the two form one grouped unit. Inner modules come first."""
     backbone, head = backbone_and_head(model)
-    vision = getattr(backbone, "visual", None)
+    vision = family.vision_tower(backbone)
     units: list[torch.nn.Module | list[torch.nn.Module]] = [vision] if vision is not None else []
     embed = model.get_input_embeddings()
     if embed is not None and head.weight is embed.weight:

@@ -25,13 +25,8 @@ import torch
 
 from pipelines.hub import model_not_found
 from pipelines.vlm.backend import GenerationBackend, GenerationResult, GenerationSample, SamplingParams
-from pipelines.vlm.inputs import (
-    PreparedPrompt,
-    VLMPrompt,
-    collate_left_padded,
-    prepare_prompts,
-    vision_token_ids,
-)
+from pipelines.vlm.families import VLMFamily, family_for_model_type
+from pipelines.vlm.inputs import PreparedPrompt, VLMPrompt, collate_left_padded, prepare_prompts
 from pipelines.vlm.weight_sync import merged_state_dict
 
 
@@ -82,12 +77,14 @@ class HFBackend(GenerationBackend):
             are skipped with a logged reason, never truncated. ``None``: no limit.
         batch_size: prompts per ``generate`` call (each expands to ``n`` rows); bounds the memory of the scores
             kept for log-probs (``max_new_tokens x batch_size x n x vocab`` floats). ``None``: all at once.
-        suppress_vision_tokens: forbid the vision special tokens during generation (default). Turn off only
-            for a model whose vocabulary has none.
+        suppress_vision_tokens: forbid the family's vision special tokens during generation (default). Turn off
+            only for a model whose vocabulary has none.
         synced_gpus: pass ``synced_gpus=True`` to ``generate``: every rank of the process group keeps stepping
             (dummy forwards) until all ranks' sequences are done. Needed when ``model`` is FSDP-sharded, where each
             forward is a collective; the caller must then also make the same number of ``generate`` calls, with
             the same number of batches, on every rank. Off: transformers' default.
+        family: the model's :class:`~pipelines.vlm.families.VLMFamily`; ``None`` detects it from
+            ``model.config.model_type``.
     """
 
     def __init__(
@@ -100,6 +97,7 @@ class HFBackend(GenerationBackend):
         batch_size: int | None = None,
         suppress_vision_tokens: bool = True,
         synced_gpus: bool = False,
+        family: VLMFamily | None = None,
     ) -> None:
         super().__init__()
         if batch_size is not None and batch_size < 1:
@@ -111,8 +109,9 @@ class HFBackend(GenerationBackend):
         self.max_prompt_length = max_prompt_length
         self.batch_size = batch_size
         self.synced_gpus = synced_gpus
+        self.family = family if family is not None else family_for_model_type(model.config.model_type)
         self.suppressed_token_ids: list[int] = (
-            vision_token_ids(self.tokenizer) if suppress_vision_tokens else []
+            self.family.suppressed_token_ids(self.tokenizer) if suppress_vision_tokens else []
         )
         self.stop_token_ids = _stop_token_ids(model, self.tokenizer)
         pad = self.tokenizer.pad_token_id

@@ -20,17 +20,6 @@ from PIL import Image
 
 logger = logging.getLogger(__name__)
 
-#: Vision special tokens of the Qwen2-VL / Qwen2.5-VL / Qwen3-VL family. A sampled ``<|image_pad|>`` breaks the
-#: re-scoring forward (the model expects image features for every image token), and a sampled
-#: ``<|vision_start|>`` opens a region nothing fills, so generation must never emit any of them.
-VISION_SPECIAL_TOKENS: tuple[str, ...] = (
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-)
-
 
 @dataclass
 class VLMPrompt:
@@ -56,7 +45,8 @@ class VLMPrompt:
         system: str | None = None,
         prompt_id: str | None = None,
     ) -> VLMPrompt:
-        """A single-turn user prompt: the images first, then the question (the Qwen-VL convention)."""
+        """A single-turn user prompt: the images first, then the question (the Qwen-VL convention; a model family
+        with another layout overrides :meth:`pipelines.vlm.families.VLMFamily.prompt`)."""
         content: list[dict[str, Any]] = [{"type": "image"} for _ in images]
         content.append({"type": "text", "text": question})
         messages: list[dict[str, Any]] = []
@@ -104,16 +94,6 @@ class SkippedPrompt:
     index: int
     prompt_id: str | None
     reason: str
-
-
-def vision_token_ids(tokenizer: Any) -> list[int]:
-    """Ids of the :data:`VISION_SPECIAL_TOKENS` that exist in ``tokenizer``'s vocabulary, sorted.
-
-    Tokens absent from the vocabulary are left out (``convert_tokens_to_ids`` would map them to the unknown
-    token, and suppressing that would be a silent change of the distribution).
-    """
-    vocab = tokenizer.get_vocab()
-    return sorted({vocab[token] for token in VISION_SPECIAL_TOKENS if token in vocab})
 
 
 def prepare_prompts(
@@ -222,25 +202,3 @@ def collate_left_padded(prepared: Sequence[PreparedPrompt], pad_token_id: int) -
         # Prompts without images have no pixel_values; the model matches features to image tokens in order.
         batch[key] = torch.cat([p.features[key] for p in prepared if key in p.features], dim=0)
     return batch
-
-
-def mm_token_type_ids(
-    input_ids: torch.Tensor, image_token_id: int, video_token_id: int | None
-) -> torch.Tensor:
-    """Token types as the Qwen-VL processors write them: 0 text, 1 image token, 2 video token.
-
-    The Qwen-VL models need this tensor to compute their multimodal (3-D) rotary positions; without it
-    transformers silently falls back to 1-D positions and log-probs differ from generation's by ~0.1.
-
-    Args:
-        input_ids: ``[B, L]`` token ids.
-        image_token_id: id of ``<|image_pad|>``.
-        video_token_id: id of ``<|video_pad|>``, or ``None`` if the model has none.
-
-    Returns:
-        ``[B, L]`` int64 tensor.
-    """
-    types = (input_ids == image_token_id).long()
-    if video_token_id is not None:
-        types = types + 2 * (input_ids == video_token_id).long()
-    return types

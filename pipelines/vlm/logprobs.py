@@ -29,7 +29,7 @@ import torch
 from PIL import Image
 from torch.utils.checkpoint import checkpoint
 
-from pipelines.vlm.inputs import mm_token_type_ids
+from pipelines.vlm.families import DEFAULT_FAMILY, VLMFamily, get_vlm_family
 
 
 @dataclass
@@ -40,8 +40,8 @@ class ScoringBatch:
     ``generate`` produces, so completion token ``j`` of every row sits in column ``P + j``.
 
     Attributes:
-        model_inputs: ``input_ids`` / ``attention_mask`` / ``mm_token_type_ids`` ``[B, P + T]`` plus the vision
-            tensors (``pixel_values``, ``image_grid_thw``) of all rows' images in order.
+        model_inputs: ``input_ids`` / ``attention_mask`` / the family's token types ``[B, P + T]`` plus the vision
+            tensors (Qwen-VL: ``pixel_values``, ``image_grid_thw``) of all rows' images in order.
         completion_ids: ``[B, T]`` completion token ids (pad where the completion is shorter).
         completion_mask: ``[B, T]`` bool, True on real completion tokens.
         prompt_width: ``P``, the padded prompt width.
@@ -76,19 +76,22 @@ def build_scoring_batch(
     images: Sequence[Sequence[Image.Image]],
     *,
     pad_token_id: int | None = None,
+    family: VLMFamily | None = None,
 ) -> ScoringBatch:
     """Assemble a :class:`ScoringBatch` from token ids (as a backend returned them) and the prompts' images.
 
     The images go through ``processor.image_processor`` again (deterministic), so a result from any backend
-    can be scored without shipping pixel tensors around. ``mm_token_type_ids`` is rebuilt from the ids and is
-    0 over the completion, which the Qwen-VL models need to place the 3-D rotary positions as ``generate`` did.
+    can be scored without shipping pixel tensors around. The family's token types (Qwen-VL: ``mm_token_type_ids``)
+    are rebuilt from the ids and are 0 over the completion, which the Qwen-VL models need to place the 3-D rotary
+    positions as ``generate`` did.
 
     Args:
-        processor: the Qwen-VL-family processor the prompts were built with.
+        processor: the processor the prompts were built with.
         prompt_token_ids: per row, the prompt ids with image tokens expanded.
         completion_token_ids: per row, the completion ids.
         images: per row, the prompt's images in order.
         pad_token_id: filler id for padding (masked out); defaults to the tokenizer's pad (or eos) id.
+        family: the model's :class:`~pipelines.vlm.families.VLMFamily` (default: Qwen2.5-VL).
 
     Returns:
         The batch.
@@ -118,23 +121,17 @@ def build_scoring_batch(
         input_ids[row, P - len(prompt) : P] = torch.tensor(prompt, dtype=torch.long)
         input_ids[row, P : P + len(completion)] = torch.tensor(completion, dtype=torch.long)
         attention_mask[row, P - len(prompt) : P + len(completion)] = 1
-    image_token_id = processor.image_token_id
-    video_token_id = getattr(processor, "video_token_id", None)
-    model_inputs = {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "mm_token_type_ids": mm_token_type_ids(input_ids, image_token_id, video_token_id) * attention_mask,
-    }
+    family = family if family is not None else get_vlm_family(DEFAULT_FAMILY)
+    image_token_id = family.image_token_id(processor)
+    model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    token_types = family.token_type_ids(input_ids, processor)
+    if token_types is not None:
+        model_inputs[family.token_type_key] = token_types * attention_mask
     flat_images = [image for row_images in images for image in row_images]
+    tokens_per_image: list[int] = []
     if flat_images:
-        vision = processor.image_processor(images=flat_images, return_tensors="pt")
-        model_inputs["pixel_values"] = vision["pixel_values"]
-        model_inputs["image_grid_thw"] = vision["image_grid_thw"]
-        tokens_per_image = (
-            vision["image_grid_thw"].prod(-1) // processor.image_processor.merge_size**2
-        ).tolist()
-    else:
-        tokens_per_image = []
+        vision, tokens_per_image = family.image_inputs(processor, flat_images)
+        model_inputs.update(vision)
     # Each row must hold exactly as many image tokens as its images produce features, or the forward fails
     # deep inside the model; say which row and why here instead.
     start = 0
@@ -260,7 +257,7 @@ def completion_token_stats(
     """Log-probs and entropies of the completion tokens of ``batch`` under ``model``.
 
     Args:
-        model: the policy (transformers Qwen-VL-family model or a peft model around one).
+        model: the policy (a transformers image-text-to-text model or a peft model around one).
         batch: from :func:`build_scoring_batch`.
         temperature: the rollout temperature (1.0 for greedy rollouts).
         chunk_size: sequence positions per head/softmax chunk.
@@ -274,7 +271,7 @@ def completion_token_stats(
     backbone, head = backbone_and_head(model)
     device = next(model.parameters()).device
     inputs = {k: v.to(device) for k, v in batch.model_inputs.items()}
-    if "image_grid_thw" not in inputs:
+    if "pixel_values" not in inputs:
         # Text-only rows: the model would number positions 0..L-1 ignoring left padding, while generate()
         # numbers them from the attention mask; give it generate()'s positions.
         mask = inputs["attention_mask"]

@@ -31,7 +31,8 @@ from typing import Any, Literal
 import torch
 
 from pipelines.vlm.backend import GenerationBackend, GenerationResult, GenerationSample, SamplingParams
-from pipelines.vlm.inputs import PreparedPrompt, VLMPrompt, prepare_prompts, vision_token_ids
+from pipelines.vlm.families import VLMFamily, family_for_model_type
+from pipelines.vlm.inputs import PreparedPrompt, VLMPrompt, prepare_prompts
 from pipelines.vlm.weight_sync import merged_state_dict
 
 #: Logit bias that removes a token in practice; vLLM (and the OpenAI API it mirrors) caps biases at +-100.
@@ -164,7 +165,9 @@ class VLLMBackend(GenerationBackend):
             follow every wake-up, which the trainer does anyway).
         enable_sleep_mode: turn off to keep the engine resident (e.g. a dedicated rollout GPU).
         max_images_per_prompt: vLLM's ``limit_mm_per_prompt`` for images.
-        suppress_vision_tokens: bias the vision special tokens away (default).
+        suppress_vision_tokens: bias the family's vision special tokens away (default).
+        family: the model's :class:`~pipelines.vlm.families.VLMFamily`; ``None`` detects it from the
+            checkpoint's ``model_type``.
         seed: engine seed.
         engine_kwargs: extra ``vllm.LLM`` arguments (``tensor_parallel_size``, ``enforce_eager``, ...).
     """
@@ -185,6 +188,7 @@ class VLLMBackend(GenerationBackend):
         suppress_vision_tokens: bool = True,
         seed: int = 0,
         engine_kwargs: dict[str, Any] | None = None,
+        family: VLMFamily | None = None,
     ) -> None:
         super().__init__()
         if quantization not in (None, "fp8"):
@@ -201,8 +205,13 @@ class VLLMBackend(GenerationBackend):
         self.max_prompt_length = max_prompt_length
         self.sleep_level = sleep_level
         self.enable_sleep_mode = enable_sleep_mode
+        if family is None:
+            from transformers import AutoConfig
+
+            family = family_for_model_type(AutoConfig.from_pretrained(model_path).model_type)
+        self.family = family
         self.suppressed_token_ids: list[int] = (
-            vision_token_ids(processor.tokenizer) if suppress_vision_tokens else []
+            family.suppressed_token_ids(processor.tokenizer) if suppress_vision_tokens else []
         )
         # Colocation: run the engine core in this process so load_weights reaches the model in memory.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

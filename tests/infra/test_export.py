@@ -254,7 +254,7 @@ def vlm_run(model_dir, out, name, *overrides):
             "data.train_limit=24",
             "data.eval_limit=6",
             "generation.max_new_tokens=6",
-            "trainer.prompts_per_step=4",
+            "allocation.prompts_per_step=4",
             "trainer.steps=1",
             "trainer.lr=1e-2",
             "trainer.minibatch_size=4",

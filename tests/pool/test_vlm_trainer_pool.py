@@ -41,7 +41,7 @@ def make_cfg(*overrides: str) -> VLMRLVRConfig:
             "data.eval_limit=4",
             "data.image_size=64",
             "generation.max_new_tokens=8",
-            "trainer.prompts_per_step=6",
+            "allocation.prompts_per_step=6",
             "trainer.steps=3",
             "trainer.lr=1e-2",
             "trainer.beta=0.0",
@@ -116,7 +116,7 @@ def test_async_group_lag_is_bounded_and_stale_samples_are_weighted():
             "pool.enabled=true",
             "pool.max_staleness=1",
             "trainer.mode=group",
-            "trainer.prompts_per_step=2",
+            "allocation.prompts_per_step=2",
             "trainer.tis_mode=sequence",
         )
     )
@@ -170,7 +170,7 @@ def test_overprovisioned_partial_rollouts_are_carried_and_consumed_once(monkeypa
             "pool.enabled=true",
             "pool.overprovision=1.0",
             "pool.prompts_per_request=1",
-            "trainer.prompts_per_step=2",
+            "allocation.prompts_per_step=2",
             "trainer.steps=4",
         )
     )

@@ -34,7 +34,7 @@ def make_cfg(model_dir, out, name, *overrides):
             "data.train_limit=24",
             "data.eval_limit=8",
             "generation.max_new_tokens=6",
-            "trainer.prompts_per_step=4",
+            "allocation.prompts_per_step=4",
             "trainer.steps=1",
             "trainer.lr=1e-2",
             "trainer.minibatch_size=4",

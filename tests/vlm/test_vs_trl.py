@@ -28,11 +28,11 @@ def test_mark_steps_count_64_rollouts_per_step():
 
 
 def test_variants_put_64_completions_in_each_step():
-    single = _cfg("mmrl_single").trainer
-    group = _cfg("mmrl_group").trainer
-    assert (single.mode, single.prompts_per_step) == ("single", 64)
-    assert (group.mode, group.prompts_per_step * group.num_generations) == ("group", 64)
-    assert not group.entropy_shaping.enabled
+    single = _cfg("mmrl_single")
+    group = _cfg("mmrl_group")
+    assert (single.trainer.mode, single.rollouts_per_step) == ("single", 64)
+    assert (group.trainer.mode, group.rollouts_per_step) == ("group", 64)
+    assert not group.trainer.entropy_shaping.enabled
     args = vs_trl.trl_config(_cfg("trl"), steps=5, output_dir="unused", suppressed_token_ids=[1, 2])
     assert args.per_device_train_batch_size * args.gradient_accumulation_steps == 64
     assert args.num_generations == 8 and args.max_steps == 5

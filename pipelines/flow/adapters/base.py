@@ -15,9 +15,11 @@ patches) convert inside ``velocity`` so the SDE math and the stored trajectories
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -168,6 +170,8 @@ class FlowAdapter(ABC):
 
     family: str = ""
     is_video: bool = False
+    #: the diffusers pipeline class of the family (``StableDiffusion3Pipeline``...), loaded by ``from_pretrained``
+    pipeline_class: ClassVar[type[DiffusionPipeline]]
 
     def __init__(self, pipe: DiffusionPipeline) -> None:
         self.pipe = pipe
@@ -178,7 +182,12 @@ class FlowAdapter(ABC):
     # ---- loading --------------------------------------------------------------------------------------------
 
     @classmethod
-    @abstractmethod
+    def adapter_options(cls) -> list[str]:
+        """Keyword options of the adapter's ``__init__`` besides the pipeline (``max_sequence_length``...)."""
+        params = list(inspect.signature(cls.__init__).parameters.values())[2:]  # (self, pipe, ...)
+        return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+    @classmethod
     def from_pretrained(
         cls,
         model_id_or_path: str,
@@ -187,7 +196,16 @@ class FlowAdapter(ABC):
         quantization_config: object | None = None,
         **kwargs,
     ) -> FlowAdapter:
-        """Load the family's diffusers pipeline from a hub id or a local directory."""
+        """Load :attr:`pipeline_class` from a hub id or a local directory and wrap it.
+
+        ``kwargs`` named in :meth:`adapter_options` go to the adapter's ``__init__`` (their defaults are the
+        family's), the others to :func:`load_pipeline` (``revision``, ``variant``, ``local_files_only``...).
+        """
+        options = {name: kwargs.pop(name) for name in cls.adapter_options() if name in kwargs}
+        pipe = load_pipeline(
+            cls.pipeline_class, model_id_or_path, torch_dtype, device, quantization_config, **kwargs
+        )
+        return cls(pipe, **options)
 
     # ---- the interface ---------------------------------------------------------------------------------------
 

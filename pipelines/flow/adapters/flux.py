@@ -16,9 +16,11 @@ from collections.abc import Sequence
 import torch
 from diffusers import FluxPipeline
 
-from pipelines.flow.adapters.base import Conditioning, FlowAdapter, flow_match_sigmas, load_pipeline
+from pipelines.flow.adapters.base import Conditioning, FlowAdapter, flow_match_sigmas
+from pipelines.flow.adapters.registry import register_flow_family
 
 
+@register_flow_family("flux")
 class FluxAdapter(FlowAdapter):
     """FLUX.1 through diffusers' ``FluxPipeline``.
 
@@ -27,26 +29,11 @@ class FluxAdapter(FlowAdapter):
         max_sequence_length: T5 tokens (pipeline default 512).
     """
 
-    family = "flux"
+    pipeline_class = FluxPipeline
 
     def __init__(self, pipe: FluxPipeline, max_sequence_length: int = 512) -> None:
         super().__init__(pipe)
         self.max_sequence_length = max_sequence_length
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        model_id_or_path: str,
-        torch_dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
-        quantization_config: object | None = None,
-        max_sequence_length: int = 512,
-        **kwargs,
-    ) -> FluxAdapter:
-        pipe = load_pipeline(
-            FluxPipeline, model_id_or_path, torch_dtype, device, quantization_config, **kwargs
-        )
-        return cls(pipe, max_sequence_length=max_sequence_length)
 
     def uses_cfg(self, guidance_scale: float) -> bool:
         # FLUX.1 is guidance-distilled: the scale is embedded in the forward, never a second (uncond) pass.

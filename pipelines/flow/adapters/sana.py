@@ -16,7 +16,8 @@ from collections.abc import Sequence
 import torch
 from diffusers import SanaPipeline
 
-from pipelines.flow.adapters.base import Conditioning, FlowAdapter, flow_match_sigmas, load_pipeline
+from pipelines.flow.adapters.base import Conditioning, FlowAdapter, flow_match_sigmas
+from pipelines.flow.adapters.registry import register_flow_family
 
 # The instruction SanaPipeline.__call__ prepends by default; read from diffusers so it never drifts.
 DEFAULT_COMPLEX_HUMAN_INSTRUCTION: list[str] = (
@@ -24,6 +25,7 @@ DEFAULT_COMPLEX_HUMAN_INSTRUCTION: list[str] = (
 )
 
 
+@register_flow_family("sana")
 class SanaAdapter(FlowAdapter):
     """SANA through diffusers' ``SanaPipeline``.
 
@@ -33,7 +35,7 @@ class SanaAdapter(FlowAdapter):
         complex_human_instruction: instruction lines prepended to every prompt; ``None`` disables it.
     """
 
-    family = "sana"
+    pipeline_class = SanaPipeline
 
     def __init__(
         self,
@@ -44,22 +46,6 @@ class SanaAdapter(FlowAdapter):
         super().__init__(pipe)
         self.max_sequence_length = max_sequence_length
         self.complex_human_instruction = complex_human_instruction
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        model_id_or_path: str,
-        torch_dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
-        quantization_config: object | None = None,
-        max_sequence_length: int = 300,
-        complex_human_instruction: list[str] | None = DEFAULT_COMPLEX_HUMAN_INSTRUCTION,
-        **kwargs,
-    ) -> SanaAdapter:
-        pipe = load_pipeline(
-            SanaPipeline, model_id_or_path, torch_dtype, device, quantization_config, **kwargs
-        )
-        return cls(pipe, max_sequence_length, complex_human_instruction)
 
     def encode(self, prompts: Sequence[str], cfg: bool = False, negative_prompt: str = "") -> Conditioning:
         prompts = list(prompts)

@@ -17,9 +17,11 @@ from collections.abc import Sequence
 import torch
 from diffusers import StableDiffusion3Pipeline
 
-from pipelines.flow.adapters.base import Conditioning, FlowAdapter, flow_match_sigmas, load_pipeline
+from pipelines.flow.adapters.base import Conditioning, FlowAdapter, flow_match_sigmas
+from pipelines.flow.adapters.registry import register_flow_family
 
 
+@register_flow_family("sd3")
 class SD3Adapter(FlowAdapter):
     """SD3/SD3.5 through diffusers' ``StableDiffusion3Pipeline``.
 
@@ -29,26 +31,11 @@ class SD3Adapter(FlowAdapter):
             still cost attention; pixel-space tiny models set 0.
     """
 
-    family = "sd3"
+    pipeline_class = StableDiffusion3Pipeline
 
     def __init__(self, pipe: StableDiffusion3Pipeline, max_sequence_length: int = 256) -> None:
         super().__init__(pipe)
         self.max_sequence_length = max_sequence_length
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        model_id_or_path: str,
-        torch_dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
-        quantization_config: object | None = None,
-        max_sequence_length: int = 256,
-        **kwargs,
-    ) -> SD3Adapter:
-        pipe = load_pipeline(
-            StableDiffusion3Pipeline, model_id_or_path, torch_dtype, device, quantization_config, **kwargs
-        )
-        return cls(pipe, max_sequence_length=max_sequence_length)
 
     @property
     def pixel_space(self) -> bool:

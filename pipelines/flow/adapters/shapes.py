@@ -11,8 +11,9 @@ Loading goes through ``StableDiffusion3Pipeline.from_pretrained``, exactly as fo
 
 from __future__ import annotations
 
-import torch
+from diffusers import StableDiffusion3Pipeline
 
+from pipelines.flow.adapters.registry import register_flow_family
 from pipelines.flow.adapters.sd3 import SD3Adapter
 
 #: default sampling settings of the shapes model (the pretraining card's evaluation uses these)
@@ -21,21 +22,9 @@ SHAPES_NUM_STEPS = 10
 SHAPES_GUIDANCE_SCALE = 3.0
 
 
+@register_flow_family("shapes")
 class ShapesAdapter(SD3Adapter):
     """SD3 adapter for the pixel-space shapes model; no T5 tokens (``max_sequence_length=0``)."""
 
-    family = "shapes"
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        model_id_or_path: str,
-        torch_dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
-        quantization_config: object | None = None,
-        max_sequence_length: int = 0,
-        **kwargs,
-    ) -> ShapesAdapter:
-        return super().from_pretrained(
-            model_id_or_path, torch_dtype, device, quantization_config, max_sequence_length, **kwargs
-        )
+    def __init__(self, pipe: StableDiffusion3Pipeline, max_sequence_length: int = 0) -> None:
+        super().__init__(pipe, max_sequence_length)

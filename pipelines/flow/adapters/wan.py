@@ -16,9 +16,11 @@ from collections.abc import Sequence
 import torch
 from diffusers import WanPipeline
 
-from pipelines.flow.adapters.base import Conditioning, FlowAdapter, flow_match_sigmas, load_pipeline
+from pipelines.flow.adapters.base import Conditioning, FlowAdapter, flow_match_sigmas
+from pipelines.flow.adapters.registry import register_flow_family
 
 
+@register_flow_family("wan")
 class WanAdapter(FlowAdapter):
     """Wan2.x text-to-video through diffusers' ``WanPipeline``.
 
@@ -30,7 +32,7 @@ class WanAdapter(FlowAdapter):
         max_sequence_length: UMT5 tokens (pipeline default 226).
     """
 
-    family = "wan"
+    pipeline_class = WanPipeline
     is_video = True
 
     def __init__(self, pipe: WanPipeline, max_sequence_length: int = 226) -> None:
@@ -38,21 +40,6 @@ class WanAdapter(FlowAdapter):
             raise ValueError("Wan2.2 TI2V (expand_timesteps=True) uses per-token timesteps; not supported")
         super().__init__(pipe)
         self.max_sequence_length = max_sequence_length
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        model_id_or_path: str,
-        torch_dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
-        quantization_config: object | None = None,
-        max_sequence_length: int = 226,
-        **kwargs,
-    ) -> WanAdapter:
-        pipe = load_pipeline(
-            WanPipeline, model_id_or_path, torch_dtype, device, quantization_config, **kwargs
-        )
-        return cls(pipe, max_sequence_length=max_sequence_length)
 
     def encode(self, prompts: Sequence[str], cfg: bool = False, negative_prompt: str = "") -> Conditioning:
         prompts = list(prompts)

@@ -1,0 +1,48 @@
+"""What one flow rollout step hands to the update, whatever produced it (in the loop, a tree, the explorer, a
+rollout pool)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipelines.flow.adapters import Conditioning
+from pipelines.flow.rollout import TransitionBatch
+
+__all__ = ["StepBatch", "prompt_ids"]
+
+
+def prompt_ids(prompts: list[str]) -> torch.Tensor:
+    """``[B]`` group id of each sample: the index of its prompt's first occurrence."""
+    ids: dict[str, int] = {}
+    return torch.tensor([ids.setdefault(p, len(ids)) for p in prompts])
+
+
+@dataclass
+class StepBatch:
+    """What one rollout step hands to the update, whatever the rollout mode.
+
+    Attributes:
+        transitions: the SDE transitions to train on (after timestep subsampling / pruning).
+        adv: ``[N]`` advantage of each transition (its sample's, or its tree node's).
+        images, prompts: the final samples and their prompts.
+        final_latents: ``[B, ...]`` clean latents (DiffusionNFT trains on these).
+        cond: conditioning of the ``B`` final samples.
+        sample_adv: ``[B]`` per-sample advantages.
+        nfe: transformer evaluations the rollout spent.
+    """
+
+    transitions: TransitionBatch
+    adv: torch.Tensor
+    images: torch.Tensor
+    prompts: list[str]
+    final_latents: torch.Tensor
+    cond: Conditioning
+    sample_adv: torch.Tensor
+    nfe: int
+
+    @property
+    def groups(self) -> torch.Tensor:
+        """``[B]`` group id of each final sample (the images of one prompt form a group)."""
+        return prompt_ids(self.prompts)

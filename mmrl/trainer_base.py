@@ -1,0 +1,151 @@
+"""What every recipe's trainer does the same way, written once: seeding, distributed setup, the optimizer step,
+metrics, state, save, resume and cleanup.
+
+A recipe's trainer subclasses :class:`TrainerBase` and keeps its own model building, rollouts and update; the
+lifecycle stays the one every trainer shows (torchtune's recipes): ``__init__`` -> ``setup()`` -> ``train()`` ->
+``save_checkpoint()`` / ``cleanup()``, run by :func:`mmrl.loop.run_recipe`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmrl.checkpoint import load_checkpoint, save_checkpoint
+from mmrl.config import Config
+from mmrl.core.stats import PromptStats
+from mmrl.device import resolve_device
+from mmrl.distributed import all_reduce_grads, full_tensor, init_distributed
+from mmrl.loop import train_loop
+from mmrl.run import MetricAccumulator, Run, resume_checkpoint
+from mmrl.seeding import get_rng_state, seed_everything, set_rng_state
+from pipelines.threads import set_cpu_threads
+
+__all__ = ["TrainerBase"]
+
+logger = logging.getLogger(__name__)
+
+
+class TrainerBase:
+    """The shared half of a trainer.
+
+    Subclasses set :attr:`show` (progress-bar metrics), build ``self.stats`` (a :class:`PromptStats`) in their
+    ``setup``, implement ``train_step()``, ``evaluate()``, ``state_dict()`` / ``load_state()`` (starting from
+    :meth:`base_state` / :meth:`load_base_state`) and ``save_checkpoint()`` (through :meth:`write_checkpoint`).
+
+    Attributes:
+        cfg: the recipe's config; ``cfg.run`` is the run section, ``cfg.trainer.steps`` / ``eval_every`` the loop.
+        run: the run directory (``None`` on ranks other than 0, and for evaluation-only use).
+        step: training steps done.
+        metrics: the per-step metric accumulator (reduced once per step).
+        rollout_pool: the rollout pool driver when rollouts are not generated in the loop (closed by
+            :meth:`cleanup`).
+    """
+
+    show: tuple[str, ...] = ("reward/mean",)
+    stats: PromptStats
+
+    def __init__(self, cfg: Config, run: Run | None = None) -> None:
+        self.cfg = cfg
+        self.run = run
+        self.step = 0
+        self.metrics = MetricAccumulator()
+        self.rollout_pool: Any = None
+
+    # ------------------------------------------------------------------ setup
+    def setup_runtime(self, device: str = "cpu") -> None:
+        """Process group (one process per GPU under ``accelerate launch``), seeds (``run.seed + rank``), CPU
+        threads and the device (under data parallelism each rank's own GPU)."""
+        self.dist = init_distributed()
+        self.rank, self.world_size = self.dist.rank, self.dist.world_size
+        self.generator = seed_everything(self.cfg.run.seed + self.rank)
+        set_cpu_threads(self.cfg.run.threads)
+        self.device = resolve_device(device)
+        if self.dist.active and self.device.type == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def resume(self, map_location: str | torch.device = "cpu") -> None:
+        """Load the run's latest checkpoint when ``run.resume`` is set (every rank of a data-parallel launch finds
+        rank 0's), and set aside metric lines logged after it."""
+        ckpt = resume_checkpoint(self.cfg.run) if self.run is not None or self.dist.active else None
+        if ckpt is None:
+            return
+        self.load_state(load_checkpoint(ckpt, map_location=map_location))
+        if self.run is not None:
+            self.run.truncate_metrics(self.step)
+        logger.info("resumed from %s at step %d", ckpt, self.step)
+
+    # ------------------------------------------------------------------ update
+    def optimizer_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: Sequence[torch.nn.Parameter],
+        max_grad_norm: float,
+        lr: float | None = None,
+    ) -> None:
+        """Average the gradients over data-parallel ranks (FSDP reduces its shards itself), clip them to
+        ``max_grad_norm`` (logged as ``train/grad_norm``), set ``lr`` when given (a schedule), step, zero."""
+        if not self.dist.fsdp:
+            all_reduce_grads(list(params), self.dist.world_size)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        self.metrics.add("train/grad_norm", full_tensor(grad_norm))  # (a DTensor under FSDP)
+        if lr is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> dict[str, float]:
+        """:func:`mmrl.loop.train_loop` from the current step to ``trainer.steps``."""
+        return train_loop(
+            self,
+            self.cfg.trainer.steps,
+            self.cfg.trainer.eval_every,
+            self.cfg.run,
+            self.run,
+            show=self.show,
+            main_process=self.dist.is_main,
+        )
+
+    # ------------------------------------------------------------------ state
+    def base_state(self) -> dict[str, Any]:
+        """What every checkpoint holds: the step, the statistics store, the RNG states (every rank's)."""
+        rng = get_rng_state({"train": self.generator})
+        return {
+            "step": self.step,
+            "stats": self.stats.state_dict(),
+            "rng": rng,
+            "rng_per_rank": self.dist.gather(rng) if self.dist.active else None,
+        }
+
+    def load_base_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`base_state` saved (this rank's RNG states)."""
+        self.step = int(state["step"])
+        self.stats.load_state_dict(state["stats"])
+        set_rng_state(self.dist.own(state.get("rng_per_rank"), state["rng"]), {"train": self.generator})
+
+    def checkpoint_wanted(self) -> bool:
+        """Whether this process takes part in saving: rank 0 writes, and under data parallelism every rank computes
+        the state with it (gathering RNG states, and shards under FSDP: collectives)."""
+        return self.run is not None or self.dist.active
+
+    def write_checkpoint(self, state: dict[str, Any], extra: Callable[[Path], None] | None = None) -> None:
+        """Rank 0 writes ``state`` atomically (keeping ``run.keep_last``); ``extra(directory)`` writes the model
+        files beside ``state.pt``. Other ranks return."""
+        if self.run is None:
+            return
+        save_checkpoint(
+            self.run.checkpoint_dir, self.step, state, extra=extra, keep_last=self.cfg.run.keep_last
+        )
+
+    def cleanup(self) -> None:
+        """Close the rollout source and the run directory."""
+        if self.rollout_pool is not None:
+            self.rollout_pool.close()
+        if self.run is not None:
+            self.run.close()
