@@ -21,12 +21,15 @@ import torch
 from diffusers import (
     AutoencoderDC,
     AutoencoderKL,
+    AutoencoderKLQwenImage,
     AutoencoderKLWan,
     DiffusionPipeline,
     DPMSolverMultistepScheduler,
     FlowMatchEulerDiscreteScheduler,
     FluxPipeline,
     FluxTransformer2DModel,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
     SanaPipeline,
     SanaTransformer2DModel,
     SD3Transformer2DModel,
@@ -44,6 +47,9 @@ from transformers import (
     Gemma2Config,
     Gemma2Model,
     GemmaTokenizer,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2Tokenizer,
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
@@ -51,8 +57,8 @@ from transformers import (
     UMT5EncoderModel,
 )
 
-Family = Literal["sd3", "flux", "sana", "wan"]
-FAMILIES: tuple[Family, ...] = ("sd3", "flux", "sana", "wan")
+Family = Literal["sd3", "flux", "sana", "wan", "qwen_image"]
+FAMILIES: tuple[Family, ...] = ("sd3", "flux", "sana", "wan", "qwen_image")
 
 # A few prompts so that trained tokenizers cover ordinary words; any corpus works, unknown words fall back to
 # characters (every lower-case letter is in the initial alphabet).
@@ -65,6 +71,13 @@ DEFAULT_CORPUS: tuple[str, ...] = (
     "an astronaut riding a horse",
 )
 _ALPHABET = list("abcdefghijklmnopqrstuvwxyz0123456789.,'-")
+_QWEN_CHAT_MARKERS = ("<|im_start|>", "<|im_end|>")
+# QwenImagePipeline's prompt template (its ``prompt_template_encode``) with an empty prompt
+_QWEN_IMAGE_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
+    "relationships of the objects and background:<|im_end|>\n<|im_start|>user\n<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
 
 #: adapter ``from_pretrained`` options for the tiny models: short text sequences keep tiny forwards fast, and
 #: SANA's long default instruction prefix is switched off for the same reason
@@ -73,6 +86,7 @@ TINY_LOAD_KWARGS: dict[str, dict] = {
     "flux": {"max_sequence_length": 8},
     "sana": {"max_sequence_length": 8, "complex_human_instruction": None},
     "wan": {"max_sequence_length": 8},
+    "qwen_image": {"max_sequence_length": 16},
 }
 #: output sizes the tiny models are built for: 32x32 images, 5 frames of 16x16 video
 TINY_SIZES: dict[str, dict[str, int]] = {
@@ -80,6 +94,7 @@ TINY_SIZES: dict[str, dict[str, int]] = {
     "flux": {"height": 32, "width": 32},
     "sana": {"height": 32, "width": 32},
     "wan": {"height": 16, "width": 16, "num_frames": 5},
+    "qwen_image": {"height": 32, "width": 32},
 }
 
 
@@ -150,6 +165,28 @@ def train_gemma_tokenizer(corpus: Sequence[str], vocab_size: int = 160) -> Gemma
     return GemmaTokenizer(vocab=model["vocab"], merges=[tuple(m) for m in model["merges"]])
 
 
+def train_qwen2_tokenizer(corpus: Sequence[str], vocab_size: int = 500) -> Qwen2Tokenizer:
+    """Train a byte-level byte-pair tokenizer (GPT-2 byte alphabet) and wrap it as ``Qwen2Tokenizer``
+    (Qwen2.5-VL, the text encoder of Qwen-Image), with Qwen's chat markers as special tokens.
+
+    Qwen-Image's chat template is part of the training text: at the default ``vocab_size`` its system prefix
+    becomes 34 tokens, the count ``QwenImagePipeline`` drops (``prompt_template_encode_start_idx``), as with the
+    real tokenizer; the prompt's own tokens are then what the caption keeps.
+    """
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", *_QWEN_CHAT_MARKERS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator([*corpus, _QWEN_IMAGE_TEMPLATE], trainer)
+    model = json.loads(bpe.to_str())["model"]
+    tokenizer = Qwen2Tokenizer(vocab=model["vocab"], merges=[tuple(m) for m in model["merges"]])
+    tokenizer.add_special_tokens({"additional_special_tokens": list(_QWEN_CHAT_MARKERS)})
+    return tokenizer
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Text encoders
 # --------------------------------------------------------------------------------------------------------------
@@ -212,6 +249,37 @@ def tiny_gemma2_encoder(tokenizer: GemmaTokenizer, hidden_size: int = 16) -> Gem
         eos_token_id=tokenizer.eos_token_id,
     )
     return Gemma2Model(config)
+
+
+def tiny_qwen25vl_encoder(
+    tokenizer: Qwen2Tokenizer, hidden_size: int = 16
+) -> Qwen2_5_VLForConditionalGeneration:
+    """A one-layer Qwen2.5-VL (text decoder with multimodal RoPE, one-block vision tower) whose last hidden state
+    is Qwen-Image's caption."""
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": hidden_size,
+            "intermediate_size": 2 * hidden_size,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "max_position_embeddings": 512,
+            # the three mRoPE sections (time, height, width) split the head's rotary half: 8 / 2 = 1 + 1 + 2
+            "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]},
+            "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+            "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": hidden_size,
+            "intermediate_size": hidden_size,
+            "num_heads": 2,
+            "out_hidden_size": hidden_size,
+            "fullatt_block_indexes": [0],
+        },
+    )
+    return Qwen2_5_VLForConditionalGeneration(config)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -378,6 +446,46 @@ def build_tiny_wan(corpus: Sequence[str] = DEFAULT_CORPUS) -> WanPipeline:
     )
 
 
+def build_tiny_qwen_image(corpus: Sequence[str] = DEFAULT_CORPUS) -> QwenImagePipeline:
+    """Qwen-Image layout: Qwen2.5-VL text encoder, double-stream MMDiT on 2x2-packed latents, the one-frame
+    causal video VAE (``AutoencoderKLQwenImage``, spatial factor 8), exponential dynamic shift with terminal
+    shift as in ``Qwen/Qwen-Image``'s scheduler config."""
+    tokenizer = train_qwen2_tokenizer(corpus)
+    return QwenImagePipeline(
+        tokenizer=tokenizer,
+        text_encoder=tiny_qwen25vl_encoder(tokenizer),
+        vae=AutoencoderKLQwenImage(
+            base_dim=4,
+            z_dim=4,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+            # non-trivial statistics check that decode applies them
+            latents_mean=[0.1, -0.2, 0.0, 0.3],
+            latents_std=[1.5, 0.8, 1.0, 2.0],
+        ),
+        transformer=QwenImageTransformer2DModel(
+            patch_size=2,
+            in_channels=16,  # 4 latent channels packed 2x2
+            out_channels=4,
+            num_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=16,
+            axes_dims_rope=(4, 6, 6),
+        ),
+        scheduler=FlowMatchEulerDiscreteScheduler(
+            use_dynamic_shifting=True,
+            time_shift_type="exponential",
+            base_shift=0.5,
+            max_shift=0.9,
+            base_image_seq_len=256,
+            max_image_seq_len=8192,
+            shift_terminal=0.02,
+        ),
+    )
+
+
 def build_shapes_pipeline(
     prompts: Sequence[str],
     num_layers: int = 4,
@@ -442,6 +550,7 @@ def build_tiny_pipeline(
         "flux": build_tiny_flux,
         "sana": build_tiny_sana,
         "wan": build_tiny_wan,
+        "qwen_image": build_tiny_qwen_image,
     }
     if family not in builders:
         raise ValueError(f"unknown pipeline family {family!r}. Available: {sorted(builders)}")

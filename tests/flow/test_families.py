@@ -1,5 +1,5 @@
-"""One flow training step (GRPO and AWM) through the trainer for every model family (tiny random SD3, FLUX, SANA,
-Wan)."""
+"""One flow training step (GRPO, DiffusionNFT and AWM) through the trainer for every model family (tiny random
+SD3, FLUX, SANA, Wan, Qwen-Image), and each family's LoRA loaded back by its own diffusers pipeline."""
 
 import json
 
@@ -12,11 +12,8 @@ from mmrl.flow.trainer import FlowGRPOTrainer
 from pipelines.flow.tiny import TINY_LOAD_KWARGS, TINY_SIZES, build_tiny_pipeline
 
 
-@pytest.mark.parametrize("objective", ["grpo", "awm"])
-@pytest.mark.parametrize("family", ["sd3", "flux", "sana", "wan"])
-def test_trainer_step_for_family(family, objective, tmp_path):
-    torch.manual_seed(0)
-    build_tiny_pipeline(family, seed=0).save_pretrained(tmp_path / "model")
+def family_config(family: str, objective: str, tmp_path, *extra: str) -> FlowGRPOConfig:
+    """A one-step trainer config on the tiny random ``family`` model saved under ``tmp_path / "model"``."""
     sizes = TINY_SIZES[family]
     reward = (
         "[{name: video_frames, options: {reward: jpeg_incompressibility}}]"
@@ -47,11 +44,56 @@ def test_trainer_step_for_family(family, objective, tmp_path):
     ]
     if "num_frames" in sizes:
         overrides.append(f"sampling.num_frames={sizes['num_frames']}")
-    cfg = load_config(FlowGRPOConfig, None, overrides)
-    trainer = FlowGRPOTrainer(cfg, None)
+    return load_config(FlowGRPOConfig, None, [*overrides, *extra])
+
+
+@pytest.mark.parametrize("objective", ["grpo", "awm"])
+@pytest.mark.parametrize("family", ["sd3", "flux", "sana", "wan", "qwen_image"])
+def test_trainer_step_for_family(family, objective, tmp_path):
+    torch.manual_seed(0)
+    build_tiny_pipeline(family, seed=0).save_pretrained(tmp_path / "model")
+    trainer = FlowGRPOTrainer(family_config(family, objective, tmp_path), None)
     trainer.setup()
     before = [p.detach().clone() for p in trainer.trainable]
     metrics = trainer.train_step()
     assert metrics["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-4)
     assert any(not torch.equal(b, p) for b, p in zip(before, trainer.trainable, strict=True))
     assert trainer.evaluate()["eval/reward_mean"] == pytest.approx(trainer.evaluate()["eval/reward_mean"])
+
+
+@pytest.mark.parametrize("family", ["qwen_image"])
+def test_nft_lora_step_saves_what_the_pipeline_loads(family, tmp_path):
+    """DiffusionNFT with LoRA on the family's attention projections: the step moves the LoRA, and the saved
+    file loads into the family's own pipeline through ``load_lora_weights`` with the trained values."""
+    torch.manual_seed(0)
+    build_tiny_pipeline(family, seed=0).save_pretrained(tmp_path / "model")
+    cfg = family_config(
+        family,
+        "nft",
+        tmp_path,
+        "model.lora={rank: 4, alpha: 8, target_modules: [to_q, to_k, to_v, add_q_proj, add_k_proj, add_v_proj]}",
+        "trainer.lr=1e-2",
+    )
+    trainer = FlowGRPOTrainer(cfg, None)
+    trainer.setup()
+    before = {n: p.detach().clone() for n, p in trainer.adapter.transformer.named_parameters() if "lora" in n}
+    trainer.train_step()
+    trained = {
+        n: p.detach().clone() for n, p in trainer.adapter.transformer.named_parameters() if "lora" in n
+    }
+    assert any(not torch.equal(before[n], trained[n]) for n in trained)
+    trainer.save_lora(tmp_path / "lora")
+
+    pipe = type(trainer.adapter.pipe).from_pretrained(tmp_path / "model")
+    pipe.load_lora_weights(tmp_path / "lora")
+    loaded = {
+        n.replace(".default_0.", ".default."): p
+        for n, p in pipe.transformer.named_parameters()
+        if "lora" in n
+    }
+    assert loaded.keys() == trained.keys()
+    for name, value in trained.items():
+        torch.testing.assert_close(loaded[name], value, rtol=0, atol=0)
+    # the file carries alpha / r: the pipeline applies the update with the trained scale
+    module = pipe.transformer.transformer_blocks[0].attn.to_q
+    assert module.scaling[next(iter(module.scaling))] == pytest.approx(8 / 4)

@@ -9,6 +9,7 @@ from peft import LoraConfig
 
 from mmrl.data.shapes import all_prompts
 from pipelines.flow.adapters import ShapesAdapter, get_adapter, list_adapters, load_adapter
+from pipelines.flow.adapters.qwen_image import pack_2x2
 from pipelines.flow.rollout import SamplingConfig, rescore, rollout
 from pipelines.flow.tiny import TINY_LOAD_KWARGS as LOAD_KWARGS
 from pipelines.flow.tiny import TINY_SIZES as SIZES
@@ -58,6 +59,9 @@ def test_ode_rollout_equals_the_diffusers_pipeline(family, load_tiny):
         # FluxPipeline takes packed latents and embeds guidance; the adapter packs inside `velocity`
         latents = pipe._pack_latents(noise, 1, *noise.shape[1:])
         call.update(guidance_scale=config.guidance_scale, max_sequence_length=8)
+    elif family == "qwen_image":
+        latents = pipe._pack_latents(noise, 1, *noise.shape[1:])
+        call.update(true_cfg_scale=1.0, max_sequence_length=16)
     else:
         latents = noise
         call.update(guidance_scale=1.0, max_sequence_length=8)
@@ -65,9 +69,10 @@ def test_ode_rollout_equals_the_diffusers_pipeline(family, load_tiny):
         call["complex_human_instruction"] = None
     out = pipe(PROMPTS[0], latents=latents, **call)
     theirs = out.images if hasattr(out, "images") else out.frames
-    if family == "flux":
+    if family in ("flux", "qwen_image"):
         vsf = pipe.vae_scale_factor
         theirs = pipe._unpack_latents(theirs, sizes["height"], sizes["width"], vsf)
+        theirs = theirs.reshape(noise.shape)  # Qwen-Image's has a frame axis of 1
     torch.testing.assert_close(ours.latents[:, -1], theirs.float(), rtol=1e-4, atol=1e-4)
 
 
@@ -164,7 +169,36 @@ def test_flux_embeds_guidance_instead_of_cfg(load_tiny):
     assert not torch.allclose(v1, v4)  # the scale is an input of the distilled model
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_qwen_image_true_cfg_with_norm_rescale_equals_the_pipeline(load_tiny):
+    """Qwen-Image guides with ``v * ||v_c|| / ||v||`` per packed token; the adapter's ODE sampling with CFG and a
+    negative prompt reproduces ``QwenImagePipeline(true_cfg_scale=...)``."""
+    adapter = load_tiny("qwen_image")
+    pipe, sizes = adapter.pipe, SIZES["qwen_image"]
+    config = _config("qwen_image", sde_window=(0, 0), guidance_scale=3.0)
+    noise = torch.randn((1, *adapter.latent_shape(**sizes)), generator=torch.Generator().manual_seed(1))
+    ours = rollout(adapter, PROMPTS[:1], 1, config, noise=noise)
+    out = pipe(
+        PROMPTS[0],
+        negative_prompt="",
+        true_cfg_scale=3.0,
+        max_sequence_length=16,
+        latents=pipe._pack_latents(noise, 1, *noise.shape[1:]),
+        num_inference_steps=config.num_steps,
+        output_type="latent",
+        **sizes,
+    )
+    theirs = pipe._unpack_latents(out.images, sizes["height"], sizes["width"], pipe.vae_scale_factor)
+    torch.testing.assert_close(ours.latents[:, -1], theirs.reshape(noise.shape), rtol=1e-4, atol=1e-4)
+    # the rescale is not plain CFG: the guided velocity keeps the conditional norm per token
+    cond = adapter.encode(PROMPTS[:1], cfg=True)
+    with torch.no_grad():
+        v = adapter.velocity(noise, 0.7, cond, 3.0)
+        v_c = adapter.velocity(noise, 0.7, type(cond)(cond.cond), 1.0)
+    torch.testing.assert_close(pack_2x2(v).norm(dim=-1), pack_2x2(v_c).norm(dim=-1), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(v, v_c)
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux", "qwen_image"])
 def test_sigmas_equal_the_pipeline_schedule(family, load_tiny):
     """The schedule the adapter steps is the one the diffusers pipeline sets on its scheduler."""
     adapter = load_tiny(family)

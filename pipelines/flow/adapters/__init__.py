@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pipelines.flow.adapters.base import Conditioning, FlowAdapter, flow_match_sigmas
 from pipelines.flow.adapters.flux import FluxAdapter
+from pipelines.flow.adapters.qwen_image import QwenImageAdapter
 from pipelines.flow.adapters.registry import get_adapter, list_adapters, load_adapter, register_flow_family
 from pipelines.flow.adapters.sana import SanaAdapter
 from pipelines.flow.adapters.sd3 import SD3Adapter
@@ -17,6 +18,7 @@ __all__ = [
     "Conditioning",
     "FlowAdapter",
     "FluxAdapter",
+    "QwenImageAdapter",
     "SD3Adapter",
     "SanaAdapter",
     "ShapesAdapter",

@@ -279,6 +279,14 @@ class FlowAdapter(ABC):
                 torch.cat([x, x]), torch.cat([sigma_b, sigma_b]), cond.with_cfg_batch(), guidance_scale
             )
         v_uncond, v_cond = v.float().chunk(2)
+        return self.guide(v_uncond, v_cond, guidance_scale)
+
+    def guide(self, v_uncond: torch.Tensor, v_cond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+        """Combine the two halves of a CFG forward ``[B, ...]`` each: ``v_uncond + w (v_cond - v_uncond)``.
+
+        Families whose pipeline guides differently (Qwen-Image rescales the result to the conditional norm)
+        override this, so that RL samples and scores exactly what the pipeline generates.
+        """
         return v_uncond + guidance_scale * (v_cond - v_uncond)
 
     def to(self, device: str | torch.device) -> FlowAdapter:

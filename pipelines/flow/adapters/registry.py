@@ -40,6 +40,7 @@ _PROVIDERS: tuple[str, ...] = (
     "pipelines.flow.adapters.sana",
     "pipelines.flow.adapters.wan",
     "pipelines.flow.adapters.shapes",
+    "pipelines.flow.adapters.qwen_image",
 )
 
 
