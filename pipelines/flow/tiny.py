@@ -37,6 +37,8 @@ from diffusers import (
     UniPCMultistepScheduler,
     WanPipeline,
     WanTransformer3DModel,
+    ZImagePipeline,
+    ZImageTransformer2DModel,
 )
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 from transformers import (
@@ -50,6 +52,8 @@ from transformers import (
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2Tokenizer,
+    Qwen3Config,
+    Qwen3Model,
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
@@ -57,8 +61,8 @@ from transformers import (
     UMT5EncoderModel,
 )
 
-Family = Literal["sd3", "flux", "sana", "wan", "qwen_image"]
-FAMILIES: tuple[Family, ...] = ("sd3", "flux", "sana", "wan", "qwen_image")
+Family = Literal["sd3", "flux", "sana", "wan", "qwen_image", "z_image"]
+FAMILIES: tuple[Family, ...] = ("sd3", "flux", "sana", "wan", "qwen_image", "z_image")
 
 # A few prompts so that trained tokenizers cover ordinary words; any corpus works, unknown words fall back to
 # characters (every lower-case letter is in the initial alphabet).
@@ -72,6 +76,11 @@ DEFAULT_CORPUS: tuple[str, ...] = (
 )
 _ALPHABET = list("abcdefghijklmnopqrstuvwxyz0123456789.,'-")
 _QWEN_CHAT_MARKERS = ("<|im_start|>", "<|im_end|>")
+# Qwen3's chat format for one user turn and the assistant's opening (what ZImagePipeline applies, thinking on)
+_QWEN3_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 # QwenImagePipeline's prompt template (its ``prompt_template_encode``) with an empty prompt
 _QWEN_IMAGE_TEMPLATE = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
@@ -87,6 +96,7 @@ TINY_LOAD_KWARGS: dict[str, dict] = {
     "sana": {"max_sequence_length": 8, "complex_human_instruction": None},
     "wan": {"max_sequence_length": 8},
     "qwen_image": {"max_sequence_length": 16},
+    "z_image": {"max_sequence_length": 16},
 }
 #: output sizes the tiny models are built for: 32x32 images, 5 frames of 16x16 video
 TINY_SIZES: dict[str, dict[str, int]] = {
@@ -95,6 +105,7 @@ TINY_SIZES: dict[str, dict[str, int]] = {
     "sana": {"height": 32, "width": 32},
     "wan": {"height": 16, "width": 16, "num_frames": 5},
     "qwen_image": {"height": 32, "width": 32},
+    "z_image": {"height": 32, "width": 32},
 }
 
 
@@ -280,6 +291,23 @@ def tiny_qwen25vl_encoder(
         },
     )
     return Qwen2_5_VLForConditionalGeneration(config)
+
+
+def tiny_qwen3_encoder(tokenizer: Qwen2Tokenizer, hidden_size: int = 16) -> Qwen3Model:
+    """A two-layer Qwen3 decoder (Z-Image reads its second-to-last hidden state as the caption)."""
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=256,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+    )
+    return Qwen3Model(config)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -486,6 +514,30 @@ def build_tiny_qwen_image(corpus: Sequence[str] = DEFAULT_CORPUS) -> QwenImagePi
     )
 
 
+def build_tiny_z_image(corpus: Sequence[str] = DEFAULT_CORPUS) -> ZImagePipeline:
+    """Z-Image layout: Qwen3 text encoder behind its chat template, single-stream DiT with context and noise
+    refiners, FLUX's 16-channel-style AutoencoderKL (here 4 channels), static shift 3 as ``Z-Image-Turbo``."""
+    tokenizer = train_qwen2_tokenizer(corpus)
+    tokenizer.chat_template = _QWEN3_CHAT_TEMPLATE
+    return ZImagePipeline(
+        tokenizer=tokenizer,
+        text_encoder=tiny_qwen3_encoder(tokenizer),
+        vae=tiny_autoencoder_kl(),
+        transformer=ZImageTransformer2DModel(
+            in_channels=4,
+            dim=32,
+            n_layers=1,
+            n_refiner_layers=1,
+            n_heads=2,
+            n_kv_heads=2,
+            cap_feat_dim=16,
+            axes_dims=[4, 6, 6],  # sums to the head width 32 / 2
+            axes_lens=[256, 32, 32],
+        ),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+    )
+
+
 def build_shapes_pipeline(
     prompts: Sequence[str],
     num_layers: int = 4,
@@ -551,6 +603,7 @@ def build_tiny_pipeline(
         "sana": build_tiny_sana,
         "wan": build_tiny_wan,
         "qwen_image": build_tiny_qwen_image,
+        "z_image": build_tiny_z_image,
     }
     if family not in builders:
         raise ValueError(f"unknown pipeline family {family!r}. Available: {sorted(builders)}")

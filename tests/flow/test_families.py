@@ -1,5 +1,5 @@
 """One flow training step (GRPO, DiffusionNFT and AWM) through the trainer for every model family (tiny random
-SD3, FLUX, SANA, Wan, Qwen-Image), and each family's LoRA loaded back by its own diffusers pipeline."""
+SD3, FLUX, SANA, Wan, Qwen-Image, Z-Image), and each family's LoRA loaded back by its own diffusers pipeline."""
 
 import json
 
@@ -48,7 +48,7 @@ def family_config(family: str, objective: str, tmp_path, *extra: str) -> FlowGRP
 
 
 @pytest.mark.parametrize("objective", ["grpo", "awm"])
-@pytest.mark.parametrize("family", ["sd3", "flux", "sana", "wan", "qwen_image"])
+@pytest.mark.parametrize("family", ["sd3", "flux", "sana", "wan", "qwen_image", "z_image"])
 def test_trainer_step_for_family(family, objective, tmp_path):
     torch.manual_seed(0)
     build_tiny_pipeline(family, seed=0).save_pretrained(tmp_path / "model")
@@ -61,7 +61,14 @@ def test_trainer_step_for_family(family, objective, tmp_path):
     assert trainer.evaluate()["eval/reward_mean"] == pytest.approx(trainer.evaluate()["eval/reward_mean"])
 
 
-@pytest.mark.parametrize("family", ["qwen_image"])
+# the attention projections of each family's transformer (double-stream families also have the text stream's)
+LORA_TARGETS = {
+    "qwen_image": "[to_q, to_k, to_v, add_q_proj, add_k_proj, add_v_proj]",
+    "z_image": "[to_q, to_k, to_v, to_out.0]",
+}
+
+
+@pytest.mark.parametrize("family", list(LORA_TARGETS))
 def test_nft_lora_step_saves_what_the_pipeline_loads(family, tmp_path):
     """DiffusionNFT with LoRA on the family's attention projections: the step moves the LoRA, and the saved
     file loads into the family's own pipeline through ``load_lora_weights`` with the trained values."""
@@ -71,7 +78,7 @@ def test_nft_lora_step_saves_what_the_pipeline_loads(family, tmp_path):
         family,
         "nft",
         tmp_path,
-        "model.lora={rank: 4, alpha: 8, target_modules: [to_q, to_k, to_v, add_q_proj, add_k_proj, add_v_proj]}",
+        f"model.lora={{rank: 4, alpha: 8, target_modules: {LORA_TARGETS[family]}}}",
         "trainer.lr=1e-2",
     )
     trainer = FlowGRPOTrainer(cfg, None)
@@ -95,5 +102,5 @@ def test_nft_lora_step_saves_what_the_pipeline_loads(family, tmp_path):
     for name, value in trained.items():
         torch.testing.assert_close(loaded[name], value, rtol=0, atol=0)
     # the file carries alpha / r: the pipeline applies the update with the trained scale
-    module = pipe.transformer.transformer_blocks[0].attn.to_q
-    assert module.scaling[next(iter(module.scaling))] == pytest.approx(8 / 4)
+    scales = [s for m in pipe.transformer.modules() if hasattr(m, "scaling") for s in m.scaling.values()]
+    assert scales and all(s == pytest.approx(8 / 4) for s in scales)

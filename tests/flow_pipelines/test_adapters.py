@@ -59,6 +59,9 @@ def test_ode_rollout_equals_the_diffusers_pipeline(family, load_tiny):
         # FluxPipeline takes packed latents and embeds guidance; the adapter packs inside `velocity`
         latents = pipe._pack_latents(noise, 1, *noise.shape[1:])
         call.update(guidance_scale=config.guidance_scale, max_sequence_length=8)
+    elif family == "z_image":
+        latents = noise
+        call.update(guidance_scale=0.0, max_sequence_length=16)  # the pipeline's 0 is mmrl's 1: no CFG
     elif family == "qwen_image":
         latents = pipe._pack_latents(noise, 1, *noise.shape[1:])
         call.update(true_cfg_scale=1.0, max_sequence_length=16)
@@ -198,7 +201,28 @@ def test_qwen_image_true_cfg_with_norm_rescale_equals_the_pipeline(load_tiny):
     assert not torch.allclose(v, v_c)
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux", "qwen_image"])
+def test_z_image_guidance_scale_is_the_pipeline_scale_plus_one(load_tiny):
+    """``ZImagePipeline(guidance_scale=w)`` guides with ``v_c + w (v_c - v_u)``: the adapter at mmrl's
+    ``guidance_scale = w + 1`` samples the same latents (reversed-clock timestep and negated output included)."""
+    adapter = load_tiny("z_image")
+    pipe, sizes = adapter.pipe, SIZES["z_image"]
+    config = _config("z_image", sde_window=(0, 0), guidance_scale=3.0)
+    noise = torch.randn((1, *adapter.latent_shape(**sizes)), generator=torch.Generator().manual_seed(1))
+    ours = rollout(adapter, PROMPTS[:1], 1, config, noise=noise)
+    out = pipe(
+        PROMPTS[0],
+        negative_prompt="",
+        guidance_scale=2.0,
+        latents=noise,
+        num_inference_steps=config.num_steps,
+        output_type="latent",
+        max_sequence_length=16,
+        **sizes,
+    )
+    torch.testing.assert_close(ours.latents[:, -1], out.images.float(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux", "qwen_image", "z_image"])
 def test_sigmas_equal_the_pipeline_schedule(family, load_tiny):
     """The schedule the adapter steps is the one the diffusers pipeline sets on its scheduler."""
     adapter = load_tiny(family)

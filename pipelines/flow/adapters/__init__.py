@@ -5,7 +5,7 @@ Families register themselves with :func:`register_flow_family` (``pipelines/flow
 
 from __future__ import annotations
 
-from pipelines.flow.adapters.base import Conditioning, FlowAdapter, flow_match_sigmas
+from pipelines.flow.adapters.base import Conditioning, FlowAdapter, flow_match_sigmas, stack_padded
 from pipelines.flow.adapters.flux import FluxAdapter
 from pipelines.flow.adapters.qwen_image import QwenImageAdapter
 from pipelines.flow.adapters.registry import get_adapter, list_adapters, load_adapter, register_flow_family
@@ -13,6 +13,7 @@ from pipelines.flow.adapters.sana import SanaAdapter
 from pipelines.flow.adapters.sd3 import SD3Adapter
 from pipelines.flow.adapters.shapes import ShapesAdapter
 from pipelines.flow.adapters.wan import WanAdapter
+from pipelines.flow.adapters.z_image import ZImageAdapter
 
 __all__ = [
     "Conditioning",
@@ -23,9 +24,11 @@ __all__ = [
     "SanaAdapter",
     "ShapesAdapter",
     "WanAdapter",
+    "ZImageAdapter",
     "flow_match_sigmas",
     "get_adapter",
     "list_adapters",
     "load_adapter",
     "register_flow_family",
+    "stack_padded",
 ]

@@ -65,6 +65,26 @@ class Conditioning:
         return {k: torch.cat([self.uncond[k], self.cond[k]], dim=0) for k in self.cond}
 
 
+def stack_padded(sequences: Sequence[torch.Tensor], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad text embeddings ``[L_i, D]`` with zeros into one ``[B, length, D]`` tensor and its ``[B, length]``
+    mask (1 for real tokens), so that every batch of a family has one text length and rows can be regrouped.
+
+    Raises:
+        ValueError: a sequence is longer than ``length`` (naming its row).
+    """
+    first = sequences[0]
+    padded = first.new_zeros(len(sequences), length, first.shape[-1])
+    mask = torch.zeros(len(sequences), length, dtype=torch.long, device=first.device)
+    for row, sequence in enumerate(sequences):
+        if sequence.shape[0] > length:
+            raise ValueError(
+                f"prompt {row}: text of {sequence.shape[0]} tokens is longer than max_sequence_length={length}"
+            )
+        padded[row, : sequence.shape[0]] = sequence
+        mask[row, : sequence.shape[0]] = 1
+    return padded, mask
+
+
 # load_config accepts these of from_pretrained's keyword arguments (where and which revision to read)
 _CONFIG_KWARGS = ("cache_dir", "local_files_only", "revision", "token", "force_download", "proxies")
 

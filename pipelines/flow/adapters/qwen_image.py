@@ -23,29 +23,8 @@ from collections.abc import Sequence
 import torch
 from diffusers import QwenImagePipeline
 
-from pipelines.flow.adapters.base import Conditioning, FlowAdapter, flow_match_sigmas
+from pipelines.flow.adapters.base import Conditioning, FlowAdapter, flow_match_sigmas, stack_padded
 from pipelines.flow.adapters.registry import register_flow_family
-
-
-def pad_text(
-    embeds: torch.Tensor, mask: torch.Tensor | None, length: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad ``embeds [B, L, D]`` with zeros to ``[B, length, D]`` and return the ``[B, length]`` mask
-    (1 for real tokens); ``mask None`` means every one of the ``L`` tokens is real.
-
-    Raises:
-        ValueError: ``L > length``.
-    """
-    batch, seq, _ = embeds.shape
-    if seq > length:
-        raise ValueError(f"text of {seq} tokens is longer than max_sequence_length={length}")
-    if mask is None:
-        mask = torch.ones(batch, seq, dtype=torch.long, device=embeds.device)
-    padded = embeds.new_zeros(batch, length, embeds.shape[2])
-    padded[:, :seq] = embeds
-    full_mask = mask.new_zeros(batch, length)
-    full_mask[:, :seq] = mask
-    return padded, full_mask
 
 
 def pack_2x2(latents: torch.Tensor) -> torch.Tensor:
@@ -83,7 +62,8 @@ class QwenImageAdapter(FlowAdapter):
         embeds, mask = self.pipe.encode_prompt(
             prompts, device=self.device, max_sequence_length=self.max_sequence_length
         )
-        embeds, mask = pad_text(embeds, mask, self.max_sequence_length)
+        rows = list(embeds) if mask is None else [e[m.bool()] for e, m in zip(embeds, mask, strict=True)]
+        embeds, mask = stack_padded(rows, self.max_sequence_length)
         return {"encoder_hidden_states": embeds, "encoder_hidden_states_mask": mask}
 
     def encode(self, prompts: Sequence[str], cfg: bool = False, negative_prompt: str = "") -> Conditioning:

@@ -41,6 +41,7 @@ _PROVIDERS: tuple[str, ...] = (
     "pipelines.flow.adapters.wan",
     "pipelines.flow.adapters.shapes",
     "pipelines.flow.adapters.qwen_image",
+    "pipelines.flow.adapters.z_image",
 )
 
 
