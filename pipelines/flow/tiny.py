@@ -21,11 +21,14 @@ import torch
 from diffusers import (
     AutoencoderDC,
     AutoencoderKL,
+    AutoencoderKLFlux2,
     AutoencoderKLQwenImage,
     AutoencoderKLWan,
     DiffusionPipeline,
     DPMSolverMultistepScheduler,
     FlowMatchEulerDiscreteScheduler,
+    Flux2KleinPipeline,
+    Flux2Transformer2DModel,
     FluxPipeline,
     FluxTransformer2DModel,
     QwenImagePipeline,
@@ -53,6 +56,7 @@ from transformers import (
     Qwen2_5_VLForConditionalGeneration,
     Qwen2Tokenizer,
     Qwen3Config,
+    Qwen3ForCausalLM,
     Qwen3Model,
     T5Config,
     T5EncoderModel,
@@ -61,8 +65,8 @@ from transformers import (
     UMT5EncoderModel,
 )
 
-Family = Literal["sd3", "flux", "sana", "wan", "qwen_image", "z_image"]
-FAMILIES: tuple[Family, ...] = ("sd3", "flux", "sana", "wan", "qwen_image", "z_image")
+Family = Literal["sd3", "flux", "sana", "wan", "qwen_image", "z_image", "flux2_klein"]
+FAMILIES: tuple[Family, ...] = ("sd3", "flux", "sana", "wan", "qwen_image", "z_image", "flux2_klein")
 
 # A few prompts so that trained tokenizers cover ordinary words; any corpus works, unknown words fall back to
 # characters (every lower-case letter is in the initial alphabet).
@@ -97,6 +101,8 @@ TINY_LOAD_KWARGS: dict[str, dict] = {
     "wan": {"max_sequence_length": 8},
     "qwen_image": {"max_sequence_length": 16},
     "z_image": {"max_sequence_length": 16},
+    # the tiny Qwen3 has 3 layers: its caption is layers 1-3 (the real 36-layer encoders are read at 9, 18, 27)
+    "flux2_klein": {"max_sequence_length": 16, "text_encoder_out_layers": [1, 2, 3]},
 }
 #: output sizes the tiny models are built for: 32x32 images, 5 frames of 16x16 video
 TINY_SIZES: dict[str, dict[str, int]] = {
@@ -106,6 +112,7 @@ TINY_SIZES: dict[str, dict[str, int]] = {
     "wan": {"height": 16, "width": 16, "num_frames": 5},
     "qwen_image": {"height": 32, "width": 32},
     "z_image": {"height": 32, "width": 32},
+    "flux2_klein": {"height": 32, "width": 32},
 }
 
 
@@ -293,13 +300,13 @@ def tiny_qwen25vl_encoder(
     return Qwen2_5_VLForConditionalGeneration(config)
 
 
-def tiny_qwen3_encoder(tokenizer: Qwen2Tokenizer, hidden_size: int = 16) -> Qwen3Model:
-    """A two-layer Qwen3 decoder (Z-Image reads its second-to-last hidden state as the caption)."""
-    config = Qwen3Config(
+def tiny_qwen3_config(tokenizer: Qwen2Tokenizer, hidden_size: int = 16, num_layers: int = 2) -> Qwen3Config:
+    """A small Qwen3 decoder configuration for the trained Qwen tokenizer."""
+    return Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
-        num_hidden_layers=2,
+        num_hidden_layers=num_layers,
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=8,
@@ -307,7 +314,11 @@ def tiny_qwen3_encoder(tokenizer: Qwen2Tokenizer, hidden_size: int = 16) -> Qwen
         bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
     )
-    return Qwen3Model(config)
+
+
+def tiny_qwen3_encoder(tokenizer: Qwen2Tokenizer, hidden_size: int = 16) -> Qwen3Model:
+    """A two-layer Qwen3 decoder (Z-Image reads its second-to-last hidden state as the caption)."""
+    return Qwen3Model(tiny_qwen3_config(tokenizer, hidden_size))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -538,6 +549,56 @@ def build_tiny_z_image(corpus: Sequence[str] = DEFAULT_CORPUS) -> ZImagePipeline
     )
 
 
+def build_tiny_flux2_klein(
+    corpus: Sequence[str] = DEFAULT_CORPUS, is_distilled: bool = False
+) -> Flux2KleinPipeline:
+    """FLUX.2 [klein] layout: Qwen3 causal LM (three hidden states concatenated as the caption), MMDiT with
+    double- and single-stream blocks on 2x2-patchified latents, ``AutoencoderKLFlux2`` with batch-norm latent
+    statistics, exponential dynamic shift. ``is_distilled`` as the 4-step checkpoints (no CFG); the default
+    builds the undistilled base."""
+    tokenizer = train_qwen2_tokenizer(corpus)
+    tokenizer.chat_template = _QWEN3_CHAT_TEMPLATE
+    hidden_size = 16
+    vae = AutoencoderKLFlux2(
+        block_out_channels=(8, 16),
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=32,
+    )
+    # non-trivial batch-norm statistics (16 = 4 channels x 2x2 patch) check that decode applies them
+    vae.bn.running_mean.copy_(torch.linspace(-0.3, 0.3, vae.bn.num_features))
+    vae.bn.running_var.copy_(torch.linspace(0.5, 2.0, vae.bn.num_features))
+    return Flux2KleinPipeline(
+        tokenizer=tokenizer,
+        text_encoder=Qwen3ForCausalLM(tiny_qwen3_config(tokenizer, hidden_size, num_layers=3)),
+        vae=vae,
+        transformer=Flux2Transformer2DModel(
+            in_channels=16,  # 4 latent channels patchified 2x2
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=3 * hidden_size,  # three hidden states concatenated
+            timestep_guidance_channels=32,
+            axes_dims_rope=(4, 4, 4, 4),  # sums to the head width
+            guidance_embeds=False,
+        ),
+        scheduler=FlowMatchEulerDiscreteScheduler(
+            use_dynamic_shifting=True,
+            time_shift_type="exponential",
+            base_shift=0.5,
+            max_shift=1.15,
+            base_image_seq_len=256,
+            max_image_seq_len=4096,
+            shift=3.0,
+        ),
+        is_distilled=is_distilled,
+    )
+
+
 def build_shapes_pipeline(
     prompts: Sequence[str],
     num_layers: int = 4,
@@ -604,6 +665,7 @@ def build_tiny_pipeline(
         "wan": build_tiny_wan,
         "qwen_image": build_tiny_qwen_image,
         "z_image": build_tiny_z_image,
+        "flux2_klein": build_tiny_flux2_klein,
     }
     if family not in builders:
         raise ValueError(f"unknown pipeline family {family!r}. Available: {sorted(builders)}")

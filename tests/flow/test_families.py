@@ -1,5 +1,5 @@
 """One flow training step (GRPO, DiffusionNFT and AWM) through the trainer for every model family (tiny random
-SD3, FLUX, SANA, Wan, Qwen-Image, Z-Image), and each family's LoRA loaded back by its own diffusers pipeline."""
+SD3, FLUX, SANA, Wan, Qwen-Image, Z-Image, FLUX.2 klein), and each family's LoRA loaded back by its own diffusers pipeline."""
 
 import json
 
@@ -48,7 +48,7 @@ def family_config(family: str, objective: str, tmp_path, *extra: str) -> FlowGRP
 
 
 @pytest.mark.parametrize("objective", ["grpo", "awm"])
-@pytest.mark.parametrize("family", ["sd3", "flux", "sana", "wan", "qwen_image", "z_image"])
+@pytest.mark.parametrize("family", ["sd3", "flux", "sana", "wan", "qwen_image", "z_image", "flux2_klein"])
 def test_trainer_step_for_family(family, objective, tmp_path):
     torch.manual_seed(0)
     build_tiny_pipeline(family, seed=0).save_pretrained(tmp_path / "model")
@@ -65,6 +65,7 @@ def test_trainer_step_for_family(family, objective, tmp_path):
 LORA_TARGETS = {
     "qwen_image": "[to_q, to_k, to_v, add_q_proj, add_k_proj, add_v_proj]",
     "z_image": "[to_q, to_k, to_v, to_out.0]",
+    "flux2_klein": "[to_q, to_k, to_v, add_q_proj, add_k_proj, add_v_proj]",
 }
 
 

@@ -59,6 +59,9 @@ def test_ode_rollout_equals_the_diffusers_pipeline(family, load_tiny):
         # FluxPipeline takes packed latents and embeds guidance; the adapter packs inside `velocity`
         latents = pipe._pack_latents(noise, 1, *noise.shape[1:])
         call.update(guidance_scale=config.guidance_scale, max_sequence_length=8)
+    elif family == "flux2_klein":
+        latents = noise  # the pipeline steps on patchified, normalised latents as the adapter does
+        call.update(guidance_scale=1.0, max_sequence_length=16, text_encoder_out_layers=(1, 2, 3))
     elif family == "z_image":
         latents = noise
         call.update(guidance_scale=0.0, max_sequence_length=16)  # the pipeline's 0 is mmrl's 1: no CFG
@@ -70,12 +73,14 @@ def test_ode_rollout_equals_the_diffusers_pipeline(family, load_tiny):
         call.update(guidance_scale=1.0, max_sequence_length=8)
     if family == "sana":
         call["complex_human_instruction"] = None
-    out = pipe(PROMPTS[0], latents=latents, **call)
+    out = pipe(prompt=PROMPTS[0], latents=latents, **call)
     theirs = out.images if hasattr(out, "images") else out.frames
     if family in ("flux", "qwen_image"):
         vsf = pipe.vae_scale_factor
         theirs = pipe._unpack_latents(theirs, sizes["height"], sizes["width"], vsf)
         theirs = theirs.reshape(noise.shape)  # Qwen-Image's has a frame axis of 1
+    if family == "flux2_klein":
+        theirs = klein_latents(pipe, theirs)
     torch.testing.assert_close(ours.latents[:, -1], theirs.float(), rtol=1e-4, atol=1e-4)
 
 
@@ -201,6 +206,39 @@ def test_qwen_image_true_cfg_with_norm_rescale_equals_the_pipeline(load_tiny):
     assert not torch.allclose(v, v_c)
 
 
+def klein_latents(pipe, latents: torch.Tensor) -> torch.Tensor:
+    """``Flux2KleinPipeline``'s latent output (de-normalised, unpatchified) back in the space it steps in."""
+    bn = pipe.vae.bn
+    patches = pipe._patchify_latents(latents.float())
+    return (patches - bn.running_mean.view(1, -1, 1, 1)) / torch.sqrt(
+        bn.running_var.view(1, -1, 1, 1) + pipe.vae.config.batch_norm_eps
+    )
+
+
+def test_flux2_klein_cfg_equals_the_pipeline_and_distilled_runs_without(load_tiny):
+    """The undistilled klein base guides with plain CFG (one batched forward of 2B); a step-distilled checkpoint
+    (``is_distilled``) ignores the scale, as ``Flux2KleinPipeline`` does."""
+    adapter = load_tiny("flux2_klein")
+    pipe, sizes = adapter.pipe, SIZES["flux2_klein"]
+    config = _config("flux2_klein", sde_window=(0, 0), guidance_scale=3.0)
+    noise = torch.randn((1, *adapter.latent_shape(**sizes)), generator=torch.Generator().manual_seed(1))
+    ours = rollout(adapter, PROMPTS[:1], 1, config, noise=noise)
+    out = pipe(
+        prompt=PROMPTS[0],
+        guidance_scale=3.0,
+        latents=noise,
+        num_inference_steps=config.num_steps,
+        output_type="latent",
+        max_sequence_length=16,
+        text_encoder_out_layers=(1, 2, 3),
+        **sizes,
+    )
+    torch.testing.assert_close(ours.latents[:, -1], klein_latents(pipe, out.images), rtol=1e-4, atol=1e-4)
+    assert adapter.nfe_per_sample(3.0) == 2
+    pipe.register_to_config(is_distilled=True)
+    assert adapter.nfe_per_sample(3.0) == 1
+
+
 def test_z_image_guidance_scale_is_the_pipeline_scale_plus_one(load_tiny):
     """``ZImagePipeline(guidance_scale=w)`` guides with ``v_c + w (v_c - v_u)``: the adapter at mmrl's
     ``guidance_scale = w + 1`` samples the same latents (reversed-clock timestep and negated output included)."""
@@ -222,7 +260,7 @@ def test_z_image_guidance_scale_is_the_pipeline_scale_plus_one(load_tiny):
     torch.testing.assert_close(ours.latents[:, -1], out.images.float(), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux", "qwen_image", "z_image"])
+@pytest.mark.parametrize("family", ["sd3", "flux", "qwen_image", "z_image", "flux2_klein"])
 def test_sigmas_equal_the_pipeline_schedule(family, load_tiny):
     """The schedule the adapter steps is the one the diffusers pipeline sets on its scheduler."""
     adapter = load_tiny(family)
@@ -232,14 +270,16 @@ def test_sigmas_equal_the_pipeline_schedule(family, load_tiny):
         seen["sigmas"] = pipe.scheduler.sigmas.clone()
         return kwargs
 
+    extra = {"text_encoder_out_layers": (1, 2, 3)} if family == "flux2_klein" else {}
     adapter.pipe(
-        PROMPTS[0],
+        prompt=PROMPTS[0],
         num_inference_steps=6,
         height=32,
         width=32,
         output_type="latent",
         max_sequence_length=8,
         callback_on_step_end=grab,
+        **extra,
     )
     torch.testing.assert_close(adapter.sigmas(6, 32, 32), seen["sigmas"].float())
 

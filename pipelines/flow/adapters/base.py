@@ -131,6 +131,7 @@ def flow_match_sigmas(
     num_steps: int,
     image_seq_len: int | None = None,
     explicit_linspace: bool = False,
+    mu: float | None = None,
 ) -> torch.Tensor:
     """The Euler sigma schedule ``[S+1]`` (last entry 0) of a pipeline's flow scheduler, computed by diffusers.
 
@@ -148,6 +149,8 @@ def flow_match_sigmas(
         image_seq_len: transformer image tokens, needed when the scheduler uses dynamic shifting.
         explicit_linspace: pass ``sigmas = linspace(1, 1/S, S)`` as ``FluxPipeline`` does, instead of letting
             the scheduler space timesteps between its ``sigma_max`` and ``sigma_min``.
+        mu: the dynamic shift, for pipelines that compute it their own way (FLUX.2's empirical ``mu`` of image
+            tokens and steps); ``None`` derives it from ``image_seq_len`` as above.
 
     Raises:
         ValueError: ``num_steps < 1``, or dynamic shifting without ``image_seq_len``.
@@ -163,7 +166,9 @@ def flow_match_sigmas(
             shift=config.get("flow_shift", 1.0), **{k: config[k] for k in keys if config.get(k) is not None}
         )
     kwargs: dict = {}
-    if euler.config.use_dynamic_shifting:
+    if euler.config.use_dynamic_shifting and mu is not None:
+        kwargs["mu"] = mu
+    elif euler.config.use_dynamic_shifting:
         if image_seq_len is None:
             raise ValueError("this scheduler uses dynamic shifting: pass image_seq_len")
         kwargs["mu"] = calculate_shift(

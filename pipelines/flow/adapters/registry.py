@@ -42,6 +42,7 @@ _PROVIDERS: tuple[str, ...] = (
     "pipelines.flow.adapters.shapes",
     "pipelines.flow.adapters.qwen_image",
     "pipelines.flow.adapters.z_image",
+    "pipelines.flow.adapters.flux2_klein",
 )
 
 
