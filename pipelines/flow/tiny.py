@@ -65,8 +65,8 @@ from transformers import (
     UMT5EncoderModel,
 )
 
-Family = Literal["sd3", "flux", "sana", "wan", "qwen_image", "z_image", "flux2_klein"]
-FAMILIES: tuple[Family, ...] = ("sd3", "flux", "sana", "wan", "qwen_image", "z_image", "flux2_klein")
+Family = Literal["sd3", "flux", "sana", "wan", "wan22", "qwen_image", "z_image", "flux2_klein"]
+FAMILIES: tuple[Family, ...] = ("sd3", "flux", "sana", "wan", "wan22", "qwen_image", "z_image", "flux2_klein")
 
 # A few prompts so that trained tokenizers cover ordinary words; any corpus works, unknown words fall back to
 # characters (every lower-case letter is in the initial alphabet).
@@ -99,6 +99,8 @@ TINY_LOAD_KWARGS: dict[str, dict] = {
     "flux": {"max_sequence_length": 8},
     "sana": {"max_sequence_length": 8, "complex_human_instruction": None},
     "wan": {"max_sequence_length": 8},
+    # the low-noise expert denoises steps 1 and 2 of a 3-step schedule: every tiny test setting reaches it
+    "wan22": {"max_sequence_length": 8, "trained_expert": "low"},
     "qwen_image": {"max_sequence_length": 16},
     "z_image": {"max_sequence_length": 16},
     # the tiny Qwen3 has 3 layers: its caption is layers 1-3 (the real 36-layer encoders are read at 9, 18, 27)
@@ -110,6 +112,7 @@ TINY_SIZES: dict[str, dict[str, int]] = {
     "flux": {"height": 32, "width": 32},
     "sana": {"height": 32, "width": 32},
     "wan": {"height": 16, "width": 16, "num_frames": 5},
+    "wan22": {"height": 16, "width": 16, "num_frames": 5},
     "qwen_image": {"height": 32, "width": 32},
     "z_image": {"height": 32, "width": 32},
     "flux2_klein": {"height": 32, "width": 32},
@@ -452,20 +455,15 @@ def build_tiny_sana(corpus: Sequence[str] = DEFAULT_CORPUS) -> SanaPipeline:
     )
 
 
-def build_tiny_wan(corpus: Sequence[str] = DEFAULT_CORPUS) -> WanPipeline:
-    """Wan2.1 layout: UMT5 text encoder, 3-D DiT on video latents [B, C, F, H, W], causal video VAE."""
+def build_tiny_wan(
+    corpus: Sequence[str] = DEFAULT_CORPUS, boundary_ratio: float | None = None
+) -> WanPipeline:
+    """Wan2.1 layout: UMT5 text encoder, 3-D DiT on video latents [B, C, F, H, W], causal video VAE. With
+    ``boundary_ratio``, Wan2.2 A14B's: a second expert ``transformer_2`` denoises below that sigma."""
     tokenizer = train_t5_tokenizer(corpus)
-    return WanPipeline(
-        tokenizer=tokenizer,
-        text_encoder=tiny_t5_encoder(tokenizer, umt5=True),
-        vae=AutoencoderKLWan(
-            base_dim=3,
-            z_dim=16,
-            dim_mult=[1, 1, 1, 1],
-            num_res_blocks=1,
-            temperal_downsample=[False, True, True],
-        ),
-        transformer=WanTransformer3DModel(
+
+    def expert() -> WanTransformer3DModel:
+        return WanTransformer3DModel(
             patch_size=(1, 2, 2),
             num_attention_heads=2,
             attention_head_dim=12,
@@ -478,11 +476,31 @@ def build_tiny_wan(corpus: Sequence[str] = DEFAULT_CORPUS) -> WanPipeline:
             cross_attn_norm=True,
             qk_norm="rms_norm_across_heads",
             rope_max_seq_len=32,
+        )
+
+    return WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=tiny_t5_encoder(tokenizer, umt5=True),
+        vae=AutoencoderKLWan(
+            base_dim=3,
+            z_dim=16,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
         ),
+        transformer=expert(),
+        transformer_2=expert() if boundary_ratio is not None else None,
+        boundary_ratio=boundary_ratio,
         scheduler=UniPCMultistepScheduler(
             prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
         ),
     )
+
+
+def build_tiny_wan22(corpus: Sequence[str] = DEFAULT_CORPUS) -> WanPipeline:
+    """Wan2.2 A14B layout: two Wan2.1 experts switched at ``boundary_ratio`` 0.8 (the real one is 0.875; 0.8 gives
+    each expert an SDE step of a 3-step schedule: sigma 1.0 is the high expert's, 0.75 the low one's)."""
+    return build_tiny_wan(corpus, boundary_ratio=0.8)
 
 
 def build_tiny_qwen_image(corpus: Sequence[str] = DEFAULT_CORPUS) -> QwenImagePipeline:
@@ -663,6 +681,7 @@ def build_tiny_pipeline(
         "flux": build_tiny_flux,
         "sana": build_tiny_sana,
         "wan": build_tiny_wan,
+        "wan22": build_tiny_wan22,
         "qwen_image": build_tiny_qwen_image,
         "z_image": build_tiny_z_image,
         "flux2_klein": build_tiny_flux2_klein,

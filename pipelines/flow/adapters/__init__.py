@@ -14,6 +14,7 @@ from pipelines.flow.adapters.sana import SanaAdapter
 from pipelines.flow.adapters.sd3 import SD3Adapter
 from pipelines.flow.adapters.shapes import ShapesAdapter
 from pipelines.flow.adapters.wan import WanAdapter
+from pipelines.flow.adapters.wan22 import Wan22Adapter
 from pipelines.flow.adapters.z_image import ZImageAdapter
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "SD3Adapter",
     "SanaAdapter",
     "ShapesAdapter",
+    "Wan22Adapter",
     "WanAdapter",
     "ZImageAdapter",
     "flow_match_sigmas",

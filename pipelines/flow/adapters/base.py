@@ -235,9 +235,15 @@ class FlowAdapter(ABC):
     # ---- the interface ---------------------------------------------------------------------------------------
 
     @property
+    def trained_component(self) -> str:
+        """The pipeline attribute holding the denoiser RL trains (``transformer``; Wan2.2's low-noise expert is
+        ``transformer_2``); swapping a policy in (reference, explorer) sets this attribute."""
+        return "transformer"
+
+    @property
     def transformer(self) -> torch.nn.Module:
         """The denoiser RL trains."""
-        return self.pipe.transformer
+        return getattr(self.pipe, self.trained_component)
 
     @property
     def device(self) -> torch.device:
@@ -264,6 +270,12 @@ class FlowAdapter(ABC):
     @abstractmethod
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Images ``[B, 3, H, W]`` (video ``[B, T, 3, H, W]``) float32 in [0, 1]."""
+
+    def trains_at(self, sigma: torch.Tensor) -> torch.Tensor:
+        """``[N]`` bool: whether the trained denoiser computes the velocity at each of ``sigma [N]`` (all of them,
+        except on pipelines whose experts split the schedule, as Wan2.2's). Training points elsewhere carry no
+        gradient, and the trainer leaves them out."""
+        return torch.ones_like(sigma, dtype=torch.bool)
 
     def uses_cfg(self, guidance_scale: float) -> bool:
         """Whether ``velocity`` runs classifier-free guidance (two forwards per sample) at this scale."""

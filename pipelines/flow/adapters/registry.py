@@ -39,6 +39,7 @@ _PROVIDERS: tuple[str, ...] = (
     "pipelines.flow.adapters.flux",
     "pipelines.flow.adapters.sana",
     "pipelines.flow.adapters.wan",
+    "pipelines.flow.adapters.wan22",
     "pipelines.flow.adapters.shapes",
     "pipelines.flow.adapters.qwen_image",
     "pipelines.flow.adapters.z_image",
