@@ -28,6 +28,7 @@ from diffusers import (
     DPMSolverMultistepScheduler,
     FlowMatchEulerDiscreteScheduler,
     Flux2KleinPipeline,
+    Flux2Pipeline,
     Flux2Transformer2DModel,
     FluxPipeline,
     FluxTransformer2DModel,
@@ -52,6 +53,11 @@ from transformers import (
     Gemma2Config,
     Gemma2Model,
     GemmaTokenizer,
+    Mistral3Config,
+    Mistral3ForConditionalGeneration,
+    PixtralImageProcessor,
+    PixtralProcessor,
+    PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2Tokenizer,
@@ -65,8 +71,18 @@ from transformers import (
     UMT5EncoderModel,
 )
 
-Family = Literal["sd3", "flux", "sana", "wan", "wan22", "qwen_image", "z_image", "flux2_klein"]
-FAMILIES: tuple[Family, ...] = ("sd3", "flux", "sana", "wan", "wan22", "qwen_image", "z_image", "flux2_klein")
+Family = Literal["sd3", "flux", "sana", "wan", "wan22", "qwen_image", "z_image", "flux2_klein", "flux2"]
+FAMILIES: tuple[Family, ...] = (
+    "sd3",
+    "flux",
+    "sana",
+    "wan",
+    "wan22",
+    "qwen_image",
+    "z_image",
+    "flux2_klein",
+    "flux2",
+)
 
 # A few prompts so that trained tokenizers cover ordinary words; any corpus works, unknown words fall back to
 # characters (every lower-case letter is in the initial alphabet).
@@ -105,6 +121,8 @@ TINY_LOAD_KWARGS: dict[str, dict] = {
     "z_image": {"max_sequence_length": 16},
     # the tiny Qwen3 has 3 layers: its caption is layers 1-3 (the real 36-layer encoders are read at 9, 18, 27)
     "flux2_klein": {"max_sequence_length": 16, "text_encoder_out_layers": [1, 2, 3]},
+    # likewise the tiny Mistral-3 (the real one is read at 10, 20, 30)
+    "flux2": {"max_sequence_length": 16, "text_encoder_out_layers": [1, 2, 3]},
 }
 #: output sizes the tiny models are built for: 32x32 images, 5 frames of 16x16 video
 TINY_SIZES: dict[str, dict[str, int]] = {
@@ -116,6 +134,7 @@ TINY_SIZES: dict[str, dict[str, int]] = {
     "qwen_image": {"height": 32, "width": 32},
     "z_image": {"height": 32, "width": 32},
     "flux2_klein": {"height": 32, "width": 32},
+    "flux2": {"height": 32, "width": 32},
 }
 
 
@@ -577,6 +596,19 @@ def build_tiny_flux2_klein(
     tokenizer = train_qwen2_tokenizer(corpus)
     tokenizer.chat_template = _QWEN3_CHAT_TEMPLATE
     hidden_size = 16
+    return Flux2KleinPipeline(
+        tokenizer=tokenizer,
+        text_encoder=Qwen3ForCausalLM(tiny_qwen3_config(tokenizer, hidden_size, num_layers=3)),
+        vae=tiny_autoencoder_kl_flux2(),
+        transformer=tiny_flux2_transformer(3 * hidden_size, guidance_embeds=False),
+        scheduler=_flux2_scheduler(),
+        is_distilled=is_distilled,
+    )
+
+
+def tiny_autoencoder_kl_flux2() -> AutoencoderKLFlux2:
+    """FLUX.2's VAE (spatial factor 2 here) with non-trivial batch-norm latent statistics, so that decode is
+    checked to apply them (16 = 4 channels x 2x2 patch)."""
     vae = AutoencoderKLFlux2(
         block_out_channels=(8, 16),
         down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
@@ -586,34 +618,107 @@ def build_tiny_flux2_klein(
         norm_num_groups=8,
         sample_size=32,
     )
-    # non-trivial batch-norm statistics (16 = 4 channels x 2x2 patch) check that decode applies them
     vae.bn.running_mean.copy_(torch.linspace(-0.3, 0.3, vae.bn.num_features))
     vae.bn.running_var.copy_(torch.linspace(0.5, 2.0, vae.bn.num_features))
-    return Flux2KleinPipeline(
+    return vae
+
+
+def tiny_flux2_transformer(joint_attention_dim: int, guidance_embeds: bool) -> Flux2Transformer2DModel:
+    """A one-double-block, one-single-block FLUX.2 MMDiT on 4 latent channels patchified 2x2."""
+    return Flux2Transformer2DModel(
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=joint_attention_dim,  # three text hidden states concatenated
+        timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4),  # sums to the head width
+        guidance_embeds=guidance_embeds,
+    )
+
+
+def _flux2_scheduler() -> FlowMatchEulerDiscreteScheduler:
+    return FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True,
+        time_shift_type="exponential",
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+        shift=3.0,
+    )
+
+
+def train_pixtral_processor(corpus: Sequence[str], vocab_size: int = 400) -> PixtralProcessor:
+    """A byte-level BPE tokenizer with Mistral's control tokens in a ``PixtralProcessor`` (what
+    ``FLUX.2-dev``'s ``AutoProcessor`` loads), with a chat template for its system + user text turns."""
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    specials = ["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"]
+    image_tokens = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials + image_tokens,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(corpus, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
+    template = (
+        "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'system' %}[SYSTEM_PROMPT]"
+        "{{ message['content'][0]['text'] }}[/SYSTEM_PROMPT]{% else %}[INST]{{ message['content'][0]['text'] }}"
+        "[/INST]{% endif %}{% endfor %}"
+    )
+    return PixtralProcessor(
+        image_processor=PixtralImageProcessor(),
         tokenizer=tokenizer,
-        text_encoder=Qwen3ForCausalLM(tiny_qwen3_config(tokenizer, hidden_size, num_layers=3)),
-        vae=vae,
-        transformer=Flux2Transformer2DModel(
-            in_channels=16,  # 4 latent channels patchified 2x2
-            num_layers=1,
-            num_single_layers=1,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=3 * hidden_size,  # three hidden states concatenated
-            timestep_guidance_channels=32,
-            axes_dims_rope=(4, 4, 4, 4),  # sums to the head width
-            guidance_embeds=False,
-        ),
-        scheduler=FlowMatchEulerDiscreteScheduler(
-            use_dynamic_shifting=True,
-            time_shift_type="exponential",
-            base_shift=0.5,
-            max_shift=1.15,
-            base_image_seq_len=256,
-            max_image_seq_len=4096,
-            shift=3.0,
-        ),
-        is_distilled=is_distilled,
+        chat_template=template,
+        patch_size=16,
+        image_token="[IMG]",
+        image_break_token="[IMG_BREAK]",
+        image_end_token="[IMG_END]",
+    )
+
+
+def build_tiny_flux2(corpus: Sequence[str] = DEFAULT_CORPUS) -> Flux2Pipeline:
+    """FLUX.2 [dev] layout: Mistral-3 (three hidden states of its text decoder as the caption) behind a Pixtral
+    processor, guidance-embedded FLUX.2 MMDiT, ``AutoencoderKLFlux2``, exponential dynamic shift."""
+    processor = train_pixtral_processor(corpus)
+    hidden_size = 16
+    vocab = len(processor.tokenizer)
+    config = Mistral3Config(
+        text_config={
+            "model_type": "mistral",
+            "vocab_size": vocab,
+            "hidden_size": hidden_size,
+            "intermediate_size": 2 * hidden_size,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 8,
+            "max_position_embeddings": 256,
+        },
+        vision_config={
+            "model_type": "pixtral",
+            "hidden_size": hidden_size,
+            "intermediate_size": hidden_size,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "head_dim": 8,
+            "patch_size": 16,
+            "image_size": 64,
+        },
+        image_token_index=processor.tokenizer.convert_tokens_to_ids("[IMG]"),
+        spatial_merge_size=1,
+    )
+    return Flux2Pipeline(
+        tokenizer=processor,
+        text_encoder=Mistral3ForConditionalGeneration(config),
+        vae=tiny_autoencoder_kl_flux2(),
+        transformer=tiny_flux2_transformer(3 * hidden_size, guidance_embeds=True),
+        scheduler=_flux2_scheduler(),
     )
 
 
@@ -685,6 +790,7 @@ def build_tiny_pipeline(
         "qwen_image": build_tiny_qwen_image,
         "z_image": build_tiny_z_image,
         "flux2_klein": build_tiny_flux2_klein,
+        "flux2": build_tiny_flux2,
     }
     if family not in builders:
         raise ValueError(f"unknown pipeline family {family!r}. Available: {sorted(builders)}")

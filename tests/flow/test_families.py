@@ -1,5 +1,5 @@
 """One flow training step (GRPO, DiffusionNFT and AWM) through the trainer for every model family (tiny random
-SD3, FLUX, SANA, Wan2.1, Wan2.2 (either expert), Qwen-Image, Z-Image, FLUX.2 klein), and each family's LoRA loaded back by its own diffusers pipeline."""
+SD3, FLUX, SANA, Wan2.1, Wan2.2 (either expert), Qwen-Image, Z-Image, FLUX.2 klein and dev), and each family's LoRA loaded back by its own diffusers pipeline."""
 
 import json
 
@@ -66,6 +66,7 @@ LORA_TARGETS = {
     "qwen_image": "[to_q, to_k, to_v, add_q_proj, add_k_proj, add_v_proj]",
     "z_image": "[to_q, to_k, to_v, to_out.0]",
     "flux2_klein": "[to_q, to_k, to_v, add_q_proj, add_k_proj, add_v_proj]",
+    "flux2": "[to_q, to_k, to_v, add_q_proj, add_k_proj, add_v_proj]",
 }
 
 

@@ -59,7 +59,7 @@ def test_ode_rollout_equals_the_diffusers_pipeline(family, load_tiny):
         # FluxPipeline takes packed latents and embeds guidance; the adapter packs inside `velocity`
         latents = pipe._pack_latents(noise, 1, *noise.shape[1:])
         call.update(guidance_scale=config.guidance_scale, max_sequence_length=8)
-    elif family == "flux2_klein":
+    elif family in ("flux2_klein", "flux2"):
         latents = noise  # the pipeline steps on patchified, normalised latents as the adapter does
         call.update(guidance_scale=1.0, max_sequence_length=16, text_encoder_out_layers=(1, 2, 3))
     elif family == "z_image":
@@ -79,7 +79,7 @@ def test_ode_rollout_equals_the_diffusers_pipeline(family, load_tiny):
         vsf = pipe.vae_scale_factor
         theirs = pipe._unpack_latents(theirs, sizes["height"], sizes["width"], vsf)
         theirs = theirs.reshape(noise.shape)  # Qwen-Image's has a frame axis of 1
-    if family == "flux2_klein":
+    if family in ("flux2_klein", "flux2"):
         theirs = klein_latents(pipe, theirs)
     torch.testing.assert_close(ours.latents[:, -1], theirs.float(), rtol=1e-4, atol=1e-4)
 
@@ -207,7 +207,12 @@ def test_qwen_image_true_cfg_with_norm_rescale_equals_the_pipeline(load_tiny):
 
 
 def klein_latents(pipe, latents: torch.Tensor) -> torch.Tensor:
-    """``Flux2KleinPipeline``'s latent output (de-normalised, unpatchified) back in the space it steps in."""
+    """A FLUX.2 pipeline's latent output back in the space it steps in: ``Flux2KleinPipeline`` returns them
+    de-normalised and unpatchified ``[B, C, H, W]``, ``Flux2Pipeline`` as its ``[B, h w, 4C]`` tokens."""
+    if latents.ndim == 3:
+        batch, tokens, channels = latents.shape
+        side = int(tokens**0.5)
+        return latents.float().transpose(1, 2).reshape(batch, channels, side, side)
     bn = pipe.vae.bn
     patches = pipe._patchify_latents(latents.float())
     return (patches - bn.running_mean.view(1, -1, 1, 1)) / torch.sqrt(
@@ -239,6 +244,31 @@ def test_flux2_klein_cfg_equals_the_pipeline_and_distilled_runs_without(load_tin
     assert adapter.nfe_per_sample(3.0) == 1
 
 
+def test_flux2_dev_embeds_guidance_and_equals_the_pipeline(load_tiny):
+    """FLUX.2 [dev] is guidance-distilled: one forward per sample with the scale as an input, as
+    ``Flux2Pipeline(guidance_scale=...)`` samples."""
+    adapter = load_tiny("flux2")
+    pipe, sizes = adapter.pipe, SIZES["flux2"]
+    config = _config("flux2", sde_window=(0, 0), guidance_scale=3.0)
+    noise = torch.randn((1, *adapter.latent_shape(**sizes)), generator=torch.Generator().manual_seed(1))
+    ours = rollout(adapter, PROMPTS[:1], 1, config, noise=noise)
+    out = pipe(
+        prompt=PROMPTS[0],
+        guidance_scale=3.0,
+        latents=noise,
+        num_inference_steps=config.num_steps,
+        output_type="latent",
+        max_sequence_length=16,
+        text_encoder_out_layers=(1, 2, 3),
+        **sizes,
+    )
+    torch.testing.assert_close(ours.latents[:, -1], klein_latents(pipe, out.images), rtol=1e-4, atol=1e-4)
+    cond = adapter.encode(PROMPTS[:1])
+    with torch.no_grad():
+        v1, v4 = adapter.velocity(noise, 0.5, cond, 1.0), adapter.velocity(noise, 0.5, cond, 4.0)
+    assert adapter.nfe_per_sample(4.0) == 1 and not torch.allclose(v1, v4)
+
+
 def test_z_image_guidance_scale_is_the_pipeline_scale_plus_one(load_tiny):
     """``ZImagePipeline(guidance_scale=w)`` guides with ``v_c + w (v_c - v_u)``: the adapter at mmrl's
     ``guidance_scale = w + 1`` samples the same latents (reversed-clock timestep and negated output included)."""
@@ -260,7 +290,7 @@ def test_z_image_guidance_scale_is_the_pipeline_scale_plus_one(load_tiny):
     torch.testing.assert_close(ours.latents[:, -1], out.images.float(), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux", "qwen_image", "z_image", "flux2_klein"])
+@pytest.mark.parametrize("family", ["sd3", "flux", "qwen_image", "z_image", "flux2_klein", "flux2"])
 def test_sigmas_equal_the_pipeline_schedule(family, load_tiny):
     """The schedule the adapter steps is the one the diffusers pipeline sets on its scheduler."""
     adapter = load_tiny(family)
@@ -270,7 +300,7 @@ def test_sigmas_equal_the_pipeline_schedule(family, load_tiny):
         seen["sigmas"] = pipe.scheduler.sigmas.clone()
         return kwargs
 
-    extra = {"text_encoder_out_layers": (1, 2, 3)} if family == "flux2_klein" else {}
+    extra = {"text_encoder_out_layers": (1, 2, 3)} if family.startswith("flux2") else {}
     adapter.pipe(
         prompt=PROMPTS[0],
         num_inference_steps=6,

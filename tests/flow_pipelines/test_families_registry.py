@@ -18,6 +18,7 @@ from pipelines.flow.adapters import (
 def test_every_family_is_registered_with_its_pipeline_class():
     assert list_adapters() == [
         "flux",
+        "flux2",
         "flux2_klein",
         "qwen_image",
         "sana",
@@ -42,7 +43,7 @@ def test_generic_from_pretrained_splits_adapter_and_loading_options():
 
 
 def test_unknown_and_duplicate_families_are_named():
-    with pytest.raises(KeyError, match=r"Available: \['flux', 'flux2_klein', 'qwen_image', 'sana', 'sd3'"):
+    with pytest.raises(KeyError, match=r"Available: \['flux', 'flux2', 'flux2_klein', 'qwen_image', 'sana'"):
         get_adapter("sdxl")
     with pytest.raises(ValueError, match="already registered to SD3Adapter"):
 

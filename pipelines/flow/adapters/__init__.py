@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pipelines.flow.adapters.base import Conditioning, FlowAdapter, flow_match_sigmas, stack_padded
 from pipelines.flow.adapters.flux import FluxAdapter
+from pipelines.flow.adapters.flux2 import Flux2Adapter
 from pipelines.flow.adapters.flux2_klein import Flux2KleinAdapter
 from pipelines.flow.adapters.qwen_image import QwenImageAdapter
 from pipelines.flow.adapters.registry import get_adapter, list_adapters, load_adapter, register_flow_family
@@ -20,6 +21,7 @@ from pipelines.flow.adapters.z_image import ZImageAdapter
 __all__ = [
     "Conditioning",
     "FlowAdapter",
+    "Flux2Adapter",
     "Flux2KleinAdapter",
     "FluxAdapter",
     "QwenImageAdapter",

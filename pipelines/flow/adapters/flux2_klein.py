@@ -76,6 +76,10 @@ class Flux2KleinAdapter(FlowAdapter):
         mu = compute_empirical_mu(image_seq_len=h * w, num_steps=num_steps)
         return flow_match_sigmas(self.pipe.scheduler, num_steps, explicit_linspace=True, mu=mu)
 
+    def _guidance_input(self, batch: int, guidance_scale: float, device: torch.device) -> torch.Tensor | None:
+        """The transformer's guidance input ``[B]``: none for klein (FLUX.2-dev embeds the scale)."""
+        return None
+
     def _forward(
         self, x: torch.Tensor, sigma: torch.Tensor, cond: dict[str, torch.Tensor], guidance_scale: float
     ) -> torch.Tensor:
@@ -86,7 +90,7 @@ class Flux2KleinAdapter(FlowAdapter):
         out = self.transformer(
             hidden_states=tokens,
             timestep=sigma.to(dtype),
-            guidance=None,
+            guidance=self._guidance_input(batch, guidance_scale, x.device),
             encoder_hidden_states=embeds,
             txt_ids=self.pipe._prepare_text_ids(embeds).to(x.device),
             img_ids=self.pipe._prepare_latent_ids(x).to(x.device),

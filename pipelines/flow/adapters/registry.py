@@ -44,6 +44,7 @@ _PROVIDERS: tuple[str, ...] = (
     "pipelines.flow.adapters.qwen_image",
     "pipelines.flow.adapters.z_image",
     "pipelines.flow.adapters.flux2_klein",
+    "pipelines.flow.adapters.flux2",
 )
 
 
