@@ -29,8 +29,8 @@ class FlowLora(LoraSettings):
 class FlowModelConfig(Config):
     family: str = Field(
         "shapes",
-        description="Registered flow family (pipelines.flow.adapters.list_adapters(): shapes, sd3, flux, sana, "
-        "wan, or one registered with register_flow_family).",
+        description="Registered flow family (pipelines.flow.adapters.list_adapters(): shapes, sd3, flux, "
+        "flux2, flux2_klein, qwen_image, z_image, sana, wan, wan22, or one registered with register_flow_family).",
     )
     path: str = Field("checkpoints/shapes_flow", description="Hub id or local diffusers directory.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(

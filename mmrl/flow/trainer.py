@@ -236,12 +236,13 @@ class FlowGRPOTrainer(TrainerBase):
                 raise RuntimeError(
                     "no reference policy: full fine-tuning keeps one only when trainer.beta > 0"
                 )
-            live = self.adapter.pipe.transformer
-            self.adapter.pipe.transformer = self.reference
+            pipe, component = self.adapter.pipe, self.adapter.trained_component
+            live = getattr(pipe, component)
+            setattr(pipe, component, self.reference)
             try:
                 yield
             finally:
-                self.adapter.pipe.transformer = live
+                setattr(pipe, component, live)
 
     # ------------------------------------------------------------------ rewards
     def score(
@@ -564,6 +565,14 @@ class FlowGRPOTrainer(TrainerBase):
                 self._idle_update()
                 return
             trans, adv_t = trans.select(keep), adv_t[keep]
+        trained = self.adapter.trains_at(trans.sigma)
+        if not trained.all():  # steps of an expert that is not trained (Wan2.2) carry no gradient
+            if not trained.any():
+                self.metrics.add("train/skipped_no_signal", 1.0)
+                self._idle_update()
+                return
+            keep = torch.nonzero(trained).flatten()
+            trans, adv_t = trans.select(keep), adv_t[keep]
         cfg_scale = None if t.train_cfg else 1.0
         nfe_each = self.adapter.nfe_per_sample(trans.guidance_scale if t.train_cfg else 1.0)
         if t.train_cfg or trans.guidance_scale <= 1.0:
@@ -638,6 +647,7 @@ class FlowGRPOTrainer(TrainerBase):
         s = self.cfg.sampling
         schedule = self.adapter.sigmas(s.num_steps, s.height, s.width, s.num_frames).float().cpu()
         schedule = schedule[schedule > 0]
+        trained_steps = torch.nonzero(self.adapter.trains_at(schedule)).flatten()
         t = self.cfg.trainer
         timesteps = num_timesteps or t.nft_timesteps
         rows = torch.arange(x0.shape[0]).repeat(timesteps)
@@ -647,13 +657,17 @@ class FlowGRPOTrainer(TrainerBase):
         draw = owner.repeat(timesteps) + n_owners * torch.arange(timesteps).repeat_interleave(x0.shape[0])
         n_draws = n_owners * timesteps
         if draw_steps is None:
-            steps = torch.randint(schedule.numel(), (n_draws,), generator=self.generator)
+            pick = torch.randint(trained_steps.numel(), (n_draws,), generator=self.generator)
+            steps = trained_steps[pick]
         else:
             steps = draw_steps(n_owners).flatten()  # [T, n_owners] -> timestep-major, as `draw` indexes
         sigma = schedule[steps][draw]
         eps = torch.randn((n_draws, *x0.shape[1:]), generator=self.generator)[draw]
         sig = sigma.view(-1, *([1] * (x0.ndim - 1)))
-        return rows, sigma, (1 - sig) * x0[rows] + sig * eps, eps - x0[rows]
+        x_t, target = (1 - sig) * x0[rows] + sig * eps, eps - x0[rows]
+        # drawn steps of an expert that is not trained (Wan2.2) carry no gradient: left out
+        keep = self.adapter.trains_at(sigma)
+        return rows[keep], sigma[keep], x_t[keep], target[keep]
 
     def nft_update(
         self, x0: torch.Tensor, cond: Conditioning, adv: torch.Tensor, groups: torch.Tensor

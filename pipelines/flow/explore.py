@@ -112,12 +112,13 @@ def select_seeds(
 @contextmanager
 def explorer_weights(adapter: FlowAdapter, explorer: torch.nn.Module) -> Iterator[FlowAdapter]:
     """Run ``adapter`` with ``explorer`` (the quantized copy) as its transformer; the policy is untouched."""
-    live = adapter.pipe.transformer
-    adapter.pipe.transformer = explorer
+    pipe, component = adapter.pipe, adapter.trained_component
+    live = getattr(pipe, component)
+    setattr(pipe, component, explorer)
     try:
         yield adapter
     finally:
-        adapter.pipe.transformer = live
+        setattr(pipe, component, live)
 
 
 @torch.no_grad()

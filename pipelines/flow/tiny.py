@@ -21,12 +21,19 @@ import torch
 from diffusers import (
     AutoencoderDC,
     AutoencoderKL,
+    AutoencoderKLFlux2,
+    AutoencoderKLQwenImage,
     AutoencoderKLWan,
     DiffusionPipeline,
     DPMSolverMultistepScheduler,
     FlowMatchEulerDiscreteScheduler,
+    Flux2KleinPipeline,
+    Flux2Pipeline,
+    Flux2Transformer2DModel,
     FluxPipeline,
     FluxTransformer2DModel,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
     SanaPipeline,
     SanaTransformer2DModel,
     SD3Transformer2DModel,
@@ -34,6 +41,8 @@ from diffusers import (
     UniPCMultistepScheduler,
     WanPipeline,
     WanTransformer3DModel,
+    ZImagePipeline,
+    ZImageTransformer2DModel,
 )
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 from transformers import (
@@ -44,6 +53,17 @@ from transformers import (
     Gemma2Config,
     Gemma2Model,
     GemmaTokenizer,
+    Mistral3Config,
+    Mistral3ForConditionalGeneration,
+    PixtralImageProcessor,
+    PixtralProcessor,
+    PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2Tokenizer,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3Model,
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
@@ -51,8 +71,18 @@ from transformers import (
     UMT5EncoderModel,
 )
 
-Family = Literal["sd3", "flux", "sana", "wan"]
-FAMILIES: tuple[Family, ...] = ("sd3", "flux", "sana", "wan")
+Family = Literal["sd3", "flux", "sana", "wan", "wan22", "qwen_image", "z_image", "flux2_klein", "flux2"]
+FAMILIES: tuple[Family, ...] = (
+    "sd3",
+    "flux",
+    "sana",
+    "wan",
+    "wan22",
+    "qwen_image",
+    "z_image",
+    "flux2_klein",
+    "flux2",
+)
 
 # A few prompts so that trained tokenizers cover ordinary words; any corpus works, unknown words fall back to
 # characters (every lower-case letter is in the initial alphabet).
@@ -65,6 +95,18 @@ DEFAULT_CORPUS: tuple[str, ...] = (
     "an astronaut riding a horse",
 )
 _ALPHABET = list("abcdefghijklmnopqrstuvwxyz0123456789.,'-")
+_QWEN_CHAT_MARKERS = ("<|im_start|>", "<|im_end|>")
+# Qwen3's chat format for one user turn and the assistant's opening (what ZImagePipeline applies, thinking on)
+_QWEN3_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# QwenImagePipeline's prompt template (its ``prompt_template_encode``) with an empty prompt
+_QWEN_IMAGE_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
+    "relationships of the objects and background:<|im_end|>\n<|im_start|>user\n<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
 
 #: adapter ``from_pretrained`` options for the tiny models: short text sequences keep tiny forwards fast, and
 #: SANA's long default instruction prefix is switched off for the same reason
@@ -73,6 +115,14 @@ TINY_LOAD_KWARGS: dict[str, dict] = {
     "flux": {"max_sequence_length": 8},
     "sana": {"max_sequence_length": 8, "complex_human_instruction": None},
     "wan": {"max_sequence_length": 8},
+    # the low-noise expert denoises steps 1 and 2 of a 3-step schedule: every tiny test setting reaches it
+    "wan22": {"max_sequence_length": 8, "trained_expert": "low"},
+    "qwen_image": {"max_sequence_length": 16},
+    "z_image": {"max_sequence_length": 16},
+    # the tiny Qwen3 has 3 layers: its caption is layers 1-3 (the real 36-layer encoders are read at 9, 18, 27)
+    "flux2_klein": {"max_sequence_length": 16, "text_encoder_out_layers": [1, 2, 3]},
+    # likewise the tiny Mistral-3 (the real one is read at 10, 20, 30)
+    "flux2": {"max_sequence_length": 16, "text_encoder_out_layers": [1, 2, 3]},
 }
 #: output sizes the tiny models are built for: 32x32 images, 5 frames of 16x16 video
 TINY_SIZES: dict[str, dict[str, int]] = {
@@ -80,6 +130,11 @@ TINY_SIZES: dict[str, dict[str, int]] = {
     "flux": {"height": 32, "width": 32},
     "sana": {"height": 32, "width": 32},
     "wan": {"height": 16, "width": 16, "num_frames": 5},
+    "wan22": {"height": 16, "width": 16, "num_frames": 5},
+    "qwen_image": {"height": 32, "width": 32},
+    "z_image": {"height": 32, "width": 32},
+    "flux2_klein": {"height": 32, "width": 32},
+    "flux2": {"height": 32, "width": 32},
 }
 
 
@@ -150,6 +205,28 @@ def train_gemma_tokenizer(corpus: Sequence[str], vocab_size: int = 160) -> Gemma
     return GemmaTokenizer(vocab=model["vocab"], merges=[tuple(m) for m in model["merges"]])
 
 
+def train_qwen2_tokenizer(corpus: Sequence[str], vocab_size: int = 500) -> Qwen2Tokenizer:
+    """Train a byte-level byte-pair tokenizer (GPT-2 byte alphabet) and wrap it as ``Qwen2Tokenizer``
+    (Qwen2.5-VL, the text encoder of Qwen-Image), with Qwen's chat markers as special tokens.
+
+    Qwen-Image's chat template is part of the training text: at the default ``vocab_size`` its system prefix
+    becomes 34 tokens, the count ``QwenImagePipeline`` drops (``prompt_template_encode_start_idx``), as with the
+    real tokenizer; the prompt's own tokens are then what the caption keeps.
+    """
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", *_QWEN_CHAT_MARKERS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator([*corpus, _QWEN_IMAGE_TEMPLATE], trainer)
+    model = json.loads(bpe.to_str())["model"]
+    tokenizer = Qwen2Tokenizer(vocab=model["vocab"], merges=[tuple(m) for m in model["merges"]])
+    tokenizer.add_special_tokens({"additional_special_tokens": list(_QWEN_CHAT_MARKERS)})
+    return tokenizer
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Text encoders
 # --------------------------------------------------------------------------------------------------------------
@@ -212,6 +289,58 @@ def tiny_gemma2_encoder(tokenizer: GemmaTokenizer, hidden_size: int = 16) -> Gem
         eos_token_id=tokenizer.eos_token_id,
     )
     return Gemma2Model(config)
+
+
+def tiny_qwen25vl_encoder(
+    tokenizer: Qwen2Tokenizer, hidden_size: int = 16
+) -> Qwen2_5_VLForConditionalGeneration:
+    """A one-layer Qwen2.5-VL (text decoder with multimodal RoPE, one-block vision tower) whose last hidden state
+    is Qwen-Image's caption."""
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": hidden_size,
+            "intermediate_size": 2 * hidden_size,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "max_position_embeddings": 512,
+            # the three mRoPE sections (time, height, width) split the head's rotary half: 8 / 2 = 1 + 1 + 2
+            "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]},
+            "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+            "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": hidden_size,
+            "intermediate_size": hidden_size,
+            "num_heads": 2,
+            "out_hidden_size": hidden_size,
+            "fullatt_block_indexes": [0],
+        },
+    )
+    return Qwen2_5_VLForConditionalGeneration(config)
+
+
+def tiny_qwen3_config(tokenizer: Qwen2Tokenizer, hidden_size: int = 16, num_layers: int = 2) -> Qwen3Config:
+    """A small Qwen3 decoder configuration for the trained Qwen tokenizer."""
+    return Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=256,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+    )
+
+
+def tiny_qwen3_encoder(tokenizer: Qwen2Tokenizer, hidden_size: int = 16) -> Qwen3Model:
+    """A two-layer Qwen3 decoder (Z-Image reads its second-to-last hidden state as the caption)."""
+    return Qwen3Model(tiny_qwen3_config(tokenizer, hidden_size))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -345,20 +474,15 @@ def build_tiny_sana(corpus: Sequence[str] = DEFAULT_CORPUS) -> SanaPipeline:
     )
 
 
-def build_tiny_wan(corpus: Sequence[str] = DEFAULT_CORPUS) -> WanPipeline:
-    """Wan2.1 layout: UMT5 text encoder, 3-D DiT on video latents [B, C, F, H, W], causal video VAE."""
+def build_tiny_wan(
+    corpus: Sequence[str] = DEFAULT_CORPUS, boundary_ratio: float | None = None
+) -> WanPipeline:
+    """Wan2.1 layout: UMT5 text encoder, 3-D DiT on video latents [B, C, F, H, W], causal video VAE. With
+    ``boundary_ratio``, Wan2.2 A14B's: a second expert ``transformer_2`` denoises below that sigma."""
     tokenizer = train_t5_tokenizer(corpus)
-    return WanPipeline(
-        tokenizer=tokenizer,
-        text_encoder=tiny_t5_encoder(tokenizer, umt5=True),
-        vae=AutoencoderKLWan(
-            base_dim=3,
-            z_dim=16,
-            dim_mult=[1, 1, 1, 1],
-            num_res_blocks=1,
-            temperal_downsample=[False, True, True],
-        ),
-        transformer=WanTransformer3DModel(
+
+    def expert() -> WanTransformer3DModel:
+        return WanTransformer3DModel(
             patch_size=(1, 2, 2),
             num_attention_heads=2,
             attention_head_dim=12,
@@ -371,10 +495,230 @@ def build_tiny_wan(corpus: Sequence[str] = DEFAULT_CORPUS) -> WanPipeline:
             cross_attn_norm=True,
             qk_norm="rms_norm_across_heads",
             rope_max_seq_len=32,
+        )
+
+    return WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=tiny_t5_encoder(tokenizer, umt5=True),
+        vae=AutoencoderKLWan(
+            base_dim=3,
+            z_dim=16,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
         ),
+        transformer=expert(),
+        transformer_2=expert() if boundary_ratio is not None else None,
+        boundary_ratio=boundary_ratio,
         scheduler=UniPCMultistepScheduler(
             prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
         ),
+    )
+
+
+def build_tiny_wan22(corpus: Sequence[str] = DEFAULT_CORPUS) -> WanPipeline:
+    """Wan2.2 A14B layout: two Wan2.1 experts switched at ``boundary_ratio`` 0.8 (the real one is 0.875; 0.8 gives
+    each expert an SDE step of a 3-step schedule: sigma 1.0 is the high expert's, 0.75 the low one's)."""
+    return build_tiny_wan(corpus, boundary_ratio=0.8)
+
+
+def build_tiny_qwen_image(corpus: Sequence[str] = DEFAULT_CORPUS) -> QwenImagePipeline:
+    """Qwen-Image layout: Qwen2.5-VL text encoder, double-stream MMDiT on 2x2-packed latents, the one-frame
+    causal video VAE (``AutoencoderKLQwenImage``, spatial factor 8), exponential dynamic shift with terminal
+    shift as in ``Qwen/Qwen-Image``'s scheduler config."""
+    tokenizer = train_qwen2_tokenizer(corpus)
+    return QwenImagePipeline(
+        tokenizer=tokenizer,
+        text_encoder=tiny_qwen25vl_encoder(tokenizer),
+        vae=AutoencoderKLQwenImage(
+            base_dim=4,
+            z_dim=4,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+            # non-trivial statistics check that decode applies them
+            latents_mean=[0.1, -0.2, 0.0, 0.3],
+            latents_std=[1.5, 0.8, 1.0, 2.0],
+        ),
+        transformer=QwenImageTransformer2DModel(
+            patch_size=2,
+            in_channels=16,  # 4 latent channels packed 2x2
+            out_channels=4,
+            num_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=16,
+            axes_dims_rope=(4, 6, 6),
+        ),
+        scheduler=FlowMatchEulerDiscreteScheduler(
+            use_dynamic_shifting=True,
+            time_shift_type="exponential",
+            base_shift=0.5,
+            max_shift=0.9,
+            base_image_seq_len=256,
+            max_image_seq_len=8192,
+            shift_terminal=0.02,
+        ),
+    )
+
+
+def build_tiny_z_image(corpus: Sequence[str] = DEFAULT_CORPUS) -> ZImagePipeline:
+    """Z-Image layout: Qwen3 text encoder behind its chat template, single-stream DiT with context and noise
+    refiners, FLUX's 16-channel-style AutoencoderKL (here 4 channels), static shift 3 as ``Z-Image-Turbo``."""
+    tokenizer = train_qwen2_tokenizer(corpus)
+    tokenizer.chat_template = _QWEN3_CHAT_TEMPLATE
+    return ZImagePipeline(
+        tokenizer=tokenizer,
+        text_encoder=tiny_qwen3_encoder(tokenizer),
+        vae=tiny_autoencoder_kl(),
+        transformer=ZImageTransformer2DModel(
+            in_channels=4,
+            dim=32,
+            n_layers=1,
+            n_refiner_layers=1,
+            n_heads=2,
+            n_kv_heads=2,
+            cap_feat_dim=16,
+            axes_dims=[4, 6, 6],  # sums to the head width 32 / 2
+            axes_lens=[256, 32, 32],
+        ),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+    )
+
+
+def build_tiny_flux2_klein(
+    corpus: Sequence[str] = DEFAULT_CORPUS, is_distilled: bool = False
+) -> Flux2KleinPipeline:
+    """FLUX.2 [klein] layout: Qwen3 causal LM (three hidden states concatenated as the caption), MMDiT with
+    double- and single-stream blocks on 2x2-patchified latents, ``AutoencoderKLFlux2`` with batch-norm latent
+    statistics, exponential dynamic shift. ``is_distilled`` as the 4-step checkpoints (no CFG); the default
+    builds the undistilled base."""
+    tokenizer = train_qwen2_tokenizer(corpus)
+    tokenizer.chat_template = _QWEN3_CHAT_TEMPLATE
+    hidden_size = 16
+    return Flux2KleinPipeline(
+        tokenizer=tokenizer,
+        text_encoder=Qwen3ForCausalLM(tiny_qwen3_config(tokenizer, hidden_size, num_layers=3)),
+        vae=tiny_autoencoder_kl_flux2(),
+        transformer=tiny_flux2_transformer(3 * hidden_size, guidance_embeds=False),
+        scheduler=_flux2_scheduler(),
+        is_distilled=is_distilled,
+    )
+
+
+def tiny_autoencoder_kl_flux2() -> AutoencoderKLFlux2:
+    """FLUX.2's VAE (spatial factor 2 here) with non-trivial batch-norm latent statistics, so that decode is
+    checked to apply them (16 = 4 channels x 2x2 patch)."""
+    vae = AutoencoderKLFlux2(
+        block_out_channels=(8, 16),
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=32,
+    )
+    vae.bn.running_mean.copy_(torch.linspace(-0.3, 0.3, vae.bn.num_features))
+    vae.bn.running_var.copy_(torch.linspace(0.5, 2.0, vae.bn.num_features))
+    return vae
+
+
+def tiny_flux2_transformer(joint_attention_dim: int, guidance_embeds: bool) -> Flux2Transformer2DModel:
+    """A one-double-block, one-single-block FLUX.2 MMDiT on 4 latent channels patchified 2x2."""
+    return Flux2Transformer2DModel(
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=joint_attention_dim,  # three text hidden states concatenated
+        timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4),  # sums to the head width
+        guidance_embeds=guidance_embeds,
+    )
+
+
+def _flux2_scheduler() -> FlowMatchEulerDiscreteScheduler:
+    return FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True,
+        time_shift_type="exponential",
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+        shift=3.0,
+    )
+
+
+def train_pixtral_processor(corpus: Sequence[str], vocab_size: int = 400) -> PixtralProcessor:
+    """A byte-level BPE tokenizer with Mistral's control tokens in a ``PixtralProcessor`` (what
+    ``FLUX.2-dev``'s ``AutoProcessor`` loads), with a chat template for its system + user text turns."""
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    specials = ["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"]
+    image_tokens = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials + image_tokens,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(corpus, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
+    template = (
+        "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'system' %}[SYSTEM_PROMPT]"
+        "{{ message['content'][0]['text'] }}[/SYSTEM_PROMPT]{% else %}[INST]{{ message['content'][0]['text'] }}"
+        "[/INST]{% endif %}{% endfor %}"
+    )
+    return PixtralProcessor(
+        image_processor=PixtralImageProcessor(),
+        tokenizer=tokenizer,
+        chat_template=template,
+        patch_size=16,
+        image_token="[IMG]",
+        image_break_token="[IMG_BREAK]",
+        image_end_token="[IMG_END]",
+    )
+
+
+def build_tiny_flux2(corpus: Sequence[str] = DEFAULT_CORPUS) -> Flux2Pipeline:
+    """FLUX.2 [dev] layout: Mistral-3 (three hidden states of its text decoder as the caption) behind a Pixtral
+    processor, guidance-embedded FLUX.2 MMDiT, ``AutoencoderKLFlux2``, exponential dynamic shift."""
+    processor = train_pixtral_processor(corpus)
+    hidden_size = 16
+    vocab = len(processor.tokenizer)
+    config = Mistral3Config(
+        text_config={
+            "model_type": "mistral",
+            "vocab_size": vocab,
+            "hidden_size": hidden_size,
+            "intermediate_size": 2 * hidden_size,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 8,
+            "max_position_embeddings": 256,
+        },
+        vision_config={
+            "model_type": "pixtral",
+            "hidden_size": hidden_size,
+            "intermediate_size": hidden_size,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "head_dim": 8,
+            "patch_size": 16,
+            "image_size": 64,
+        },
+        image_token_index=processor.tokenizer.convert_tokens_to_ids("[IMG]"),
+        spatial_merge_size=1,
+    )
+    return Flux2Pipeline(
+        tokenizer=processor,
+        text_encoder=Mistral3ForConditionalGeneration(config),
+        vae=tiny_autoencoder_kl_flux2(),
+        transformer=tiny_flux2_transformer(3 * hidden_size, guidance_embeds=True),
+        scheduler=_flux2_scheduler(),
     )
 
 
@@ -442,6 +786,11 @@ def build_tiny_pipeline(
         "flux": build_tiny_flux,
         "sana": build_tiny_sana,
         "wan": build_tiny_wan,
+        "wan22": build_tiny_wan22,
+        "qwen_image": build_tiny_qwen_image,
+        "z_image": build_tiny_z_image,
+        "flux2_klein": build_tiny_flux2_klein,
+        "flux2": build_tiny_flux2,
     }
     if family not in builders:
         raise ValueError(f"unknown pipeline family {family!r}. Available: {sorted(builders)}")

@@ -9,6 +9,7 @@ from peft import LoraConfig
 
 from mmrl.data.shapes import all_prompts
 from pipelines.flow.adapters import ShapesAdapter, get_adapter, list_adapters, load_adapter
+from pipelines.flow.adapters.qwen_image import pack_2x2
 from pipelines.flow.rollout import SamplingConfig, rescore, rollout
 from pipelines.flow.tiny import TINY_LOAD_KWARGS as LOAD_KWARGS
 from pipelines.flow.tiny import TINY_SIZES as SIZES
@@ -58,16 +59,28 @@ def test_ode_rollout_equals_the_diffusers_pipeline(family, load_tiny):
         # FluxPipeline takes packed latents and embeds guidance; the adapter packs inside `velocity`
         latents = pipe._pack_latents(noise, 1, *noise.shape[1:])
         call.update(guidance_scale=config.guidance_scale, max_sequence_length=8)
+    elif family in ("flux2_klein", "flux2"):
+        latents = noise  # the pipeline steps on patchified, normalised latents as the adapter does
+        call.update(guidance_scale=1.0, max_sequence_length=16, text_encoder_out_layers=(1, 2, 3))
+    elif family == "z_image":
+        latents = noise
+        call.update(guidance_scale=0.0, max_sequence_length=16)  # the pipeline's 0 is mmrl's 1: no CFG
+    elif family == "qwen_image":
+        latents = pipe._pack_latents(noise, 1, *noise.shape[1:])
+        call.update(true_cfg_scale=1.0, max_sequence_length=16)
     else:
         latents = noise
         call.update(guidance_scale=1.0, max_sequence_length=8)
     if family == "sana":
         call["complex_human_instruction"] = None
-    out = pipe(PROMPTS[0], latents=latents, **call)
+    out = pipe(prompt=PROMPTS[0], latents=latents, **call)
     theirs = out.images if hasattr(out, "images") else out.frames
-    if family == "flux":
+    if family in ("flux", "qwen_image"):
         vsf = pipe.vae_scale_factor
         theirs = pipe._unpack_latents(theirs, sizes["height"], sizes["width"], vsf)
+        theirs = theirs.reshape(noise.shape)  # Qwen-Image's has a frame axis of 1
+    if family in ("flux2_klein", "flux2"):
+        theirs = klein_latents(pipe, theirs)
     torch.testing.assert_close(ours.latents[:, -1], theirs.float(), rtol=1e-4, atol=1e-4)
 
 
@@ -164,7 +177,120 @@ def test_flux_embeds_guidance_instead_of_cfg(load_tiny):
     assert not torch.allclose(v1, v4)  # the scale is an input of the distilled model
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_qwen_image_true_cfg_with_norm_rescale_equals_the_pipeline(load_tiny):
+    """Qwen-Image guides with ``v * ||v_c|| / ||v||`` per packed token; the adapter's ODE sampling with CFG and a
+    negative prompt reproduces ``QwenImagePipeline(true_cfg_scale=...)``."""
+    adapter = load_tiny("qwen_image")
+    pipe, sizes = adapter.pipe, SIZES["qwen_image"]
+    config = _config("qwen_image", sde_window=(0, 0), guidance_scale=3.0)
+    noise = torch.randn((1, *adapter.latent_shape(**sizes)), generator=torch.Generator().manual_seed(1))
+    ours = rollout(adapter, PROMPTS[:1], 1, config, noise=noise)
+    out = pipe(
+        PROMPTS[0],
+        negative_prompt="",
+        true_cfg_scale=3.0,
+        max_sequence_length=16,
+        latents=pipe._pack_latents(noise, 1, *noise.shape[1:]),
+        num_inference_steps=config.num_steps,
+        output_type="latent",
+        **sizes,
+    )
+    theirs = pipe._unpack_latents(out.images, sizes["height"], sizes["width"], pipe.vae_scale_factor)
+    torch.testing.assert_close(ours.latents[:, -1], theirs.reshape(noise.shape), rtol=1e-4, atol=1e-4)
+    # the rescale is not plain CFG: the guided velocity keeps the conditional norm per token
+    cond = adapter.encode(PROMPTS[:1], cfg=True)
+    with torch.no_grad():
+        v = adapter.velocity(noise, 0.7, cond, 3.0)
+        v_c = adapter.velocity(noise, 0.7, type(cond)(cond.cond), 1.0)
+    torch.testing.assert_close(pack_2x2(v).norm(dim=-1), pack_2x2(v_c).norm(dim=-1), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(v, v_c)
+
+
+def klein_latents(pipe, latents: torch.Tensor) -> torch.Tensor:
+    """A FLUX.2 pipeline's latent output back in the space it steps in: ``Flux2KleinPipeline`` returns them
+    de-normalised and unpatchified ``[B, C, H, W]``, ``Flux2Pipeline`` as its ``[B, h w, 4C]`` tokens."""
+    if latents.ndim == 3:
+        batch, tokens, channels = latents.shape
+        side = int(tokens**0.5)
+        return latents.float().transpose(1, 2).reshape(batch, channels, side, side)
+    bn = pipe.vae.bn
+    patches = pipe._patchify_latents(latents.float())
+    return (patches - bn.running_mean.view(1, -1, 1, 1)) / torch.sqrt(
+        bn.running_var.view(1, -1, 1, 1) + pipe.vae.config.batch_norm_eps
+    )
+
+
+def test_flux2_klein_cfg_equals_the_pipeline_and_distilled_runs_without(load_tiny):
+    """The undistilled klein base guides with plain CFG (one batched forward of 2B); a step-distilled checkpoint
+    (``is_distilled``) ignores the scale, as ``Flux2KleinPipeline`` does."""
+    adapter = load_tiny("flux2_klein")
+    pipe, sizes = adapter.pipe, SIZES["flux2_klein"]
+    config = _config("flux2_klein", sde_window=(0, 0), guidance_scale=3.0)
+    noise = torch.randn((1, *adapter.latent_shape(**sizes)), generator=torch.Generator().manual_seed(1))
+    ours = rollout(adapter, PROMPTS[:1], 1, config, noise=noise)
+    out = pipe(
+        prompt=PROMPTS[0],
+        guidance_scale=3.0,
+        latents=noise,
+        num_inference_steps=config.num_steps,
+        output_type="latent",
+        max_sequence_length=16,
+        text_encoder_out_layers=(1, 2, 3),
+        **sizes,
+    )
+    torch.testing.assert_close(ours.latents[:, -1], klein_latents(pipe, out.images), rtol=1e-4, atol=1e-4)
+    assert adapter.nfe_per_sample(3.0) == 2
+    pipe.register_to_config(is_distilled=True)
+    assert adapter.nfe_per_sample(3.0) == 1
+
+
+def test_flux2_dev_embeds_guidance_and_equals_the_pipeline(load_tiny):
+    """FLUX.2 [dev] is guidance-distilled: one forward per sample with the scale as an input, as
+    ``Flux2Pipeline(guidance_scale=...)`` samples."""
+    adapter = load_tiny("flux2")
+    pipe, sizes = adapter.pipe, SIZES["flux2"]
+    config = _config("flux2", sde_window=(0, 0), guidance_scale=3.0)
+    noise = torch.randn((1, *adapter.latent_shape(**sizes)), generator=torch.Generator().manual_seed(1))
+    ours = rollout(adapter, PROMPTS[:1], 1, config, noise=noise)
+    out = pipe(
+        prompt=PROMPTS[0],
+        guidance_scale=3.0,
+        latents=noise,
+        num_inference_steps=config.num_steps,
+        output_type="latent",
+        max_sequence_length=16,
+        text_encoder_out_layers=(1, 2, 3),
+        **sizes,
+    )
+    torch.testing.assert_close(ours.latents[:, -1], klein_latents(pipe, out.images), rtol=1e-4, atol=1e-4)
+    cond = adapter.encode(PROMPTS[:1])
+    with torch.no_grad():
+        v1, v4 = adapter.velocity(noise, 0.5, cond, 1.0), adapter.velocity(noise, 0.5, cond, 4.0)
+    assert adapter.nfe_per_sample(4.0) == 1 and not torch.allclose(v1, v4)
+
+
+def test_z_image_guidance_scale_is_the_pipeline_scale_plus_one(load_tiny):
+    """``ZImagePipeline(guidance_scale=w)`` guides with ``v_c + w (v_c - v_u)``: the adapter at mmrl's
+    ``guidance_scale = w + 1`` samples the same latents (reversed-clock timestep and negated output included)."""
+    adapter = load_tiny("z_image")
+    pipe, sizes = adapter.pipe, SIZES["z_image"]
+    config = _config("z_image", sde_window=(0, 0), guidance_scale=3.0)
+    noise = torch.randn((1, *adapter.latent_shape(**sizes)), generator=torch.Generator().manual_seed(1))
+    ours = rollout(adapter, PROMPTS[:1], 1, config, noise=noise)
+    out = pipe(
+        PROMPTS[0],
+        negative_prompt="",
+        guidance_scale=2.0,
+        latents=noise,
+        num_inference_steps=config.num_steps,
+        output_type="latent",
+        max_sequence_length=16,
+        **sizes,
+    )
+    torch.testing.assert_close(ours.latents[:, -1], out.images.float(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux", "qwen_image", "z_image", "flux2_klein", "flux2"])
 def test_sigmas_equal_the_pipeline_schedule(family, load_tiny):
     """The schedule the adapter steps is the one the diffusers pipeline sets on its scheduler."""
     adapter = load_tiny(family)
@@ -174,14 +300,16 @@ def test_sigmas_equal_the_pipeline_schedule(family, load_tiny):
         seen["sigmas"] = pipe.scheduler.sigmas.clone()
         return kwargs
 
+    extra = {"text_encoder_out_layers": (1, 2, 3)} if family.startswith("flux2") else {}
     adapter.pipe(
-        PROMPTS[0],
+        prompt=PROMPTS[0],
         num_inference_steps=6,
         height=32,
         width=32,
         output_type="latent",
         max_sequence_length=8,
         callback_on_step_end=grab,
+        **extra,
     )
     torch.testing.assert_close(adapter.sigmas(6, 32, 32), seen["sigmas"].float())
 

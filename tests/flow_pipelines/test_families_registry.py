@@ -16,7 +16,18 @@ from pipelines.flow.adapters import (
 
 
 def test_every_family_is_registered_with_its_pipeline_class():
-    assert list_adapters() == ["flux", "sana", "sd3", "shapes", "wan"]
+    assert list_adapters() == [
+        "flux",
+        "flux2",
+        "flux2_klein",
+        "qwen_image",
+        "sana",
+        "sd3",
+        "shapes",
+        "wan",
+        "wan22",
+        "z_image",
+    ]
     for name in list_adapters():
         cls = get_adapter(name)
         assert cls.family == name and issubclass(cls, FlowAdapter)
@@ -32,7 +43,7 @@ def test_generic_from_pretrained_splits_adapter_and_loading_options():
 
 
 def test_unknown_and_duplicate_families_are_named():
-    with pytest.raises(KeyError, match=r"Available: \['flux', 'sana', 'sd3', 'shapes', 'wan'\]"):
+    with pytest.raises(KeyError, match=r"Available: \['flux', 'flux2', 'flux2_klein', 'qwen_image', 'sana'"):
         get_adapter("sdxl")
     with pytest.raises(ValueError, match="already registered to SD3Adapter"):
 

@@ -65,6 +65,26 @@ class Conditioning:
         return {k: torch.cat([self.uncond[k], self.cond[k]], dim=0) for k in self.cond}
 
 
+def stack_padded(sequences: Sequence[torch.Tensor], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad text embeddings ``[L_i, D]`` with zeros into one ``[B, length, D]`` tensor and its ``[B, length]``
+    mask (1 for real tokens), so that every batch of a family has one text length and rows can be regrouped.
+
+    Raises:
+        ValueError: a sequence is longer than ``length`` (naming its row).
+    """
+    first = sequences[0]
+    padded = first.new_zeros(len(sequences), length, first.shape[-1])
+    mask = torch.zeros(len(sequences), length, dtype=torch.long, device=first.device)
+    for row, sequence in enumerate(sequences):
+        if sequence.shape[0] > length:
+            raise ValueError(
+                f"prompt {row}: text of {sequence.shape[0]} tokens is longer than max_sequence_length={length}"
+            )
+        padded[row, : sequence.shape[0]] = sequence
+        mask[row, : sequence.shape[0]] = 1
+    return padded, mask
+
+
 # load_config accepts these of from_pretrained's keyword arguments (where and which revision to read)
 _CONFIG_KWARGS = ("cache_dir", "local_files_only", "revision", "token", "force_download", "proxies")
 
@@ -111,6 +131,7 @@ def flow_match_sigmas(
     num_steps: int,
     image_seq_len: int | None = None,
     explicit_linspace: bool = False,
+    mu: float | None = None,
 ) -> torch.Tensor:
     """The Euler sigma schedule ``[S+1]`` (last entry 0) of a pipeline's flow scheduler, computed by diffusers.
 
@@ -128,6 +149,8 @@ def flow_match_sigmas(
         image_seq_len: transformer image tokens, needed when the scheduler uses dynamic shifting.
         explicit_linspace: pass ``sigmas = linspace(1, 1/S, S)`` as ``FluxPipeline`` does, instead of letting
             the scheduler space timesteps between its ``sigma_max`` and ``sigma_min``.
+        mu: the dynamic shift, for pipelines that compute it their own way (FLUX.2's empirical ``mu`` of image
+            tokens and steps); ``None`` derives it from ``image_seq_len`` as above.
 
     Raises:
         ValueError: ``num_steps < 1``, or dynamic shifting without ``image_seq_len``.
@@ -143,7 +166,9 @@ def flow_match_sigmas(
             shift=config.get("flow_shift", 1.0), **{k: config[k] for k in keys if config.get(k) is not None}
         )
     kwargs: dict = {}
-    if euler.config.use_dynamic_shifting:
+    if euler.config.use_dynamic_shifting and mu is not None:
+        kwargs["mu"] = mu
+    elif euler.config.use_dynamic_shifting:
         if image_seq_len is None:
             raise ValueError("this scheduler uses dynamic shifting: pass image_seq_len")
         kwargs["mu"] = calculate_shift(
@@ -210,9 +235,15 @@ class FlowAdapter(ABC):
     # ---- the interface ---------------------------------------------------------------------------------------
 
     @property
+    def trained_component(self) -> str:
+        """The pipeline attribute holding the denoiser RL trains (``transformer``; Wan2.2's low-noise expert is
+        ``transformer_2``); swapping a policy in (reference, explorer) sets this attribute."""
+        return "transformer"
+
+    @property
     def transformer(self) -> torch.nn.Module:
         """The denoiser RL trains."""
-        return self.pipe.transformer
+        return getattr(self.pipe, self.trained_component)
 
     @property
     def device(self) -> torch.device:
@@ -239,6 +270,12 @@ class FlowAdapter(ABC):
     @abstractmethod
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Images ``[B, 3, H, W]`` (video ``[B, T, 3, H, W]``) float32 in [0, 1]."""
+
+    def trains_at(self, sigma: torch.Tensor) -> torch.Tensor:
+        """``[N]`` bool: whether the trained denoiser computes the velocity at each of ``sigma [N]`` (all of them,
+        except on pipelines whose experts split the schedule, as Wan2.2's). Training points elsewhere carry no
+        gradient, and the trainer leaves them out."""
+        return torch.ones_like(sigma, dtype=torch.bool)
 
     def uses_cfg(self, guidance_scale: float) -> bool:
         """Whether ``velocity`` runs classifier-free guidance (two forwards per sample) at this scale."""
@@ -279,6 +316,14 @@ class FlowAdapter(ABC):
                 torch.cat([x, x]), torch.cat([sigma_b, sigma_b]), cond.with_cfg_batch(), guidance_scale
             )
         v_uncond, v_cond = v.float().chunk(2)
+        return self.guide(v_uncond, v_cond, guidance_scale)
+
+    def guide(self, v_uncond: torch.Tensor, v_cond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+        """Combine the two halves of a CFG forward ``[B, ...]`` each: ``v_uncond + w (v_cond - v_uncond)``.
+
+        Families whose pipeline guides differently (Qwen-Image rescales the result to the conditional norm)
+        override this, so that RL samples and scores exactly what the pipeline generates.
+        """
         return v_uncond + guidance_scale * (v_cond - v_uncond)
 
     def to(self, device: str | torch.device) -> FlowAdapter:

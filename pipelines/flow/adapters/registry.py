@@ -39,7 +39,12 @@ _PROVIDERS: tuple[str, ...] = (
     "pipelines.flow.adapters.flux",
     "pipelines.flow.adapters.sana",
     "pipelines.flow.adapters.wan",
+    "pipelines.flow.adapters.wan22",
     "pipelines.flow.adapters.shapes",
+    "pipelines.flow.adapters.qwen_image",
+    "pipelines.flow.adapters.z_image",
+    "pipelines.flow.adapters.flux2_klein",
+    "pipelines.flow.adapters.flux2",
 )
 
 

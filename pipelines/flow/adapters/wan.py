@@ -89,12 +89,12 @@ class WanAdapter(FlowAdapter):
         embeds = cond["encoder_hidden_states"]
         boundary = self.pipe.config.get("boundary_ratio")
         if boundary is None or self.pipe.transformer_2 is None:
-            return self._expert_forward(self.transformer, x, sigma, embeds)
+            return self._expert_forward(self.pipe.transformer, x, sigma, embeds)
         # Wan2.2 A14B: sigma * 1000 >= boundary_ratio * 1000 goes to the high-noise expert; rows may differ
         # (a re-scored batch mixes steps), so each expert runs on its own rows.
         high = sigma >= boundary
-        out = torch.empty_like(x, dtype=self.transformer.dtype)
-        for mask, model in ((high, self.transformer), (~high, self.pipe.transformer_2)):
+        out = torch.empty_like(x, dtype=self.pipe.transformer.dtype)
+        for mask, model in ((high, self.pipe.transformer), (~high, self.pipe.transformer_2)):
             if mask.any():
                 out[mask] = self._expert_forward(model, x[mask], sigma[mask], embeds[mask]).to(out.dtype)
         return out
