@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal
 
-from pydantic import model_validator
+from pydantic import field_validator, model_validator
 
 from mmrl.config import Config, Field, RunConfig
 from mmrl.core.estimators import check_estimator, get_estimator
@@ -31,8 +31,9 @@ class VLMModelConfig(Config):
     )
     family: str | None = Field(
         None,
-        description="Registered VLM family (pipelines.vlm.families.list_vlm_families(): qwen2_5_vl, ...): its "
-        "prompt layout, vision tokens and tower. null: the family serving the checkpoint's model_type.",
+        description="Registered VLM family (pipelines.vlm.families.list_vlm_families(): qwen2_5_vl, qwen3_vl, "
+        "gemma3): its prompt layout, vision tokens and tower. null: the family serving the checkpoint's "
+        "model_type.",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype.")
     device: str = Field("auto", description="'auto', 'cpu', 'cuda', ...")
@@ -44,6 +45,15 @@ class VLMModelConfig(Config):
     load_in_4bit: bool = Field(
         False, description="QLoRA: NF4 base weights through transformers' BitsAndBytesConfig."
     )
+
+    @field_validator("family")
+    @classmethod
+    def _registered_family(cls, family: str | None) -> str | None:
+        from pipelines.vlm.families import list_vlm_families
+
+        if family is not None and family not in list_vlm_families():
+            raise ValueError(f"model.family={family!r} is not registered. Available: {list_vlm_families()}")
+        return family
 
 
 class VLMDataConfig(Config):

@@ -4,12 +4,15 @@ LoRA save/load. The tiny models are the real transformers classes built from the
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
+from mmrl.config import ConfigError, load_config
+from mmrl.vlm.config import VLMRLVRConfig
 from pipelines.vlm.backend import SamplingParams
 from pipelines.vlm.families import family_for_model_type, get_vlm_family, list_vlm_families
 from pipelines.vlm.hf_backend import HFBackend
@@ -170,3 +173,23 @@ def test_lora_outside_the_vision_tower_saves_and_loads(saved, mixed_prompts, tmp
     with torch.no_grad():
         reloaded = _stats(loaded.eval(), processor, family, backend, result, mixed_prompts, 1.0).logprobs
     torch.testing.assert_close(reloaded, trained, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "path", sorted((Path(__file__).resolve().parents[2] / "configs/vlm").glob("*.yaml")), ids=lambda p: p.stem
+)
+def test_every_vlm_recipe_loads_with_a_registered_family(path):
+    cfg = load_config(VLMRLVRConfig, path)
+    # a recipe that names no family relies on detection, which only the Qwen2.5-VL default can skip reading
+    family = cfg.model.family or "qwen2_5_vl"
+    assert family in BUILDERS
+    stem = {"qwen2_5_vl": "Qwen/Qwen2.5-VL-", "qwen3_vl": "Qwen/Qwen3-VL-", "gemma3": "google/gemma-3-"}[
+        family
+    ]
+    assert cfg.model.path.startswith(stem), (cfg.model.path, family)
+    assert cfg.model.lora is not None and not cfg.model.train_vision
+
+
+def test_a_misspelt_family_fails_at_load_naming_the_registered_ones():
+    with pytest.raises(ConfigError, match=r"model.family='gema3' is not registered. Available: \['gemma3'"):
+        load_config(VLMRLVRConfig, None, ["model.family=gema3"])
