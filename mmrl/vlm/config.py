@@ -90,6 +90,12 @@ class GenerationConfig(Config):
     batch_size: int | None = Field(None, ge=1, description="Prompts per generate call (hf).")
     vllm_gpu_memory_utilization: float = Field(0.4, gt=0, le=1, description="vLLM memory share while awake.")
     vllm_fp8: bool = Field(False, description="FP8 rollouts in vLLM (corrected by TIS).")
+    vllm_max_images_per_prompt: int = Field(
+        1,
+        ge=1,
+        description="Most images one prompt may carry in vLLM (its limit_mm_per_prompt; the engine reserves "
+        "memory for that many). Raise it for multi-image data; the hf backend has no such limit.",
+    )
 
 
 class EntropyShaping(Config):
