@@ -11,6 +11,9 @@ model with a few layers. What differs from Qwen2.5-VL, and so what this exercise
 - interleaved multimodal rotary positions (``mrope_section`` of the temporal/height/width frequencies, written
   ``t h w t h w ...``), and an explicit ``head_dim``.
 
+With ``num_experts > 0`` the language model is the mixture-of-experts one (``Qwen3VLMoeForConditionalGeneration``,
+as ``Qwen/Qwen3-VL-30B-A3B-Instruct``): every decoder layer routes each token to ``num_experts_per_tok`` experts.
+
 Saved with ``save_pretrained`` it loads like ``Qwen/Qwen3-VL-2B-Instruct`` through the Auto classes.
 """
 
@@ -26,6 +29,8 @@ from transformers import (
     Qwen2VLImageProcessor,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeConfig,
+    Qwen3VLMoeForConditionalGeneration,
     Qwen3VLProcessor,
     Qwen3VLVideoProcessor,
 )
@@ -47,7 +52,9 @@ def _processor(tokenizer: Qwen2Tokenizer, config: TinyVLMConfig) -> Qwen3VLProce
     )
 
 
-def _model(tokenizer: Qwen2Tokenizer, config: TinyVLMConfig) -> Qwen3VLForConditionalGeneration:
+def _model(
+    tokenizer: Qwen2Tokenizer, config: TinyVLMConfig, num_experts: int
+) -> Qwen3VLForConditionalGeneration | Qwen3VLMoeForConditionalGeneration:
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in QWEN_SPECIAL_TOKENS}
     head_dim = config.hidden_size // config.num_heads
     half = head_dim // 2
@@ -55,8 +62,23 @@ def _model(tokenizer: Qwen2Tokenizer, config: TinyVLMConfig) -> Qwen3VLForCondit
     spatial = (half - half // 4) // 2
     mrope_section = [half - 2 * spatial, spatial, spatial]
     patches_per_side = config.image_size // config.patch_size
-    model_config = Qwen3VLConfig(
+    experts = (
+        {
+            "num_experts": num_experts,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": config.intermediate_size // 2,
+        }
+        if num_experts
+        else {}
+    )
+    config_class, model_class = (
+        (Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration)
+        if num_experts
+        else (Qwen3VLConfig, Qwen3VLForConditionalGeneration)
+    )
+    model_config = config_class(
         text_config={
+            **experts,
             "vocab_size": len(tokenizer),
             "hidden_size": config.hidden_size,
             "intermediate_size": config.intermediate_size,
@@ -95,7 +117,7 @@ def _model(tokenizer: Qwen2Tokenizer, config: TinyVLMConfig) -> Qwen3VLForCondit
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
-        model = Qwen3VLForConditionalGeneration(model_config)
+        model = model_class(model_config)
     model.generation_config = GenerationConfig(
         eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
         pad_token_id=ids["<|endoftext|>"],
@@ -107,7 +129,9 @@ def build_tiny_qwen3_vl(
     corpus: Iterable[str],
     config: TinyVLMConfig | None = None,
     out_dir: str | Path | None = None,
-) -> tuple[Qwen3VLForConditionalGeneration, Qwen3VLProcessor]:
+    *,
+    num_experts: int = 0,
+) -> tuple[Qwen3VLForConditionalGeneration | Qwen3VLMoeForConditionalGeneration, Qwen3VLProcessor]:
     """Tokenizer, processor and random Qwen3-VL in one call; saved to ``out_dir`` when given.
 
     Args:
@@ -115,6 +139,7 @@ def build_tiny_qwen3_vl(
         config: sizes (:class:`~pipelines.vlm.tiny.TinyVLMConfig`; the vision tower gets one block more than
             ``vision_depth`` so a DeepStack block sits before the last one).
         out_dir: directory to ``save_pretrained`` model and processor into.
+        num_experts: experts per decoder layer; 0 builds the dense model.
 
     Returns:
         ``(model, processor)``.
@@ -122,7 +147,7 @@ def build_tiny_qwen3_vl(
     config = config or TinyVLMConfig()
     tokenizer = train_tokenizer(corpus, vocab_size=config.vocab_size)
     processor = _processor(tokenizer, config)
-    model = _model(tokenizer, config)
+    model = _model(tokenizer, config, num_experts)
     if out_dir is not None:
         model.save_pretrained(out_dir)
         processor.save_pretrained(out_dir)

@@ -1,5 +1,7 @@
-"""One VLM trainer step on each non-default family's tiny random model (Qwen3-VL, Gemma 3), detected from the
+"""One VLM trainer step on each non-default family's tiny random model (Qwen3-VL dense and MoE, Gemma 3), detected from the
 checkpoint: LoRA only outside the vision tower, behaviour log-probs re-scored exactly, a peft adapter saved."""
+
+import functools
 
 import pytest
 import torch
@@ -10,7 +12,12 @@ from pipelines.vlm.tiny_gemma3 import build_tiny_gemma3
 from pipelines.vlm.tiny_qwen3_vl import build_tiny_qwen3_vl
 from tests.vlm.test_vlm_trainer import make_cfg
 
-BUILDERS = {"qwen3_vl": build_tiny_qwen3_vl, "gemma3": build_tiny_gemma3}
+#: checkpoint model_type -> tiny builder
+BUILDERS = {
+    "qwen3_vl": build_tiny_qwen3_vl,
+    "qwen3_vl_moe": functools.partial(build_tiny_qwen3_vl, num_experts=4),
+    "gemma3": build_tiny_gemma3,
+}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
@@ -23,11 +30,11 @@ def model_dir(request, tmp_path_factory):
 
 
 def test_one_group_step_trains_only_language_lora(model_dir, tmp_path):
-    family_name, path = model_dir
+    model_type, path = model_dir
     cfg = make_cfg(path, tmp_path, "m", "trainer.mode=group", "trainer.advantage=grpo")
     trainer = VLMRLVRTrainer(cfg, None)
     trainer.setup()
-    assert trainer.family.name == family_name
+    assert model_type in trainer.family.model_types  # detected from the checkpoint
     named = dict(trainer.model.named_parameters())
     lora = {n: p.detach().clone() for n, p in named.items() if p.requires_grad}
     frozen = {n: p.detach().clone() for n, p in named.items() if not p.requires_grad}

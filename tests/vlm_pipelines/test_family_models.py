@@ -3,6 +3,7 @@ LoRA save/load. The tiny models are the real transformers classes built from the
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -23,6 +24,13 @@ from pipelines.vlm.tiny_gemma3 import build_tiny_gemma3
 from pipelines.vlm.tiny_qwen3_vl import build_tiny_qwen3_vl
 
 BUILDERS = {"qwen2_5_vl": build_tiny_vlm, "qwen3_vl": build_tiny_qwen3_vl, "gemma3": build_tiny_gemma3}
+#: the tiny model of each checkpoint kind a family serves (a family may serve several model types)
+MODELS = {
+    "qwen2_5_vl": build_tiny_vlm,
+    "qwen3_vl": build_tiny_qwen3_vl,
+    "qwen3_vl_moe": functools.partial(build_tiny_qwen3_vl, num_experts=4),
+    "gemma3": build_tiny_gemma3,
+}
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
@@ -32,14 +40,15 @@ def test_every_shipped_family_has_a_tiny_model_here():
     assert sorted(BUILDERS) == shipped
 
 
-@pytest.fixture(scope="module", params=sorted(BUILDERS))
+@pytest.fixture(scope="module", params=sorted(MODELS))
 def saved(request, tmp_path_factory, corpus):
     """(family name, model, processor, directory) of a tiny model saved and reloaded through the Auto classes."""
     torch.set_num_threads(1)
     path = tmp_path_factory.mktemp(request.param)
-    BUILDERS[request.param](corpus, TinyVLMConfig(seed=0), out_dir=path)
+    MODELS[request.param](corpus, TinyVLMConfig(seed=0), out_dir=path)
     model = AutoModelForImageTextToText.from_pretrained(path).eval()
-    return request.param, model, AutoProcessor.from_pretrained(path), path
+    assert model.config.model_type == request.param
+    return family_for_model_type(request.param).name, model, AutoProcessor.from_pretrained(path), path
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Qwen3-VL (``Qwen3VLForConditionalGeneration``): Qwen2.5-VL's conventions on a new vision tower.
+"""Qwen3-VL (``Qwen3VLForConditionalGeneration``, and the mixture-of-experts ``Qwen3VLMoeForConditionalGeneration``
+of Qwen3-VL-30B-A3B / 235B-A22B): Qwen2.5-VL's conventions on a new vision tower.
 
 What the family interface sees is unchanged from Qwen2.5-VL, so this class inherits it:
 
@@ -13,7 +14,8 @@ What the family interface sees is unchanged from Qwen2.5-VL, so this class inher
 - Vision tower: ``backbone.visual`` (its DeepStack mergers live inside it, so they are frozen with it).
 
 What differs lives inside the model (DeepStack features added to the first decoder layers, interleaved mRoPE,
-timestamped video prompts), which transformers implements; scoring calls the same backbone as ``generate``.
+timestamped video prompts; in the MoE models, routed experts), which transformers implements; scoring calls the
+same backbone as ``generate``.
 """
 
 from __future__ import annotations
@@ -28,4 +30,4 @@ __all__ = ["Qwen3VL"]
 class Qwen3VL(Qwen25VL):
     """Qwen3-VL conventions (see the module docstring)."""
 
-    model_types = ("qwen3_vl",)
+    model_types = ("qwen3_vl", "qwen3_vl_moe")
