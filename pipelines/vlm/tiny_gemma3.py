@@ -77,6 +77,8 @@ def train_gemma_tokenizer(corpus: Iterable[str], vocab_size: int = 512) -> Gemma
     """
     bpe = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     bpe.normalizer = normalizers.Replace(" ", "▁")
+    # Training splits before each "▁" so merges stay inside a word; GemmaTokenizer then encodes with Gemma's own
+    # normalizer and pre-tokenizer, which meet no merge across a word boundary.
     bpe.pre_tokenizer = pre_tokenizers.Split(pattern="▁", behavior="merged_with_next", invert=False)
     byte_tokens = [f"<0x{value:02X}>" for value in range(256)]
     trainer = trainers.BpeTrainer(

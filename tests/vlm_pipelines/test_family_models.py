@@ -97,6 +97,13 @@ def test_family_is_detected_with_its_vision_tokens_and_tower(saved):
         assert family.is_vision_parameter(parameter_name) == (id(parameter) in vision), parameter_name
 
 
+def test_tiny_tokenizer_round_trips_unseen_text(saved):
+    tokenizer = saved[2].tokenizer
+    text = "Naïve café: 3 × 4 = 12 ✓"  # none of it in the training corpus
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == text and tokenizer.unk_token_id not in ids
+
+
 def test_prompt_layout_expands_one_image_region_per_image(saved, mixed_prompts):
     _, model, processor, _ = saved
     family = family_for_model_type(model.config.model_type)
