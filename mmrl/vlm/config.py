@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal
 
-from pydantic import model_validator
+from pydantic import field_validator, model_validator
 
 from mmrl.config import Config, Field, RunConfig
 from mmrl.core.estimators import check_estimator, get_estimator
@@ -31,8 +31,9 @@ class VLMModelConfig(Config):
     )
     family: str | None = Field(
         None,
-        description="Registered VLM family (pipelines.vlm.families.list_vlm_families(): qwen2_5_vl, ...): its "
-        "prompt layout, vision tokens and tower. null: the family serving the checkpoint's model_type.",
+        description="Registered VLM family (pipelines.vlm.families.list_vlm_families(): qwen2_5_vl, qwen3_vl, "
+        "gemma3): its prompt layout, vision tokens and tower. null: the family serving the checkpoint's "
+        "model_type.",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype.")
     device: str = Field("auto", description="'auto', 'cpu', 'cuda', ...")
@@ -44,6 +45,15 @@ class VLMModelConfig(Config):
     load_in_4bit: bool = Field(
         False, description="QLoRA: NF4 base weights through transformers' BitsAndBytesConfig."
     )
+
+    @field_validator("family")
+    @classmethod
+    def _registered_family(cls, family: str | None) -> str | None:
+        from pipelines.vlm.families import list_vlm_families
+
+        if family is not None and family not in list_vlm_families():
+            raise ValueError(f"model.family={family!r} is not registered. Available: {list_vlm_families()}")
+        return family
 
 
 class VLMDataConfig(Config):
@@ -80,6 +90,12 @@ class GenerationConfig(Config):
     batch_size: int | None = Field(None, ge=1, description="Prompts per generate call (hf).")
     vllm_gpu_memory_utilization: float = Field(0.4, gt=0, le=1, description="vLLM memory share while awake.")
     vllm_fp8: bool = Field(False, description="FP8 rollouts in vLLM (corrected by TIS).")
+    vllm_max_images_per_prompt: int = Field(
+        1,
+        ge=1,
+        description="Most images one prompt may carry in vLLM (its limit_mm_per_prompt; the engine reserves "
+        "memory for that many). Raise it for multi-image data; the hf backend has no such limit.",
+    )
 
 
 class EntropyShaping(Config):

@@ -203,6 +203,7 @@ class VLMRLVRTrainer(TrainerBase):
                 max_model_len=g.max_model_len or 4096,
                 max_prompt_length=g.max_prompt_length,
                 gpu_memory_utilization=g.vllm_gpu_memory_utilization,
+                max_images_per_prompt=g.vllm_max_images_per_prompt,
                 quantization="fp8" if g.vllm_fp8 else None,
                 dtype=self.cfg.model.dtype,
                 seed=self.cfg.run.seed,

@@ -130,8 +130,15 @@ def prepare_prompts(
                 f"{len(prompt.images)} images; add one {{'type': 'image'}} content item per image"
             )
         text = processor.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=False)
+        # A template that writes the tokenizer's BOS itself (Gemma's) must not get a second one from the
+        # tokenizer; the rule of transformers' own tokenizing apply_chat_template.
+        bos = processor.tokenizer.bos_token
         features = processor(
-            text=[text], images=list(prompt.images) or None, return_tensors="pt", padding=False
+            text=[text],
+            images=list(prompt.images) or None,
+            return_tensors="pt",
+            padding=False,
+            add_special_tokens=not (bos is not None and text.startswith(bos)),
         )
         features = {key: value for key, value in features.items() if isinstance(value, torch.Tensor)}
         input_ids = features["input_ids"][0].tolist()

@@ -244,6 +244,7 @@ def test_vllm_pool_members_own_engines_and_weight_lag0_samples(fake_vllm):
         "generation.backend=vllm",
         "generation.vllm_gpu_memory_utilization=0.2",
         "generation.vllm_fp8=true",
+        "generation.vllm_max_images_per_prompt=3",
     )
     trainer = started(cfg)
     start = {k: v.clone() for k, v in merged_state_dict(trainer.model)}  # version 0: the trainer's LoRA
@@ -268,6 +269,7 @@ def test_vllm_pool_members_own_engines_and_weight_lag0_samples(fake_vllm):
         "seed": cfg.run.seed,
     }
     assert member.kwargs["enable_sleep_mode"] is False  # a member generates while the trainer trains
+    assert member.kwargs["limit_mm_per_prompt"] == {"image": 3}  # multi-image prompts reach the engine
     # version 0 pushed once at start (the trainer's LoRA merged), version 1 at step 1
     assert len(member.loads) == 2
     assert member.loads[0].keys() == start.keys()

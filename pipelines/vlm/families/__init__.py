@@ -123,7 +123,11 @@ F = TypeVar("F", bound=type[VLMFamily])
 _FAMILIES: dict[str, type[VLMFamily]] = {}
 
 # Modules whose import registers their families, imported on first lookup (as rewards/registry.py does).
-_PROVIDERS: tuple[str, ...] = ("pipelines.vlm.families.qwen2_5_vl",)
+_PROVIDERS: tuple[str, ...] = (
+    "pipelines.vlm.families.qwen2_5_vl",
+    "pipelines.vlm.families.qwen3_vl",
+    "pipelines.vlm.families.gemma3",
+)
 
 
 def register_vlm_family(name: str) -> Callable[[F], F]:
