@@ -245,6 +245,7 @@ def test_pointwise_yes_prob_same_over_http_and_in_process(
     images, asked = scenes
     options = {"mode": "yes_prob", "template": EXISTS_TEMPLATE}
     local = rewards.build("vlm_judge", judge=local_judge, **options).score(images=images, prompts=asked)
+    caplog.clear()  # the local judge logs too where an earlier test's run set the rewards logger to INFO
     with caplog.at_level(logging.INFO, logger="rewards.judge"):
         remote = rewards.build("vlm_judge", **openai_options(endpoint), **options).score(
             images=images, prompts=asked
