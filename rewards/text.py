@@ -263,6 +263,8 @@ class MultipleChoice(TextVerifier):
 _NUMBER = r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+]?\.\d+(?:[eE][-+]?\d+)?"
 
 
+_NUMBER_WORD = re.compile(r"\b(?:" + "|".join(NUMBER_WORDS) + r")\b", flags=re.IGNORECASE)
+
 _FRACTION = rf"\(?\s*({_NUMBER})\s*\)?\s*/\s*\(?\s*({_NUMBER})\s*\)?"
 
 
@@ -305,6 +307,8 @@ class Numeric(TextVerifier):
         rel_tol, abs_tol: tolerances (defaults: 1e-4 relative, 1e-6 absolute).
         answer_tag, require_answer_tag: as in ``exact_match``. Without a span, a ``\\boxed{}`` is used when
             present.
+        number_words: read English number words, zero to twenty, as their digits ("three" -> 3, "The answer is
+            three." -> 3); off by default.
     """
 
     def __init__(
@@ -313,11 +317,13 @@ class Numeric(TextVerifier):
         abs_tol: float = 1e-6,
         answer_tag: str = "answer",
         require_answer_tag: bool = False,
+        number_words: bool = False,
     ):
         super().__init__(answer_tag, require_answer_tag)
         if rel_tol < 0 or abs_tol < 0:
             raise ValueError(f"tolerances must be >= 0, got rel_tol={rel_tol}, abs_tol={abs_tol}")
         self.rel_tol, self.abs_tol = rel_tol, abs_tol
+        self.number_words = number_words
 
     def answer(self, text: str) -> tuple[str | None, str | None]:
         answer, reason = super().answer(text)
@@ -327,6 +333,8 @@ class Numeric(TextVerifier):
         return answer, reason
 
     def check(self, answer: str, ground_truth: Any, from_span: bool) -> tuple[float, str | None]:
+        if self.number_words:
+            answer = _NUMBER_WORD.sub(lambda match: NUMBER_WORDS[match.group(0).casefold()], answer)
         value = parse_number(answer)
         if value is None or not math.isfinite(value):
             return 0.0, f"no number in answer {answer.strip()[:80]!r}"
