@@ -116,6 +116,11 @@ class TextVerifier(Reward):
         """Score one answer; ``from_span`` tells whether it came from an answer span or is the whole text."""
         raise NotImplementedError
 
+    def ground_truth_problem(self, ground_truth: Any) -> str | None:
+        """Why this verifier cannot score against ``ground_truth`` (e.g. "is not a number"), or ``None``: lets a
+        trainer reject a data file before training instead of scoring every rollout of a row 0."""
+        return None
+
     def score(
         self, *, completions: Sequence[Any], ground_truths: Sequence[Any] | None = None, **_: Any
     ) -> RewardOutput:
@@ -331,6 +336,12 @@ class Numeric(TextVerifier):
             boxed = re.findall(r"\\boxed\s*{([^{}]*(?:{[^{}]*}[^{}]*)*)}", text)
             answer = boxed[-1] if boxed else text
         return answer, reason
+
+    def ground_truth_problem(self, ground_truth: Any) -> str | None:
+        for truth in as_answers(ground_truth):
+            if not isinstance(truth, (int, float)) and parse_number(str(truth)) is None:
+                return "is not a number"
+        return None
 
     def check(self, answer: str, ground_truth: Any, from_span: bool) -> tuple[float, str | None]:
         if self.number_words:

@@ -15,7 +15,7 @@ from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
-__all__ = ["VQAExample", "load_vqa"]
+__all__ = ["VQAExample", "check_answers", "load_vqa"]
 
 _LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
@@ -201,6 +201,11 @@ def load_vqa(
             value = row[image_column]
             values: Sequence[Any] = value if isinstance(value, list) else [value]
             images = [_open_image(v, root, where) for v in values if v is not None]
+            if not images:
+                raise ValueError(
+                    f"{where}: no image in column {image_column!r} (the value is {value!r}); every row of a VLM "
+                    "question file needs one (set data.image_column to null for text-only questions)"
+                )
         for column in (question_column, answer_column):
             if row[column] is None or not str(row[column]).strip():
                 raise ValueError(
@@ -214,3 +219,28 @@ def load_vqa(
     if not examples:
         raise ValueError(f"{source}: no examples")
     return examples
+
+
+def check_answers(examples: Sequence[VQAExample], verifiers: Sequence[tuple[str, Any]], source: str) -> None:
+    """Reject ground truths a verifier cannot compare against (``Reward.ground_truth_problem``), e.g. an answer
+    that is no number for ``numeric``, before any rollout is spent.
+
+    Args:
+        examples: the loaded questions, in file order (so index ``i`` is row ``i``).
+        verifiers: ``(key, reward)`` pairs, as in the config's ``rewards``.
+        source: the data source, for the message.
+
+    Raises:
+        ValueError: naming the source, the row, the prompt id, the answer and the verifier.
+    """
+    for key, reward in verifiers:
+        problem_of = getattr(reward, "ground_truth_problem", None)
+        if problem_of is None:
+            continue
+        for row, example in enumerate(examples):
+            problem = problem_of(example.answer)
+            if problem is not None:
+                raise ValueError(
+                    f"{source} row {row} (id {example.prompt_id}): answer {example.answer!r} {problem}, which the "
+                    f"reward {key!r} needs"
+                )

@@ -52,6 +52,11 @@ class VLMDataConfig(Config):
     question_template: str = Field("{question}", description="Formats the question text.")
     system_prompt: str | None = Field(None, description="Optional system message.")
     image_size: int = Field(32, ge=8, description="Side of generated shapes images.")
+    extra_eval: dict[str, str] = Field(
+        default_factory=dict,
+        description="Further held-out sets, name -> source (same forms as eval, eval_limit items each), scored "
+        "beside data.eval and logged as eval/NAME/... (e.g. templates: shapes_math:heldout_templates).",
+    )
 
 
 class VLMRewardSpec(RewardSpec):
@@ -174,6 +179,11 @@ class VLMRLVRConfig(Config):
     model: VLMModelConfig = Field(default_factory=VLMModelConfig)
     data: VLMDataConfig = Field(default_factory=VLMDataConfig)
     rewards: list[VLMRewardSpec] = Field(default_factory=lambda: [VLMRewardSpec(name="exact_match")])
+    eval_rewards: list[VLMRewardSpec] = Field(
+        default_factory=list,
+        description="Verifiers scored on the held-out answers only (never trained on), logged as eval/KEY and "
+        "eval/KEY_KIND, e.g. a lenient numeric check (label lenient_accuracy) beside a strict training reward.",
+    )
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     trainer: VLMTrainerConfig = Field(default_factory=VLMTrainerConfig)
     pool: VLMPoolSettings = Field(
@@ -185,6 +195,7 @@ class VLMRLVRConfig(Config):
         if not self.rewards:
             raise ValueError("rewards: at least one verifier is needed")
         check_reward_keys(self.rewards, "rewards")
+        check_reward_keys([*self.rewards, *self.eval_rewards], "rewards + eval_rewards")
         t = self.trainer
         if t.mode == "group" and t.advantage == "mc_grpo" and t.allocation != "uniform":
             raise ValueError("mc_grpo needs odd, equal group sizes: use trainer.allocation=uniform")
