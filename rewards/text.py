@@ -337,20 +337,23 @@ class Numeric(TextVerifier):
             answer = boxed[-1] if boxed else text
         return answer, reason
 
+    def _number(self, text: str) -> float | None:
+        if self.number_words:
+            text = _NUMBER_WORD.sub(lambda match: NUMBER_WORDS[match.group(0).casefold()], text)
+        return parse_number(text)
+
     def ground_truth_problem(self, ground_truth: Any) -> str | None:
         for truth in as_answers(ground_truth):
-            if not isinstance(truth, (int, float)) and parse_number(str(truth)) is None:
+            if not isinstance(truth, (int, float)) and self._number(str(truth)) is None:
                 return "is not a number"
         return None
 
     def check(self, answer: str, ground_truth: Any, from_span: bool) -> tuple[float, str | None]:
-        if self.number_words:
-            answer = _NUMBER_WORD.sub(lambda match: NUMBER_WORDS[match.group(0).casefold()], answer)
-        value = parse_number(answer)
+        value = self._number(answer)
         if value is None or not math.isfinite(value):
             return 0.0, f"no number in answer {answer.strip()[:80]!r}"
         for truth in as_answers(ground_truth):
-            target = float(truth) if isinstance(truth, (int, float)) else parse_number(str(truth))
+            target = float(truth) if isinstance(truth, (int, float)) else self._number(str(truth))
             if target is None:
                 raise ValueError(f"ground truth {truth!r} is not a number")
             if math.isclose(value, target, rel_tol=self.rel_tol, abs_tol=self.abs_tol):
