@@ -22,7 +22,8 @@ What is scored (:func:`reasoning_report`), on held-out items, greedy unless said
 * ``strict``: the span is exactly the digits (``exact_match``, ``require_answer_tag=True``);
 * ``format``: ``<think>...</think><answer>...</answer>`` and nothing else (``rewards.build("format")``);
 * ``perception``: share of the reference's count steps the trace states correctly
-  (``shapes_math.perception_accuracy``);
+  (``shapes_math.perception_accuracy``); ``wrong_with_right_counts``: the share of wrong answers whose trace
+  states every count right (the composition failed, not the reading);
 * ``pass@1`` / ``pass@k``: lenient accuracy of one / any of ``k`` samples at temperature 1 (the unbiased
   estimator of Chen et al. 2021, arXiv 2107.03374, eq. 1, from ``k`` samples per question).
 """
@@ -207,6 +208,9 @@ def reasoning_report(
     seen = [perception_accuracy(text, item.steps) for text, item in zip(greedy, items, strict=True)]
     report: dict[str, Any] = {name: sum(v) / len(v) for name, v in scores.items()}
     report["perception"] = sum(c for c, _ in seen) / max(sum(t for _, t in seen), 1)
+    # what a wrong answer got wrong: every count right (so the composition failed) or some count wrong
+    wrong = [(c, t) for (c, t), score in zip(seen, scores["lenient"], strict=True) if score < 1]
+    report["wrong_with_right_counts"] = sum(c == t for c, t in wrong) / max(len(wrong), 1)
     report["per_template"] = {
         name: sum(s for s, item in zip(scores["lenient"], items, strict=True) if item.template == name)
         / sum(item.template == name for item in items)
@@ -330,9 +334,104 @@ def train(cfg: ReasonSFTConfig) -> dict[str, Any]:
         "machine": f"{platform.machine()} CPU, torch {torch.__version__}, torch.set_num_threads({cfg.threads})",
     }
     (tmp / "sft_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (tmp / "card.md").write_text(render_card(report))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return report
+
+
+def render_card(report: dict[str, Any]) -> str:
+    """The model card: how the checkpoint was made and what it scores on the two held-out sets."""
+    cfg = report["config"]
+    columns = (
+        "lenient",
+        "strict",
+        "format",
+        "perception",
+        "wrong_with_right_counts",
+        "pass@1",
+        f"pass@{cfg['samples']}",
+    )
+    names = {
+        "heldout": "held-out scenes, training templates",
+        "heldout_templates": "held-out scenes and templates",
+    }
+    rows = "\n".join(
+        f"| {names[split]} | " + " | ".join(f"{r[c]:.1%}" for c in columns if c in r) + " |"
+        for split, r in report["heldout"].items()
+    )
+    per_template = "\n".join(
+        f"| {name} | {'yes' if split == 'heldout_templates' else 'no'} | {value:.1%} |"
+        for split, r in report["heldout"].items()
+        for name, value in r["per_template"].items()
+    )
+    at_k = f"pass@{cfg['samples']}"
+    curve = "\n".join(
+        f"| {p['step']} | {p['train_minutes']:.1f} | {p['heldout']['lenient']:.1%} | {p['heldout']['perception']:.1%} "
+        f"| {p['heldout'].get(at_k, float('nan')):.1%} | {p['heldout_templates']['lenient']:.1%} |"
+        for p in report["curve"]
+    )
+    examples = "\n".join(
+        f"- {e['question']} (answer {e['answer']}): `{e['completion']}`"
+        for e in report["heldout"]["heldout"]["examples"]
+    )
+    return f"""# Tiny shapes-math reasoning VLM (SFT)
+
+A {report["parameters"] / 1e6:.2f} M-parameter `Qwen2_5_VLForConditionalGeneration` built from config
+(`pipelines.vlm.tiny`), random-initialised, then fine-tuned on shapes-math questions (`mmrl.data.shapes_math`)
+answered as `<think>{{trace}}</think><answer>{{n}}</answer>`, e.g. `<think>shapes 4. red 2. 4-2=2</think><answer>2</answer>`.
+It reasons a little: the base of the RL demo `configs/demo/vlm_shapes_reason.yaml`. Load it like any Qwen2.5-VL:
+
+```python
+from transformers import AutoModelForImageTextToText, AutoProcessor
+processor = AutoProcessor.from_pretrained("{cfg["out"]}")
+model = AutoModelForImageTextToText.from_pretrained("{cfg["out"]}")
+```
+
+## How it was made
+
+- command: `{report["command"]}`
+- wall time {report["wall_minutes"]:.1f} min ({report["train_minutes"]:.1f} min of SFT steps), {report["machine"]}
+- vision pretraining first: {cfg["vision_pretrain_steps"]} steps of per-image-token colour and shape classification
+  (`sft_shapes.pretrain_vision`), held-out token accuracy colour {report["vision_pretraining"]["colour"]:.1%}, shape
+  {report["vision_pretraining"]["shape"]:.1%}
+- then {cfg["steps"]} steps of {cfg["batch_size"]} items, AdamW lr {cfg["lr"]} (constant after {cfg["warmup_steps"]}
+  warm-up steps), loss on the completion only; {cfg["caption_fraction"]:.0%} of the batches are the perception task
+  "list the objects from left to right." -> `<answer>red circle, blue square</answer>`
+- data: {cfg["train_items"]} training items (training scenes, training templates), {cfg["image_size"]}x{cfg["image_size"]} scenes
+
+## Held-out scores
+
+{cfg["eval_items"]} questions per set (seed {cfg["seed"] + 1}). Greedy: `lenient` = the `<answer>` span read as a
+number, number words accepted (`numeric`, `number_words=True`, `require_answer_tag=True`); `strict` = the span is
+exactly the digits (`exact_match`); `format` = `<think>...</think><answer>...</answer>` only; `perception` = share of
+the counts the reference trace needs that the model's trace states correctly. `pass@k`: lenient, {cfg["samples"]}
+samples per question at temperature 1 (unbiased estimator).
+
+| set | {" | ".join(columns)} |
+|---|{"---|" * len(columns)}
+{rows}
+
+Per template (greedy, lenient):
+
+| template | held out | accuracy |
+|---|---|---|
+{per_template}
+
+Greedy completions on the first held-out questions:
+
+{examples}
+
+## Learning curve
+
+Scored on the first {cfg["curve_items"]} questions of each set at every snapshot:
+
+| step | SFT minutes | lenient | perception | pass@{cfg["samples"]} | lenient, held-out templates |
+|---|---|---|---|---|---|
+{curve}
+
+Re-score with `python -m mmrl.vlm.sft_reason --eval-only --out {cfg["out"]}`; the numbers are in `sft_report.json`.
+"""
 
 
 def _summary(report: dict[str, Any]) -> dict[str, Any]:
