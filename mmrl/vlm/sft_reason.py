@@ -45,7 +45,8 @@ from typing import Any
 import torch
 
 import rewards
-from mmrl.data.shapes_math import MathItem, make_math_items, perception_accuracy
+from mmrl.data.shapes import COLOURS, SHAPES
+from mmrl.data.shapes_math import MathItem, make_math_items, perception_accuracy, read_trace
 from mmrl.vlm.sft_shapes import CAPTION_QUESTION, caption, pretrain_vision
 from pipelines.vlm.backend import SamplingParams
 from pipelines.vlm.hf_backend import HFBackend
@@ -208,6 +209,20 @@ def reasoning_report(
     seen = [perception_accuracy(text, item.steps) for text, item in zip(greedy, items, strict=True)]
     report: dict[str, Any] = {name: sum(v) / len(v) for name, v in scores.items()}
     report["perception"] = sum(c for c, _ in seen) / max(sum(t for _, t in seen), 1)
+    # the counts by what they count: every object, a colour, a shape
+    said = [{step.label: step.value for step in read_trace(text) if step.is_count} for text in greedy]
+    for kind, labels in (
+        ("total", {"shapes"}),
+        ("colour", set(COLOURS)),
+        ("shape", {f"{s}s" for s in SHAPES}),
+    ):
+        pairs = [
+            (claimed.get(step.label), step.value)
+            for claimed, item in zip(said, items, strict=True)
+            for step in item.steps
+            if step.is_count and step.label in labels
+        ]
+        report[f"perception_{kind}"] = sum(a == b for a, b in pairs) / max(len(pairs), 1)
     # what a wrong answer got wrong: every count right (so the composition failed) or some count wrong
     wrong = [(c, t) for (c, t), score in zip(seen, scores["lenient"], strict=True) if score < 1]
     report["wrong_with_right_counts"] = sum(c == t for c, t in wrong) / max(len(wrong), 1)
@@ -391,26 +406,51 @@ model = AutoModelForImageTextToText.from_pretrained("{cfg["out"]}")
 ## How it was made
 
 - command: `{report["command"]}`
-- wall time {report["wall_minutes"]:.1f} min ({report["train_minutes"]:.1f} min of SFT steps), {report["machine"]}
-- vision pretraining first: {cfg["vision_pretrain_steps"]} steps of per-image-token colour and shape classification
-  (`sft_shapes.pretrain_vision`), held-out token accuracy colour {report["vision_pretraining"]["colour"]:.1%}, shape
+- wall time {report["wall_minutes"]:.1f} min ({report["train_minutes"]:.1f} min of SFT steps), {
+        report["machine"]
+    }{"; " + report["machine_state"] if report.get("machine_state") else ""}
+- vision pretraining first: {
+        cfg["vision_pretrain_steps"]
+    } steps of per-image-token colour and shape classification
+  (`sft_shapes.pretrain_vision`), held-out token accuracy colour {
+        report["vision_pretraining"]["colour"]:.1%}, shape
   {report["vision_pretraining"]["shape"]:.1%}
-- then {cfg["steps"]} steps of {cfg["batch_size"]} items, AdamW lr {cfg["lr"]} (constant after {cfg["warmup_steps"]}
-  warm-up steps), loss on the completion only; {cfg["caption_fraction"]:.0%} of the batches are the perception task
+- then {cfg["steps"]} steps of {cfg["batch_size"]} items, AdamW lr {cfg["lr"]} (constant after {
+        cfg["warmup_steps"]
+    }
+  warm-up steps), loss on the completion only; {
+        cfg["caption_fraction"]:.0%} of the batches are the perception task
   "list the objects from left to right." -> `<answer>red circle, blue square</answer>`
-- data: {cfg["train_items"]} training items (training scenes, training templates), {cfg["image_size"]}x{cfg["image_size"]} scenes
+- data: {cfg["train_items"]} training items (training scenes, training templates), {cfg["image_size"]}x{
+        cfg["image_size"]
+    } scenes
 
 ## Held-out scores
 
-{cfg["eval_items"]} questions per set (seed {cfg["seed"] + 1}). Greedy: `lenient` = the `<answer>` span read as a
+{cfg["eval_items"]} questions per set (seed {
+        cfg["seed"] + 1
+    }). Greedy: `lenient` = the `<answer>` span read as a
 number, number words accepted (`numeric`, `number_words=True`, `require_answer_tag=True`); `strict` = the span is
 exactly the digits (`exact_match`); `format` = `<think>...</think><answer>...</answer>` only; `perception` = share of
-the counts the reference trace needs that the model's trace states correctly. `pass@k`: lenient, {cfg["samples"]}
+the counts the reference trace needs that the model's trace states correctly. `pass@k`: lenient, {
+        cfg["samples"]
+    }
 samples per question at temperature 1 (unbiased estimator).
 
 | set | {" | ".join(columns)} |
 |---|{"---|" * len(columns)}
 {rows}
+
+Counts stated correctly in the greedy traces, by what they count (every object / a colour / a shape):
+{
+        " ; ".join(
+            f"{names[split]}: {r['perception_total']:.1%} / {r['perception_colour']:.1%} / {r['perception_shape']:.1%}"
+            for split, r in report["heldout"].items()
+            if "perception_total" in r
+        )
+    }.
+`wrong_with_right_counts` is the share of wrong answers whose trace states every count right: near 0 means the
+errors are readings of the scene (a count), not the arithmetic that composes them.
 
 Per template (greedy, lenient):
 
@@ -430,7 +470,9 @@ Scored on the first {cfg["curve_items"]} questions of each set at every snapshot
 |---|---|---|---|---|---|
 {curve}
 
-Re-score with `python -m mmrl.vlm.sft_reason --eval-only --out {cfg["out"]}`; the numbers are in `sft_report.json`.
+Re-score with `python -m mmrl.vlm.sft_reason --eval-only --out {
+        cfg["out"]
+    }`; the numbers are in `sft_report.json`.
 """
 
 
