@@ -111,6 +111,12 @@ class VLMTrainerConfig(Config):
         "uniform", description="Group sizes from the core."
     )
     dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal.")
+    multi_reward: Literal["weighted_sum", "gdpo"] = Field(
+        "weighted_sum",
+        description="Group mode with several rewards (e.g. format + answer): the weighted sum then the "
+        "estimator, or GDPO (each reward normalised in its group, then weighted and whitened; mmrl.core.advantages"
+        ".decoupled_multi_reward). Single mode always uses the weighted sum (its baseline is one success rate).",
+    )
     # shared
     entropy_shaping: EntropyShaping = Field(default_factory=EntropyShaping)
     epsilon_low: float = Field(
@@ -197,6 +203,10 @@ class VLMRLVRConfig(Config):
         check_reward_keys(self.rewards, "rewards")
         check_reward_keys([*self.rewards, *self.eval_rewards], "rewards + eval_rewards")
         t = self.trainer
+        if t.mode == "group" and t.multi_reward == "gdpo" and t.advantage == "mc_grpo":
+            raise ValueError(
+                "trainer.multi_reward=gdpo needs a mean-centred estimator, not mc_grpo's median pivot"
+            )
         if t.mode == "group" and t.advantage == "mc_grpo" and t.allocation != "uniform":
             raise ValueError("mc_grpo needs odd, equal group sizes: use trainer.allocation=uniform")
         p = self.pool

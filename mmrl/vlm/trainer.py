@@ -399,6 +399,8 @@ class VLMRLVRTrainer:
             if t.advantage == "mc_grpo":
                 adv, pivot = adv_lib.median_centered(total, group_ids)
                 keep &= ~pivot
+            elif t.multi_reward == "gdpo" and raw.shape[1] > 1:
+                adv = adv_lib.decoupled_multi_reward(raw, group_ids, self.reward_weights)
             elif t.advantage == "rloo":
                 adv = adv_lib.rloo(total, group_ids)
             else:

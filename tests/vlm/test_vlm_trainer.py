@@ -172,6 +172,43 @@ def test_single_rollout_rl_from_the_committed_checkpoint_raises_heldout_accuracy
     assert read_after >= read_before - 0.05
 
 
+def test_group_mode_gdpo_normalises_each_reward_in_its_group(model_dir, tmp_path):
+    from mmrl.core.advantages import decoupled_multi_reward
+
+    cfg = make_cfg(
+        model_dir,
+        tmp_path,
+        "g",
+        "trainer.mode=group",
+        "trainer.multi_reward=gdpo",
+        "rewards=[{name: exact_match, weight: 2.0}, {name: format, options: {}, weight: 1.0}]",
+    )
+    trainer = VLMRLVRTrainer(cfg, None)
+    trainer.setup()
+
+    def fake_verify(pairs):
+        n = len(pairs)
+        raw = torch.stack([torch.arange(n) % 2, (torch.arange(n) // 2) % 2], dim=1).float()
+        return raw @ trainer.reward_weights, raw
+
+    trainer.verify = fake_verify
+    pairs, adv, _ = trainer.collect()
+    _, raw = fake_verify(pairs)
+    groups = torch.tensor(
+        [[p for p in dict.fromkeys(ex.prompt_id for ex, _ in pairs)].index(ex.prompt_id) for ex, _ in pairs]
+    )
+    torch.testing.assert_close(adv, decoupled_multi_reward(raw, groups, torch.tensor([2.0, 1.0])))
+    with pytest.raises(ValueError, match="multi_reward=gdpo needs a mean-centred estimator"):
+        make_cfg(
+            model_dir,
+            tmp_path,
+            "g",
+            "trainer.mode=group",
+            "trainer.multi_reward=gdpo",
+            "trainer.advantage=mc_grpo",
+        )
+
+
 def test_a_verifier_used_twice_needs_labels_and_logs_under_each(model_dir, tmp_path):
     twice = "rewards=[{name: exact_match}, {name: exact_match, options: {number_words: true}, weight: 0.0}]"
     with pytest.raises(
