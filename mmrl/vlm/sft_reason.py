@@ -1,6 +1,6 @@
 """Supervised fine-tuning of the tiny shapes VLM on shapes-math reasoning traces: a base that reasons a little.
 
-    python -m mmrl.vlm.sft_reason --out checkpoints/shapes_vlm_reason --steps 3000 --seed 0
+    python -m mmrl.vlm.sft_reason --out checkpoints/shapes_vlm_reason --steps 500 --seed 0
 
 (the committed checkpoint's exact command is in its card)
 
@@ -449,8 +449,11 @@ Counts stated correctly in the greedy traces, by what they count (every object /
             if "perception_total" in r
         )
     }.
-`wrong_with_right_counts` is the share of wrong answers whose trace states every count right: near 0 means the
-errors are readings of the scene (a count), not the arithmetic that composes them.
+A count is right when the trace has a step with the reference's label (the attribute the question names) and
+value: a step that counts another attribute than the one asked about is a wrong count. `wrong_with_right_counts`
+is the share of wrong answers whose trace states every count right: near 0 means the errors are in the counts
+(the attribute read from the question, or its count read from the scene), not in the arithmetic that composes
+them.
 
 Per template (greedy, lenient):
 

@@ -226,34 +226,37 @@ def test_a_verifier_used_twice_needs_labels_and_logs_under_each(model_dir, tmp_p
     assert out["eval/read"] >= out["eval/exact_match"]
 
 
-def test_reasoning_rl_from_the_committed_checkpoint_sharpens_sampled_answers():
-    """The reasoning main job in miniature, from the committed shapes-math SFT checkpoint with the demo's recipe:
-    what a few RL steps measurably do is sharpen the sampled answers (held-out lenient accuracy of T = 1
-    samples rises towards the greedy one) while the greedy answers hold and the format stays. The greedy gain the
-    demo aims at is not reached (BENCHMARKS.md, "The reasoning demo"); this test guards what is."""
-    import rewards
-
+def test_reasoning_rl_from_the_committed_checkpoint_raises_lenient_heldout_accuracy():
+    """The reasoning main job in miniature: from the committed shapes-math SFT checkpoint, REASON_STEPS steps of
+    the demo's recipe raise greedy held-out accuracy scored by the lenient check (answer span read as a number,
+    number words accepted), and the accuracy per well-formed completion rises too, so that answers newly put in
+    their tags do not explain the whole gain."""
     cfg = load_config(
         VLMRLVRConfig,
         "configs/demo/vlm_shapes_reason.yaml",
-        ["run.progress=false", "trainer.steps=25", "data.eval_limit=126"],
+        ["run.progress=false", f"trainer.steps={REASON_STEPS}", "data.eval_limit=252", "data.extra_eval={}"],
     )
     trainer = VLMRLVRTrainer(cfg, None)
     trainer.setup()
-    lenient = rewards.build("numeric", number_words=True, require_answer_tag=True)
-
-    def sampled_accuracy() -> float:
-        pairs = trainer.generate(trainer.eval_set, 4, temperature=1.0)
-        scores = lenient(completions=[s.text for _, s in pairs], ground_truths=[ex.answer for ex, _ in pairs])
-        return float(scores.mean())
-
-    before, sampled_before = trainer.evaluate(), sampled_accuracy()
+    before = trainer.evaluate()
     for _ in range(cfg.trainer.steps):
         trainer.train_step()
         trainer.step += 1
-    after, sampled_after = trainer.evaluate(), sampled_accuracy()
-    assert before["eval/lenient_accuracy"] >= before["eval/strict_accuracy"]
-    assert sampled_before < before["eval/lenient_accuracy"] - 0.05  # T = 1 samples are worse than greedy
-    assert sampled_after >= sampled_before + 0.05
-    assert after["eval/lenient_accuracy"] >= before["eval/lenient_accuracy"] - 0.05
-    assert after["eval/format_rate"] > 0.95
+    after = trainer.evaluate()
+    print(
+        {
+            k: (before[k], after[k])
+            for k in ("eval/lenient_accuracy", "eval/strict_accuracy", "eval/format_rate")
+        }
+    )
+    assert after["eval/lenient_accuracy"] >= before["eval/lenient_accuracy"] + REASON_GAIN
+    # not only answers newly put in their tags: accuracy per well-formed completion rises too
+    per_formed = {
+        k: r["eval/lenient_accuracy"] / r["eval/format_rate"] for k, r in (("b", before), ("a", after))
+    }
+    assert per_formed["a"] >= per_formed["b"] + REASON_GAIN / 2
+    assert after["eval/lenient_accuracy"] >= after["eval/strict_accuracy"]
+
+
+REASON_STEPS = 60
+REASON_GAIN = 0.05

@@ -27,7 +27,7 @@ def test_committed_card_states_its_report():
     assert f"{heldout['lenient']:.1%}" in card and report["command"] in card
     # the base reasons a little: headroom between greedy and pass@8, format learned
     assert 0.3 < heldout["lenient"] < 0.8 and heldout["pass@8"] > heldout["lenient"] + 0.2
-    assert heldout["format"] > 0.95
+    assert heldout["format"] > 0.9
 
 
 def test_tiny_run_writes_model_snapshots_and_card(tmp_path):
