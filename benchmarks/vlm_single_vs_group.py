@@ -1,16 +1,19 @@
-"""Single-rollout entropy-shaped RLVR vs group GRPO (G=8) at equal rollouts, on shapes VQA.
+"""Single-rollout entropy-shaped RLVR vs group GRPO (G=8) at equal rollouts, on a VLM demo world.
 
-    python -m benchmarks.vlm_single_vs_group [--rollouts 2048] [--seeds 3] [--group-prompts 4]
+    python -m benchmarks.vlm_single_vs_group [--config configs/demo/vlm_shapes_reason.yaml] [--rollouts 2048]
+        [--seeds 3] [--group-prompts 4] [--metric eval/lenient_accuracy]
 
-From the committed SFT checkpoint (``configs/demo/vlm_shapes_single.yaml``) trains three variants with the same
+From a demo config (default: shapes-math reasoning, ``configs/demo/vlm_shapes_reason.yaml``; the convention demo
+``configs/demo/vlm_shapes_single.yaml`` with ``--metric eval/accuracy``) trains three variants with the same
 rollouts per step (``8 x group-prompts``) and the same total:
 
 * ``single``: one rollout per prompt, store baseline, entropy shaping (the default recipe);
 * ``single_no_entropy``: the same without entropy shaping (ablation);
 * ``group``: GRPO with G = 8.
 
-and reports held-out accuracy against rollouts consumed (mean over seeds), the entropy at the end (no collapse),
-and the rollouts single needed to reach group's final accuracy (goal <= 0.6x).
+and reports the held-out ``--metric`` against rollouts consumed (mean over seeds, with the spread of the final
+value), the entropy and completion length at the end (no collapse), and the rollouts single needed to reach
+group's final accuracy (goal <= 0.6x).
 """
 
 from __future__ import annotations
@@ -31,16 +34,16 @@ G = 8
 def variants(group_prompts: int) -> dict[str, list[str]]:
     per_step = G * group_prompts
     return {
-        "single": ["trainer.mode=single", f"trainer.prompts_per_step={per_step}"],
+        "single": ["trainer.mode=single", f"allocation.prompts_per_step={per_step}"],
         "single_no_entropy": [
             "trainer.mode=single",
-            f"trainer.prompts_per_step={per_step}",
+            f"allocation.prompts_per_step={per_step}",
             "trainer.entropy_shaping.enabled=false",
         ],
         "group": [
             "trainer.mode=group",
             f"trainer.num_generations={G}",
-            f"trainer.prompts_per_step={group_prompts}",
+            f"allocation.prompts_per_step={group_prompts}",
             "trainer.entropy_shaping.enabled=false",
         ],
     }
@@ -48,7 +51,8 @@ def variants(group_prompts: int) -> dict[str, list[str]]:
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default="configs/demo/vlm_shapes_single.yaml")
+    parser.add_argument("--config", default="configs/demo/vlm_shapes_reason.yaml")
+    parser.add_argument("--metric", default="eval/lenient_accuracy", help="held-out metric to compare")
     parser.add_argument("--rollouts", type=int, default=2048, help="total rollouts per run")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--group-prompts", type=int, default=4, help="prompts per step of the group variant")
@@ -58,6 +62,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     steps = max(1, args.rollouts // per_step)
     curves: dict[str, list[list[tuple[int, float]]]] = {}
     entropy: dict[str, list[float]] = {}
+    length: dict[str, list[float]] = {}
     for name, extra in variants(args.group_prompts).items():
         for seed in range(args.seeds):
             cfg = load_config(
@@ -76,10 +81,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             train(cfg)
             records = read_metrics(Path(cfg.run.output_dir) / cfg.run.name)
             curves.setdefault(name, []).append(
-                [(r["step"] * per_step, r["eval/accuracy"]) for r in records if "eval/accuracy" in r]
+                [(r["step"] * per_step, r[args.metric]) for r in records if args.metric in r]
             )
             entropy.setdefault(name, []).append(
                 next(r["entropy/mean"] for r in reversed(records) if "entropy/mean" in r)
+            )
+            length.setdefault(name, []).append(
+                next(r["gen/length_mean"] for r in reversed(records) if "gen/length_mean" in r)
             )
     mean_curve = {
         name: [(runs[0][i][0], statistics.fmean(run[i][1] for run in runs)) for i in range(len(runs[0]))]
@@ -91,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     reach = {
         name: next((n for n, acc in curve[1:] if acc >= target), None) for name, curve in mean_curve.items()
     }
-    print(f"held-out accuracy vs rollouts (mean of {args.seeds} seeds, {per_step} rollouts per step)")
+    print(f"held-out {args.metric} vs rollouts (mean of {args.seeds} seeds, {per_step} rollouts per step)")
     print(f"{'rollouts':>9s} " + " ".join(f"{n:>18s}" for n in mean_curve))
     for i in range(len(mean_curve["group"])):
         print(f"{mean_curve['group'][i][0]:9d} " + " ".join(f"{c[i][1]:18.3f}" for c in mean_curve.values()))
@@ -110,14 +118,20 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             ratio = f"{got / total:.2f}x group's {total} rollouts, {got / reach['group']:.2f}x group's first reach"
         else:
             ratio = "n/a"
+        finals = [run[-1][1] for run in curves[name]]
+        spread = statistics.pstdev(finals) if len(finals) > 1 else 0.0
         print(
-            f"{name}: final accuracy {mean_curve[name][-1][1]:.3f}; reaches group's final {target:.3f} after "
-            f"{got} rollouts ({ratio}); final entropy {statistics.fmean(entropy[name]):.3f}"
+            f"{name}: final {mean_curve[name][-1][1]:.3f} (std over seeds {spread:.3f}, start "
+            f"{mean_curve[name][0][1]:.3f}); reaches group's final {target:.3f} after {got} rollouts ({ratio}); "
+            f"final entropy {statistics.fmean(entropy[name]):.3f}, completion length "
+            f"{statistics.fmean(length[name]):.1f} tokens"
         )
     result = {
         "curves": mean_curve,
         "reach": reach,
         "final_entropy": {k: statistics.fmean(v) for k, v in entropy.items()},
+        "final_length": {k: statistics.fmean(v) for k, v in length.items()},
+        "final_per_seed": {name: [run[-1][1] for run in runs] for name, runs in curves.items()},
     }
     print(json.dumps(result))
     return result

@@ -116,6 +116,11 @@ class TextVerifier(Reward):
         """Score one answer; ``from_span`` tells whether it came from an answer span or is the whole text."""
         raise NotImplementedError
 
+    def ground_truth_problem(self, ground_truth: Any) -> str | None:
+        """Why this verifier cannot score against ``ground_truth`` (e.g. "is not a number"), or ``None``: lets a
+        trainer reject a data file before training instead of scoring every rollout of a row 0."""
+        return None
+
     def score(
         self, *, completions: Sequence[Any], ground_truths: Sequence[Any] | None = None, **_: Any
     ) -> RewardOutput:
@@ -263,6 +268,8 @@ class MultipleChoice(TextVerifier):
 _NUMBER = r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+]?\.\d+(?:[eE][-+]?\d+)?"
 
 
+_NUMBER_WORD = re.compile(r"\b(?:" + "|".join(NUMBER_WORDS) + r")\b", flags=re.IGNORECASE)
+
 _FRACTION = rf"\(?\s*({_NUMBER})\s*\)?\s*/\s*\(?\s*({_NUMBER})\s*\)?"
 
 
@@ -305,6 +312,8 @@ class Numeric(TextVerifier):
         rel_tol, abs_tol: tolerances (defaults: 1e-4 relative, 1e-6 absolute).
         answer_tag, require_answer_tag: as in ``exact_match``. Without a span, a ``\\boxed{}`` is used when
             present.
+        number_words: read English number words, zero to twenty, as their digits ("three" -> 3, "The answer is
+            three." -> 3); off by default.
     """
 
     def __init__(
@@ -313,11 +322,13 @@ class Numeric(TextVerifier):
         abs_tol: float = 1e-6,
         answer_tag: str = "answer",
         require_answer_tag: bool = False,
+        number_words: bool = False,
     ):
         super().__init__(answer_tag, require_answer_tag)
         if rel_tol < 0 or abs_tol < 0:
             raise ValueError(f"tolerances must be >= 0, got rel_tol={rel_tol}, abs_tol={abs_tol}")
         self.rel_tol, self.abs_tol = rel_tol, abs_tol
+        self.number_words = number_words
 
     def answer(self, text: str) -> tuple[str | None, str | None]:
         answer, reason = super().answer(text)
@@ -326,12 +337,23 @@ class Numeric(TextVerifier):
             answer = boxed[-1] if boxed else text
         return answer, reason
 
+    def _number(self, text: str) -> float | None:
+        if self.number_words:
+            text = _NUMBER_WORD.sub(lambda match: NUMBER_WORDS[match.group(0).casefold()], text)
+        return parse_number(text)
+
+    def ground_truth_problem(self, ground_truth: Any) -> str | None:
+        for truth in as_answers(ground_truth):
+            if not isinstance(truth, (int, float)) and self._number(str(truth)) is None:
+                return "is not a number"
+        return None
+
     def check(self, answer: str, ground_truth: Any, from_span: bool) -> tuple[float, str | None]:
-        value = parse_number(answer)
+        value = self._number(answer)
         if value is None or not math.isfinite(value):
             return 0.0, f"no number in answer {answer.strip()[:80]!r}"
         for truth in as_answers(ground_truth):
-            target = float(truth) if isinstance(truth, (int, float)) else parse_number(str(truth))
+            target = float(truth) if isinstance(truth, (int, float)) else self._number(str(truth))
             if target is None:
                 raise ValueError(f"ground truth {truth!r} is not a number")
             if math.isclose(value, target, rel_tol=self.rel_tol, abs_tol=self.abs_tol):

@@ -254,8 +254,10 @@ def single_rollout(
     """Single-rollout advantages against a persistent per-prompt baseline (SPO 2509.13232; MSSR).
 
     ``A_i = r_i - V(x_i)`` with ``V`` the prompt's value from the statistics store (posterior mean), then divided
-    by the batch std of ``A`` (``scale="batch_std"``). Centring ``A`` on its batch mean is optional and off by
-    default: with one rollout per prompt it can turn a correct answer's advantage negative.
+    by the batch std of ``A`` (``scale="batch_std"``) when that std exceeds ``eps``; a batch whose advantages are
+    all equal (e.g. every reward 0 against one shared prior) keeps them unscaled, since dividing by ``eps`` would
+    blow a -0.1 up to -1e5. Centring ``A`` on its batch mean is optional and off by default: with one rollout
+    per prompt it can turn a correct answer's advantage negative.
 
     Args:
         rewards: ``[N]`` one reward per prompt.
@@ -269,7 +271,8 @@ def single_rollout(
     if center:
         adv = adv - adv.mean()
     if scale == "batch_std":
-        return adv / (adv.std(correction=0) + eps)
+        std = adv.std(correction=0)
+        return adv / (std + eps) if std > eps else adv
     if scale == "none":
         return adv
     raise ValueError(f"scale must be 'batch_std' or 'none', got {scale!r}")

@@ -8,14 +8,14 @@ Local files and hub datasets go through HF ``datasets``; an image column may hol
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
-__all__ = ["VQAExample", "load_vqa"]
+__all__ = ["VQAExample", "check_answers", "load_vqa"]
 
 _LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
@@ -39,6 +39,25 @@ def _shapes(split: str, n: int, seed: int, size: int) -> list[VQAExample]:
         VQAExample(f"shapes-{split}-{seed}-{i}", item.prompt, item.answer, [item.image], item.kind)
         for i, item in enumerate(items)
     ]
+
+
+def _shapes_math(split: str, n: int, seed: int, size: int) -> list[VQAExample]:
+    from mmrl.data.shapes_math import make_math_items
+
+    items = make_math_items(n, seed, size=size, split=split)  # type: ignore[arg-type]
+    return [
+        VQAExample(
+            f"shapes_math-{split}-{seed}-{i}", item.prompt, str(item.answer), [item.image], item.template
+        )
+        for i, item in enumerate(items)
+    ]
+
+
+#: Generated sources ``NAME:SPLIT``: the builder ``(split, n, seed, image_size)`` and the splits it knows.
+GENERATED: dict[str, tuple[Callable[[str, int, int, int], list[VQAExample]], tuple[str, ...]]] = {
+    "shapes": (_shapes, ("train", "heldout")),
+    "shapes_math": (_shapes_math, ("train", "heldout", "heldout_templates")),
+}
 
 
 def _open_image(value: Any, root: Path, where: str) -> Image.Image:
@@ -127,7 +146,9 @@ def load_vqa(
     """Load VQA examples.
 
     Args:
-        source: ``shapes:train`` / ``shapes:heldout`` (generated, ``limit`` items, default 1000), a local
+        source: a generated source (``shapes:train`` / ``shapes:heldout``: one-word VQA;
+            ``shapes_math:train`` / ``shapes_math:heldout`` / ``shapes_math:heldout_templates``: arithmetic with
+            a reasoning trace, ``mmrl.data.shapes_math``; ``limit`` items, default 1000), a local
             ``.json`` / ``.jsonl`` / ``.parquet`` file, or a hub dataset id (on a connected machine).
         split: the split of a hub dataset.
         limit: keep the first ``limit`` examples.
@@ -142,13 +163,14 @@ def load_vqa(
             be reached, a missing column (named, with the columns present), a row without a question or answer
             or with an unreadable image (named, with the row), or an empty dataset.
     """
-    if source.startswith("shapes:"):
-        which = source.split(":", 1)[1]
-        if which not in ("train", "heldout"):
+    name, _, which = source.partition(":")
+    if name in GENERATED and which:
+        build, splits = GENERATED[name]
+        if which not in splits:
             raise ValueError(
-                f"unknown shapes VQA split {which!r} in {source!r}; use shapes:train or shapes:heldout"
+                f"unknown {name} split {which!r} in {source!r}; use one of {[f'{name}:{s}' for s in splits]}"
             )
-        return _shapes(which, 1000 if limit is None else limit, seed, image_size)
+        return build(which, 1000 if limit is None else limit, seed, image_size)
 
     path = Path(source)
     if path.suffix in _LOCAL_FORMATS:
@@ -179,6 +201,11 @@ def load_vqa(
             value = row[image_column]
             values: Sequence[Any] = value if isinstance(value, list) else [value]
             images = [_open_image(v, root, where) for v in values if v is not None]
+            if not images:
+                raise ValueError(
+                    f"{where}: no image in column {image_column!r} (the value is {value!r}); every row of a VLM "
+                    "question file needs one (set data.image_column to null for text-only questions)"
+                )
         for column in (question_column, answer_column):
             if row[column] is None or not str(row[column]).strip():
                 raise ValueError(
@@ -192,3 +219,28 @@ def load_vqa(
     if not examples:
         raise ValueError(f"{source}: no examples")
     return examples
+
+
+def check_answers(examples: Sequence[VQAExample], verifiers: Sequence[tuple[str, Any]], source: str) -> None:
+    """Reject ground truths a verifier cannot compare against (``Reward.ground_truth_problem``), e.g. an answer
+    that is no number for ``numeric``, before any rollout is spent.
+
+    Args:
+        examples: the loaded questions, in file order (so index ``i`` is row ``i``).
+        verifiers: ``(key, reward)`` pairs, as in the config's ``rewards``.
+        source: the data source, for the message.
+
+    Raises:
+        ValueError: naming the source, the row, the prompt id, the answer and the verifier.
+    """
+    for key, reward in verifiers:
+        problem_of = getattr(reward, "ground_truth_problem", None)
+        if problem_of is None:
+            continue
+        for row, example in enumerate(examples):
+            problem = problem_of(example.answer)
+            if problem is not None:
+                raise ValueError(
+                    f"{source} row {row} (id {example.prompt_id}): answer {example.answer!r} {problem}, which the "
+                    f"reward {key!r} needs"
+                )

@@ -70,6 +70,11 @@ class VLMDataConfig(Config):
     question_template: str = Field("{question}", description="Formats the question text.")
     system_prompt: str | None = Field(None, description="Optional system message.")
     image_size: int = Field(32, ge=8, description="Side of generated shapes images.")
+    extra_eval: dict[str, str] = Field(
+        default_factory=dict,
+        description="Further held-out sets, name -> source (same forms as eval, eval_limit items each), scored "
+        "beside data.eval and logged as eval/NAME/... (e.g. templates: shapes_math:heldout_templates).",
+    )
 
 
 class VLMRewardSpec(RewardSpec):
@@ -130,6 +135,12 @@ class VLMTrainerConfig(Config):
         8, ge=2, description="Rollouts per prompt in group mode (G; MC-GRPO uses G+1)."
     )
     dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal.")
+    multi_reward: Literal["weighted_sum", "gdpo"] = Field(
+        "weighted_sum",
+        description="Group mode with several rewards (e.g. format + answer): the weighted sum then the "
+        "estimator, or GDPO (each reward normalised in its group, then weighted and whitened; mmrl.core.advantages"
+        ".decoupled_multi_reward). Single mode always uses the weighted sum (its baseline is one success rate).",
+    )
     # shared
     entropy_shaping: EntropyShaping = Field(default_factory=EntropyShaping)
     epsilon_low: float = Field(
@@ -222,6 +233,11 @@ class VLMRLVRConfig(Config):
     model: VLMModelConfig = Field(default_factory=VLMModelConfig)
     data: VLMDataConfig = Field(default_factory=VLMDataConfig)
     rewards: list[VLMRewardSpec] = Field(default_factory=lambda: [VLMRewardSpec(name="exact_match")])
+    eval_rewards: list[VLMRewardSpec] = Field(
+        default_factory=list,
+        description="Verifiers scored on the held-out answers only (never trained on), logged as eval/KEY and "
+        "eval/KEY_KIND, e.g. a lenient numeric check (label lenient_accuracy) beside a strict training reward.",
+    )
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     allocation: VLMAllocation = Field(default_factory=VLMAllocation)
     trainer: VLMTrainerConfig = Field(default_factory=VLMTrainerConfig)
@@ -259,8 +275,11 @@ class VLMRLVRConfig(Config):
 
     @property
     def estimator_name(self) -> str:
-        """The advantage estimator the trainer uses: ``trainer.advantage``, or the mode's default."""
+        """The advantage estimator the trainer uses: GDPO for several rewards with ``trainer.multi_reward=gdpo`` (group
+        mode), else ``trainer.advantage``, or the mode's default."""
         t = self.trainer
+        if t.mode == "group" and t.multi_reward == "gdpo" and len(self.rewards) > 1:
+            return "gdpo"
         if t.advantage is not None:
             return t.advantage
         return "single" if t.mode == "single" else "grpo"
@@ -286,7 +305,12 @@ class VLMRLVRConfig(Config):
         if not self.rewards:
             raise ValueError("rewards: at least one verifier is needed")
         check_reward_keys(self.rewards, "rewards")
+        check_reward_keys([*self.rewards, *self.eval_rewards], "rewards + eval_rewards")
         t, a = self.trainer, self.allocation
+        if t.mode == "group" and t.multi_reward == "gdpo" and t.advantage == "mc_grpo":
+            raise ValueError(
+                "trainer.multi_reward=gdpo needs a mean-centred estimator, not mc_grpo's median pivot"
+            )
         estimator = check_estimator(self.estimator_name, t.advantage_options)
         if estimator.single_rollout != (t.mode == "single"):
             raise ValueError(

@@ -44,7 +44,7 @@ from mmrl.core import losses as loss_lib
 from mmrl.core.estimators import RewardBatch, get_estimator
 from mmrl.core.groups import effective_ratio
 from mmrl.core.stats import PromptStats
-from mmrl.data.vqa import VQAExample, load_vqa
+from mmrl.data.vqa import VQAExample, check_answers, load_vqa
 from mmrl.device import DTYPES
 from mmrl.distributed import (
     broadcast_params,
@@ -156,11 +156,25 @@ class VLMRLVRTrainer(TrainerBase):
         # 3. verifiers and data
         self.rewards = [reward_registry.build(spec.name, **spec.options) for spec in cfg.rewards]
         self.reward_weights = torch.tensor([spec.weight for spec in cfg.rewards], dtype=torch.float32)
+        self.eval_rewards = [reward_registry.build(spec.name, **spec.options) for spec in cfg.eval_rewards]
+        verifiers = [
+            (spec.key, r)
+            for spec, r in zip(
+                [*cfg.rewards, *cfg.eval_rewards], [*self.rewards, *self.eval_rewards], strict=True
+            )
+        ]
         d = cfg.data
         self.eval_set = load_examples(cfg, "eval")
+        check_answers(self.eval_set, verifiers, d.eval)
+        self.extra_eval_sets = {
+            name: load_examples(cfg, "eval", source) for name, source in d.extra_eval.items()
+        }
+        for name, examples in self.extra_eval_sets.items():
+            check_answers(examples, verifiers, d.extra_eval[name])
         if not for_training:
             return
         self.train_set = load_examples(cfg, "train")
+        check_answers(self.train_set, verifiers, d.train)
         self.by_id = {ex.prompt_id: ex for ex in self.train_set}
         if len(self.by_id) != len(self.train_set):
             raise ValueError(f"{d.train}: prompt ids are not unique; set data.id_column to a unique column")
@@ -518,20 +532,42 @@ class VLMRLVRTrainer(TrainerBase):
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self, examples: list[VQAExample] | None = None) -> dict[str, float]:
-        """Greedy answers on the held-out questions: accuracy per verifier and per question kind."""
-        examples = self.eval_set if examples is None else examples
+        """Greedy answers on the held-out questions: accuracy per verifier and per question kind, each
+        ``eval_rewards`` verifier beside them, then the same for every ``data.extra_eval`` set
+        (``eval/NAME/...``) when ``examples`` is not given."""
+        out = self._evaluate_set(self.eval_set if examples is None else examples, "eval")
+        if examples is None:
+            for name, extra in self.extra_eval_sets.items():
+                out.update(self._evaluate_set(extra, f"eval/{name}"))
+        return out
+
+    def _evaluate_set(self, examples: list[VQAExample], prefix: str) -> dict[str, float]:
         pairs = self.generate(examples, 1, temperature=0.0)
         total, raw = self.verify(pairs)
-        out = {"eval/accuracy": float(total.mean())}
+        completions = [s.text for _, s in pairs]
+        truths = [ex.answer for ex, _ in pairs]
+        extra = {
+            spec.key: checked_score(
+                reward, spec.key, len(pairs), completions=completions, ground_truths=truths
+            )
+            .scores.detach()
+            .float()
+            .cpu()
+            for spec, reward in zip(self.cfg.eval_rewards, self.eval_rewards, strict=True)
+        }
+        out = {f"{prefix}/accuracy": float(total.mean())}
         for k, spec in enumerate(self.cfg.rewards):
-            out[f"eval/{spec.key}"] = float(raw[:, k].mean())
+            out[f"{prefix}/{spec.key}"] = float(raw[:, k].mean())
+        out.update({f"{prefix}/{key}": float(scores.mean()) for key, scores in extra.items()})
         kinds = sorted({ex.kind for ex, _ in pairs if ex.kind})
         for kind in kinds:
             sel = torch.tensor([ex.kind == kind for ex, _ in pairs])
-            out[f"eval/accuracy_{kind}"] = float(total[sel].mean())
-        self._last_eval = pairs, total
-        if self.run is not None:
-            self._save_samples(self.step, "eval", pairs[:32], total[:32], raw[:32])
+            out[f"{prefix}/accuracy_{kind}"] = float(total[sel].mean())
+            out.update({f"{prefix}/{key}_{kind}": float(scores[sel].mean()) for key, scores in extra.items()})
+        if prefix == "eval":
+            self._last_eval = pairs, total
+            if self.run is not None:
+                self._save_samples(self.step, "eval", pairs[:32], total[:32], raw[:32])
         return out
 
     # ------------------------------------------------------------------ state
@@ -577,14 +613,17 @@ class VLMRLVRTrainer(TrainerBase):
         self.write_checkpoint(state, extra)
 
 
-def load_examples(cfg: VLMRLVRConfig, which: Literal["train", "eval"]) -> list[VQAExample]:
+def load_examples(
+    cfg: VLMRLVRConfig, which: Literal["train", "eval"], source: str | None = None
+) -> list[VQAExample]:
     """The run's train or held-out questions, as the trainer loads them: ``data.train`` with seed ``run.seed``,
-    ``data.eval`` with seed ``run.seed + 1`` (so generated shapes questions differ between the two)."""
+    ``data.eval`` (or another held-out ``source``) with seed ``run.seed + 1`` (so generated shapes questions
+    differ between the two)."""
     d = cfg.data
     if which == "train":
         source, limit, seed = d.train, d.train_limit, cfg.run.seed
     else:
-        source, limit, seed = d.eval, d.eval_limit, cfg.run.seed + 1
+        source, limit, seed = source or d.eval, d.eval_limit, cfg.run.seed + 1
     return load_vqa(
         source,
         limit=limit,

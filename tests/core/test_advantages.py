@@ -172,6 +172,9 @@ def test_single_rollout_formula_and_no_centering_by_default():
     centred = A.single_rollout(r, b, center=True)
     assert centred[3] < 0  # what centring would do to a correct answer; hence off by default
     torch.testing.assert_close(A.single_rollout(r, b, scale="none"), d)
+    # equal advantages (all rewards 0, one shared prior): no division by a zero std
+    zeros, prior = torch.zeros(3), torch.full((3,), 0.1)
+    torch.testing.assert_close(A.single_rollout(zeros, prior), zeros - prior)
 
 
 @settings(max_examples=100, deadline=None)

@@ -9,10 +9,11 @@ import time
 import pytest
 import torch
 
+import rewards
 from mmrl.cli import main as cli_main
 from mmrl.config import ConfigError, load_yaml
 from mmrl.data.prompts import check_prompts, load_prompts
-from mmrl.data.vqa import load_vqa
+from mmrl.data.vqa import check_answers, load_vqa
 from rewards.base import Reward, RewardCheckError, RewardOutput, checked_score
 from rewards.shapes import MAX_PROMPT_CHARS, ShapesReward
 
@@ -36,6 +37,35 @@ def test_vqa_rows_load_when_complete(tmp_path) -> None:
     source = write_jsonl(tmp_path / "vqa.jsonl", [{"question": "how many?", "answer": 2}])
     [example] = load_vqa(source, image_column=None, question_template="Q: {question}")
     assert (example.question, example.answer, example.prompt_id) == ("Q: how many?", "2", "vqa-0")
+
+
+def test_vqa_answer_that_is_no_number_for_a_numeric_verifier_is_named(tmp_path) -> None:
+    rows = [{"question": "how many?", "answer": "2"}, {"question": "how many?", "answer": "two"}]
+    rows.append({"question": "how many?", "answer": "many"})
+    source = write_jsonl(tmp_path / "math.jsonl", rows)
+    examples = load_vqa(source, image_column=None)
+    check_answers(examples, [("exact", rewards.build("exact_match"))], source)  # any answer is fine there
+    check_answers(examples[:2], [("answer", rewards.build("numeric", number_words=True))], source)
+    with pytest.raises(
+        ValueError, match=r"math\.jsonl row 1 \(id math-1\): answer 'two' is not a number.*'answer'"
+    ):
+        check_answers(examples, [("answer", rewards.build("numeric"))], source)
+    with pytest.raises(ValueError, match=r"row 2 \(id math-2\): answer 'many' is not a number"):
+        check_answers(examples, [("answer", rewards.build("numeric", number_words=True))], source)
+
+
+def test_vqa_row_without_an_image_is_named(tmp_path) -> None:
+    from PIL import Image
+
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    rows = [
+        {"question": "q", "answer": "1", "image": "a.png"},
+        {"question": "q", "answer": "1", "image": None},
+    ]
+    source = write_jsonl(tmp_path / "vqa.jsonl", rows)
+    with pytest.raises(ValueError, match=r"vqa\.jsonl row 1: no image in column 'image'"):
+        load_vqa(source)
+    assert len(load_vqa(source, limit=1)[0].images) == 1
 
 
 def test_malformed_empty_and_unsupported_vqa_files_are_named(tmp_path) -> None:

@@ -1,0 +1,326 @@
+"""Shapes-math: CLEVR-Math-style arithmetic over a rendered shapes scene, answered after a short reasoning trace.
+
+Each item is a scene (``mmrl.data.shapes.random_scene``, 1-4 objects), a question that applies one or two
+operations to the scene's objects (remove all objects of a colour or shape, add ``k`` new objects, compare two
+counts), its integer answer, and a reference reasoning trace that names every count the answer needs::
+
+    Remove all red shapes. Then add two squares. How many shapes are there?
+    <think>shapes 4. red 2. 4-2=2. 2+2=4</think><answer>4</answer>
+
+A trace is a sequence of steps separated by ``". "``: a perception step ``"{label} {n}"`` (``shapes`` = every
+object, a colour = the objects of that colour, a plural shape = the objects of that shape) and an arithmetic
+step ``"{a}{+|-}{b}={c}"``. :func:`read_trace` parses a completion's trace back into steps, so the perception
+sub-steps of a model's reasoning can be scored on their own (:func:`perception_accuracy`).
+
+Templates (:data:`TEMPLATES`; ``heldout`` ones never appear in training, to measure generalisation to new
+compositions of the same operations):
+
+========================  ======================================================================  ========
+template                  question                                                                held out
+========================  ======================================================================  ========
+``remove_colour``         Remove all {c} shapes. How many shapes are left?                         no
+``remove_shape``          Remove all {s}s. How many shapes are left?                               no
+``add_shape``             Add {k} {c} {s}s. How many {s}s are there?                               no
+``add_colour``            Add {k} {c} {s}s. How many {c} shapes are there?                         no
+``compare_shapes``        How many more {s1}s than {s2}s are there?                                no
+``remove_colour_add``     Remove all {c} shapes. Then add {k} {s}s. How many shapes are there?     no
+``remove_colour_shape``   Remove all {c} shapes. Then remove all {s}s. How many shapes are left?   no
+``compare_colours``       How many more {c1} shapes than {c2} shapes are there?                   yes
+``remove_shape_add``      Remove all {s1}s. Then add {k} {s2}s. How many shapes are there?         yes
+========================  ======================================================================  ========
+
+``k`` is a number word (one to three). A comparison names the larger count first (answers are never negative);
+``remove_colour_shape`` is asked only when no object has both the colour and the shape, so its second removal
+counts objects the first left in place.
+
+Splits: by scene (as :func:`mmrl.data.shapes_vqa.is_heldout_scene`: no held-out scene shares its set of objects
+with a training scene) and by template: ``train`` = training scenes x training templates, ``heldout`` =
+held-out scenes x training templates, ``heldout_templates`` = held-out scenes x held-out templates. Every split
+is balanced by template (item ``i`` uses template ``i mod T``) and deterministic under its arguments.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+from PIL import Image
+
+from mmrl.data.shapes import COLOURS, HELDOUT_FRACTION, SHAPES, Scene, random_scene, render
+from mmrl.data.shapes_vqa import is_heldout_scene
+
+__all__ = [
+    "SPLITS",
+    "TEMPLATES",
+    "MathItem",
+    "Step",
+    "Template",
+    "format_completion",
+    "format_prompt",
+    "format_trace",
+    "make_math_items",
+    "perception_accuracy",
+    "read_trace",
+    "template_names",
+]
+
+MathSplit = Literal["train", "heldout", "heldout_templates"]
+SPLITS: tuple[str, ...] = ("train", "heldout", "heldout_templates")
+
+#: ``k`` of an "add" operation, written as a word in the question
+ADD_WORDS = {1: "one", 2: "two", 3: "three"}
+
+_INSTRUCTION = "Think in <think></think>, then give the number in <answer></answer>."
+
+
+def format_prompt(question: str) -> str:
+    """The text prompt: the question, then how to answer (a reasoning trace, then the number in answer tags)."""
+    return f"{question} {_INSTRUCTION}"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One reasoning step: a count (``label`` = ``shapes``, a colour or a plural shape; ``value`` = the count) or
+    an arithmetic step (``label`` = ``"a-b"`` / ``"a+b"``, ``value`` = the result)."""
+
+    label: str
+    value: int
+
+    @property
+    def is_count(self) -> bool:
+        return not any(op in self.label for op in "+-")
+
+    def __str__(self) -> str:
+        return f"{self.label}={self.value}" if not self.is_count else f"{self.label} {self.value}"
+
+
+def format_trace(steps: Sequence[Step]) -> str:
+    """``"shapes 4. red 2. 4-2=2"``: the steps joined by ``". "``."""
+    return ". ".join(str(step) for step in steps)
+
+
+def format_completion(steps: Sequence[Step], answer: int | str) -> str:
+    """The reference completion ``<think>{trace}</think><answer>{answer}</answer>``."""
+    return f"<think>{format_trace(steps)}</think><answer>{answer}</answer>"
+
+
+_COUNT_STEP = re.compile(r"([a-z]+) (\d+)")
+_ARITHMETIC_STEP = re.compile(r"(\d+)\s*([+-])\s*(\d+)\s*=\s*(-?\d+)")
+
+
+def read_trace(completion: str) -> list[Step]:
+    """The steps of a completion's ``<think>`` span (or of the whole text when it has none); steps that do
+    not parse are skipped, so any text is accepted."""
+    span = re.findall(r"<think>(.*?)(?:</think>|$)", completion, flags=re.DOTALL)
+    text = span[0] if span else completion
+    steps = []
+    for part in text.split("."):
+        part = part.strip()
+        if match := _ARITHMETIC_STEP.fullmatch(part):
+            steps.append(Step(f"{match[1]}{match[2]}{match[3]}", int(match[4])))
+        elif match := _COUNT_STEP.fullmatch(part):
+            steps.append(Step(match[1], int(match[2])))
+    return steps
+
+
+def perception_accuracy(completion: str, reference: Sequence[Step]) -> tuple[int, int]:
+    """``(correct, total)`` over the count steps of ``reference``: a count is correct when the completion's
+    trace has a count step with the same label and value (the first one of that label)."""
+    said: dict[str, int] = {}
+    for step in read_trace(completion):
+        if step.is_count:
+            said.setdefault(step.label, step.value)
+    counts = [step for step in reference if step.is_count]
+    return sum(said.get(step.label) == step.value for step in counts), len(counts)
+
+
+@dataclass(frozen=True)
+class MathItem:
+    """One question about one rendered scene, with its answer and reference reasoning steps."""
+
+    image: Image.Image
+    question: str
+    answer: int
+    steps: tuple[Step, ...]
+    template: str
+    scene: Scene
+
+    @property
+    def prompt(self) -> str:
+        """:func:`format_prompt` of the question."""
+        return format_prompt(self.question)
+
+    @property
+    def completion(self) -> str:
+        """The reference completion (:func:`format_completion`)."""
+        return format_completion(self.steps, self.answer)
+
+
+# ------------------------------------------------------------------------------------------- templates
+
+Question = tuple[str, tuple[Step, ...], int]
+
+
+def _count(scene: Scene, colour: str | None = None, shape: str | None = None) -> int:
+    return sum(
+        (colour is None or o.colour == colour) and (shape is None or o.shape == shape) for o in scene.objects
+    )
+
+
+def _pick(rng: np.random.Generator, present: list[str], vocab: tuple[str, ...]) -> str:
+    """A word of ``vocab``: one of ``present`` 3 times in 4 (absent once in 4, when any is; always when none is
+    present), so that counts are not mostly 0."""
+    absent = [v for v in vocab if v not in present]
+    present = sorted({v for v in present if v in vocab})
+    pool = absent if absent and (not present or rng.random() < 0.25) else present
+    return pool[rng.integers(len(pool))]
+
+
+def _add_phrase(k: int, colour: str | None, shape: str) -> str:
+    noun = shape if k == 1 else f"{shape}s"
+    return f"{ADD_WORDS[k]} {colour + ' ' if colour else ''}{noun}"
+
+
+def _remove(scene: Scene, rng: np.random.Generator, attribute: Literal["colour", "shape"]) -> Question:
+    total = len(scene.objects)
+    if attribute == "colour":
+        colour = _pick(rng, [o.colour for o in scene.objects], COLOURS)
+        removed, label, phrase = _count(scene, colour=colour), colour, f"{colour} shapes"
+    else:
+        shape = _pick(rng, [o.shape for o in scene.objects], SHAPES)
+        removed, label, phrase = _count(scene, shape=shape), f"{shape}s", f"{shape}s"
+    left = total - removed
+    steps = (Step("shapes", total), Step(label, removed), Step(f"{total}-{removed}", left))
+    return f"Remove all {phrase}. How many shapes are left?", steps, left
+
+
+def _add(scene: Scene, rng: np.random.Generator, asked: Literal["colour", "shape"]) -> Question:
+    k = int(rng.integers(1, 4))
+    colour = _pick(rng, [o.colour for o in scene.objects], COLOURS)
+    shape = _pick(rng, [o.shape for o in scene.objects], SHAPES)
+    if asked == "shape":
+        before, label, target = _count(scene, shape=shape), f"{shape}s", f"{shape}s"
+    else:
+        before, label, target = _count(scene, colour=colour), colour, f"{colour} shapes"
+    steps = (Step(label, before), Step(f"{before}+{k}", before + k))
+    return f"Add {_add_phrase(k, colour, shape)}. How many {target} are there?", steps, before + k
+
+
+def _compare(scene: Scene, rng: np.random.Generator, attribute: Literal["colour", "shape"]) -> Question:
+    vocab = COLOURS if attribute == "colour" else SHAPES
+    present = sorted({getattr(o, attribute) for o in scene.objects})
+    first = present[rng.integers(len(present))]
+    second = _pick(rng, present, tuple(v for v in vocab if v != first))
+
+    def count(value: str) -> int:
+        return _count(scene, **{attribute: value})
+
+    # the larger count first, so "how many more" is never negative
+    if count(second) > count(first):
+        first, second = second, first
+    a, b = count(first), count(second)
+    if attribute == "colour":
+        labels, question = (first, second), f"How many more {first} shapes than {second} shapes are there?"
+    else:
+        labels, question = (f"{first}s", f"{second}s"), f"How many more {first}s than {second}s are there?"
+    steps = (Step(labels[0], a), Step(labels[1], b), Step(f"{a}-{b}", a - b))
+    return question, steps, a - b
+
+
+def _remove_then_add(
+    scene: Scene, rng: np.random.Generator, attribute: Literal["colour", "shape"]
+) -> Question:
+    question, steps, left = _remove(scene, rng, attribute)
+    k = int(rng.integers(1, 4))
+    removed_shape = steps[1].label[:-1] if attribute == "shape" else None
+    shape = SHAPES[rng.integers(len(SHAPES))]
+    while shape == removed_shape:  # "Remove all circles. Then add two circles." reads as a trick question
+        shape = SHAPES[rng.integers(len(SHAPES))]
+    first = question.split(". ")[0]
+    chained = f"{first}. Then add {_add_phrase(k, None, shape)}. How many shapes are there?"
+    return chained, (*steps, Step(f"{left}+{k}", left + k)), left + k
+
+
+def _remove_colour_shape(scene: Scene, rng: np.random.Generator) -> Question | None:
+    question, steps, left = _remove(scene, rng, "colour")
+    colour = steps[1].label
+    shape = _pick(rng, [o.shape for o in scene.objects if o.colour != colour], SHAPES)
+    if _count(scene, colour=colour, shape=shape):
+        return None  # an object of both would be removed twice: the second count would not be the trace's
+    removed = _count(scene, shape=shape)
+    first = question.split(". ")[0]
+    chained = f"{first}. Then remove all {shape}s. How many shapes are left?"
+    steps = (*steps, Step(f"{shape}s", removed), Step(f"{left}-{removed}", left - removed))
+    return chained, steps, left - removed
+
+
+@dataclass(frozen=True)
+class Template:
+    """A question template: ``ask(scene, rng)`` draws a question, its reference steps and answer, or returns
+    ``None`` when the scene cannot be asked it unambiguously."""
+
+    name: str
+    heldout: bool
+    ask: Callable[[Scene, np.random.Generator], Question | None]
+
+
+TEMPLATES: tuple[Template, ...] = (
+    Template("remove_colour", False, lambda scene, rng: _remove(scene, rng, "colour")),
+    Template("remove_shape", False, lambda scene, rng: _remove(scene, rng, "shape")),
+    Template("add_shape", False, lambda scene, rng: _add(scene, rng, "shape")),
+    Template("add_colour", False, lambda scene, rng: _add(scene, rng, "colour")),
+    Template("compare_shapes", False, lambda scene, rng: _compare(scene, rng, "shape")),
+    Template("remove_colour_add", False, lambda scene, rng: _remove_then_add(scene, rng, "colour")),
+    Template("remove_colour_shape", False, _remove_colour_shape),
+    Template("compare_colours", True, lambda scene, rng: _compare(scene, rng, "colour")),
+    Template("remove_shape_add", True, lambda scene, rng: _remove_then_add(scene, rng, "shape")),
+)
+
+
+def template_names(heldout: bool) -> list[str]:
+    """Names of the held-out (``True``) or training (``False``) templates, in :data:`TEMPLATES` order."""
+    return [t.name for t in TEMPLATES if t.heldout == heldout]
+
+
+def make_math_items(
+    n: int,
+    seed: int,
+    size: int = 64,
+    split: MathSplit = "train",
+    *,
+    fraction: float = HELDOUT_FRACTION,
+) -> list[MathItem]:
+    """``n`` shapes-math items of a split, deterministic under ``(n, seed, size, split, fraction)``.
+
+    Item ``i`` asks template ``templates[i % T]`` of the split (training templates for ``train`` and ``heldout``,
+    held-out templates for ``heldout_templates``) about a fresh random scene of the split's scenes (training
+    scenes for ``train``, held-out scenes otherwise); scenes of the other split, or that cannot be asked the
+    template, are skipped.
+
+    Raises:
+        ValueError: ``n < 0``, an unknown split, or ``fraction`` outside (0, 1).
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if split not in SPLITS:
+        raise ValueError(f"unknown shapes_math split {split!r}; use one of {list(SPLITS)}")
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"fraction must be in (0, 1) so both splits have scenes, got {fraction}")
+    templates = [t for t in TEMPLATES if t.heldout == (split == "heldout_templates")]
+    heldout_scenes = split != "train"
+    rng = np.random.default_rng([seed, 0x3A7, size, SPLITS.index(split)])
+    items: list[MathItem] = []
+    while len(items) < n:
+        template = templates[len(items) % len(templates)]
+        scene = random_scene(int(rng.integers(2**62)), size)
+        if is_heldout_scene(scene, fraction) != heldout_scenes:
+            continue
+        asked = template.ask(scene, rng)
+        if asked is None:
+            continue
+        question, steps, answer = asked
+        items.append(MathItem(render(scene), question, answer, steps, template.name, scene))
+    return items

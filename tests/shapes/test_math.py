@@ -1,0 +1,181 @@
+"""Shapes-math: answers recomputed from the question text and the scene, splits by scene and by template,
+balance, determinism, trace parsing, the lenient numeric check, and the generated source in load_vqa."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+
+import rewards
+from mmrl.data.shapes_math import (
+    ADD_WORDS,
+    SPLITS,
+    TEMPLATES,
+    Step,
+    format_completion,
+    make_math_items,
+    perception_accuracy,
+    read_trace,
+    template_names,
+)
+from mmrl.data.shapes_vqa import is_heldout_scene
+from mmrl.data.vqa import load_vqa
+
+WORD_VALUES = {word: k for k, word in ADD_WORDS.items()}
+
+
+_COLOURS = {"red", "green", "blue", "yellow", "purple", "orange"}
+_SHAPES = {"circle", "square", "triangle"}
+
+
+def _matches(obj: tuple[str | None, str], noun: str) -> bool:
+    """Whether a (colour, shape) object is one a noun phrase names: "shapes", "red shapes", "circles", "blue
+    squares"."""
+    words = noun.split()
+    colour = next((w for w in words if w in _COLOURS), None)
+    shape = words[-1].removesuffix("s")
+    shape = shape if shape in _SHAPES else None
+    return (colour is None or obj[0] == colour) and (shape is None or obj[1] == shape)
+
+
+def _expected(question: str, scene) -> int:
+    """The answer of a question, computed by applying its sentences to a list of (colour, shape) objects,
+    without the generator's code."""
+    objects = [(o.colour, o.shape) for o in scene.objects]
+    sentences = [s.strip() for s in question.rstrip("?").split(".") if s.strip()]
+    *operations, query = sentences
+
+    for operation in operations:
+        operation = operation.removeprefix("Then ").lower()
+        if operation.startswith("remove all "):
+            noun = operation.removeprefix("remove all ")
+            objects = [o for o in objects if not _matches(o, noun)]
+        else:
+            match = re.fullmatch(r"add (\w+) (.+)", operation)
+            count, noun = WORD_VALUES[match[1]], match[2].split()
+            colour = noun[0] if noun[0] in _COLOURS else None
+            objects += [(colour, noun[-1].removesuffix("s"))] * count
+    if query.startswith("How many more"):
+        first, second = re.fullmatch(r"How many more (.+) than (.+) are there", query).groups()
+        return sum(_matches(o, first) for o in objects) - sum(_matches(o, second) for o in objects)
+    noun = re.fullmatch(r"How many (.+) are (?:there|left)", query)[1]
+    return sum(_matches(o, noun) for o in objects)
+
+
+@pytest.fixture(scope="module")
+def splits():
+    return {split: make_math_items(180, seed=3, size=64, split=split) for split in SPLITS}
+
+
+def test_answers_follow_from_the_scene(splits):
+    for items in splits.values():
+        for item in items:
+            assert _expected(item.question, item.scene) == item.answer, item.question
+            assert item.answer >= 0
+
+
+def test_reference_trace_is_consistent(splits):
+    """Every count step states the true count; every arithmetic step is right; the last result is the answer."""
+    for items in splits.values():
+        for item in items:
+            for step in item.steps:
+                if step.is_count:
+                    noun = step.label if step.label.endswith("s") else f"{step.label} shapes"
+                    expected = sum(_matches((o.colour, o.shape), noun) for o in item.scene.objects)
+                    assert step.value == expected, (item.question, step)
+                else:
+                    a, op, b = re.fullmatch(r"(\d+)([+-])(\d+)", step.label).groups()
+                    assert step.value == (int(a) + int(b) if op == "+" else int(a) - int(b))
+            assert item.steps[-1].value == item.answer
+            assert read_trace(item.completion) == list(item.steps)
+            assert (
+                perception_accuracy(item.completion, item.steps) == (sum(s.is_count for s in item.steps),) * 2
+            )
+
+
+def test_splits_by_scene_and_template(splits):
+    heldout_templates = set(template_names(heldout=True))
+    assert heldout_templates == {"compare_colours", "remove_shape_add"}
+    assert {i.template for i in splits["train"]} == set(template_names(heldout=False))
+    assert {i.template for i in splits["heldout"]} == set(template_names(heldout=False))
+    assert {i.template for i in splits["heldout_templates"]} == heldout_templates
+    assert not any(is_heldout_scene(i.scene) for i in splits["train"])
+    assert all(is_heldout_scene(i.scene) for i in splits["heldout"] + splits["heldout_templates"])
+    train_scenes = {tuple(sorted((o.colour, o.shape) for o in i.scene.objects)) for i in splits["train"]}
+    for item in splits["heldout"] + splits["heldout_templates"]:
+        assert tuple(sorted((o.colour, o.shape) for o in item.scene.objects)) not in train_scenes
+
+
+def test_balanced_by_template_and_deterministic(splits):
+    for split, items in splits.items():
+        counts = Counter(i.template for i in items)
+        assert max(counts.values()) - min(counts.values()) <= 1, (split, counts)
+    again = make_math_items(180, seed=3, size=64, split="train")
+    assert [(i.question, i.answer) for i in again] == [(i.question, i.answer) for i in splits["train"]]
+    assert again[5].image.tobytes() == splits["train"][5].image.tobytes()
+    other = make_math_items(180, seed=4, size=64, split="train")
+    assert [i.question for i in other] != [i.question for i in splits["train"]]
+
+
+def test_templates_cover_the_operations():
+    names = {t.name for t in TEMPLATES}
+    assert {
+        "remove_colour",
+        "add_shape",
+        "compare_shapes",
+        "remove_colour_add",
+        "remove_colour_shape",
+    } <= names
+    items = make_math_items(90, seed=0, split="train")
+    chained = [i for i in items if i.question.count(".") == 2]
+    assert chained and all(len([s for s in i.steps if not s.is_count]) == 2 for i in chained)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="unknown shapes_math split 'test'"):
+        make_math_items(3, 0, split="test")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        make_math_items(-1, 0)
+
+
+def test_read_trace_accepts_any_text():
+    assert read_trace("") == []
+    assert read_trace("<think>shapes 4. red two. 4 - 2 = 2. blah</think><answer>2</answer>") == [
+        Step("shapes", 4),
+        Step("4-2", 2),
+    ]
+    # an unclosed trace is read up to the end
+    assert read_trace("<think>shapes 3. blue 1") == [Step("shapes", 3), Step("blue", 1)]
+    reference = (Step("shapes", 4), Step("red", 2), Step("4-2", 2))
+    assert perception_accuracy("<think>shapes 4. red 1. 4-1=3</think>", reference) == (1, 2)
+    assert format_completion(reference, 2) == "<think>shapes 4. red 2. 4-2=2</think><answer>2</answer>"
+
+
+def test_lenient_and_strict_checks():
+    lenient = rewards.build("numeric", number_words=True, require_answer_tag=True)
+    strict = rewards.build("exact_match", require_answer_tag=True)
+    completions = [
+        "<think>shapes 4. red 2. 4-2=2</think><answer>2</answer>",
+        "<think>x</think><answer> two. </answer>",
+        "<think>x</think><answer>There are 2 shapes left.</answer>",
+        "<think>shapes 4. red 2. 4-2=2",  # never closes its tags: 0 with a reason, no exception
+        "<answer>3</answer>",
+    ]
+    out = lenient.score(completions=completions, ground_truths=["2"] * 5)
+    assert out.scores.tolist() == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert "no <answer>" in out.reasons[3]
+    assert strict(completions=completions, ground_truths=["2"] * 5).tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert rewards.build("format")(completions=completions[3:4]).tolist() == [0.0]
+
+
+def test_load_vqa_resolves_shapes_math():
+    examples = load_vqa("shapes_math:heldout_templates", limit=4, seed=2, image_size=64)
+    items = make_math_items(4, seed=2, size=64, split="heldout_templates")
+    assert [e.answer for e in examples] == [str(i.answer) for i in items]
+    assert [e.kind for e in examples] == [i.template for i in items]
+    assert examples[0].question == items[0].prompt and "<think>" in examples[0].question
+    assert len({e.prompt_id for e in load_vqa("shapes_math:train", limit=50)}) == 50
+    with pytest.raises(ValueError, match=r"unknown shapes_math split 'test'.*shapes_math:heldout_templates"):
+        load_vqa("shapes_math:test")
