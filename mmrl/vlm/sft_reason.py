@@ -47,9 +47,8 @@ import torch
 import rewards
 from mmrl.data.shapes import COLOURS, SHAPES
 from mmrl.data.shapes_math import MathItem, make_math_items, perception_accuracy, read_trace
-from mmrl.vlm.sft_shapes import CAPTION_QUESTION, caption, pretrain_vision
+from mmrl.vlm.sft_shapes import CAPTION_QUESTION, caption, pretrain_vision, sft_batch
 from pipelines.vlm.backend import SamplingParams
-from pipelines.vlm.families.qwen2_5_vl import mm_token_type_ids
 from pipelines.vlm.hf_backend import HFBackend
 from pipelines.vlm.inputs import VLMPrompt, prepare_prompts
 from pipelines.vlm.tiny import TinyVLMConfig, build_model, build_processor, train_tokenizer
@@ -137,26 +136,7 @@ class ReasonBatcher:
 
     def batch(self, indices: Sequence[int], as_caption: bool) -> dict[str, torch.Tensor]:
         rows = [self._ids(self.items[i], as_caption) for i in indices]
-        B, L = len(rows), max(len(p) + len(a) for p, a in rows)
-        input_ids = torch.full((B, L), self.pad_id, dtype=torch.long)
-        labels = torch.full((B, L), -100, dtype=torch.long)
-        attention_mask = torch.zeros((B, L), dtype=torch.long)
-        for row, (prompt, answer) in enumerate(rows):
-            ids = torch.tensor(prompt + answer)
-            input_ids[row, : len(ids)] = ids
-            labels[row, len(prompt) : len(ids)] = torch.tensor(answer)
-            attention_mask[row, : len(ids)] = 1
-        vision = self.processor.image_processor(
-            images=[self.items[i].image for i in indices], return_tensors="pt"
-        )
-        return {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "mm_token_type_ids": mm_token_type_ids(input_ids, self.processor.image_token_id, None),
-            "pixel_values": vision["pixel_values"],
-            "image_grid_thw": vision["image_grid_thw"],
-            "labels": labels,
-        }
+        return sft_batch(self.processor, rows, [self.items[i].image for i in indices], self.pad_id)
 
 
 def _completions(

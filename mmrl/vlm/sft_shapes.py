@@ -268,27 +268,32 @@ class SFTBatcher:
         captions when ``as_caption``, else their VQA questions (one task per batch: caption prompts are ~40%
         shorter, which padding to a mixed batch would waste)."""
         rows = [self._ids(i, as_caption) for i in indices]
-        B = len(rows)
-        L = max(len(p) + len(a) for p, a in rows)
-        input_ids = torch.full((B, L), self.pad_id, dtype=torch.long)
-        labels = torch.full((B, L), -100, dtype=torch.long)
-        attention_mask = torch.zeros((B, L), dtype=torch.long)
-        for row, (prompt, answer) in enumerate(rows):
-            ids = torch.tensor(prompt + answer)
-            input_ids[row, : len(ids)] = ids
-            labels[row, len(prompt) : len(ids)] = torch.tensor(answer)
-            attention_mask[row, : len(ids)] = 1
-        vision = self.processor.image_processor(
-            images=[self.items[i].image for i in indices], return_tensors="pt"
-        )
-        return {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "mm_token_type_ids": mm_token_type_ids(input_ids, self.processor.image_token_id, None),
-            "pixel_values": vision["pixel_values"],
-            "image_grid_thw": vision["image_grid_thw"],
-            "labels": labels,
-        }
+        return sft_batch(self.processor, rows, [self.items[i].image for i in indices], self.pad_id)
+
+
+def sft_batch(
+    processor: Any, rows: Sequence[tuple[list[int], list[int]]], images: Sequence[Any], pad_id: int
+) -> dict[str, torch.Tensor]:
+    """Right-padded ``[B, L]`` model inputs of ``(prompt ids, completion ids)`` rows, one image each, with
+    ``labels`` = -100 everywhere but the completion (the loss is on the completion only)."""
+    batch_size, length = len(rows), max(len(prompt) + len(answer) for prompt, answer in rows)
+    input_ids = torch.full((batch_size, length), pad_id, dtype=torch.long)
+    labels = torch.full((batch_size, length), -100, dtype=torch.long)
+    attention_mask = torch.zeros((batch_size, length), dtype=torch.long)
+    for row, (prompt, answer) in enumerate(rows):
+        ids = torch.tensor(prompt + answer)
+        input_ids[row, : len(ids)] = ids
+        labels[row, len(prompt) : len(ids)] = torch.tensor(answer)
+        attention_mask[row, : len(ids)] = 1
+    vision = processor.image_processor(images=list(images), return_tensors="pt")
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "mm_token_type_ids": mm_token_type_ids(input_ids, processor.image_token_id, None),
+        "pixel_values": vision["pixel_values"],
+        "image_grid_thw": vision["image_grid_thw"],
+        "labels": labels,
+    }
 
 
 def greedy_answers(
