@@ -23,6 +23,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
@@ -36,6 +37,8 @@ from transformers import (
     Qwen2VLVideoProcessor,
 )
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+M = TypeVar("M", bound=torch.nn.Module)
 
 #: The Qwen2.5-VL special tokens the processor, chat template and model refer to.
 QWEN_SPECIAL_TOKENS: tuple[str, ...] = (
@@ -223,15 +226,22 @@ def build_model(tokenizer: Qwen2Tokenizer, config: TinyVLMConfig) -> Qwen2_5_VLF
         vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
     )
-    # Build under a forked RNG so the seed fixes the weights without resetting the caller's random stream.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(config.seed)
-        model = Qwen2_5_VLForConditionalGeneration(model_config)
     # Stop on the end of the assistant turn (or end of text), as Qwen-Instruct's generation_config.json does.
-    model.generation_config = GenerationConfig(
-        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
-        pad_token_id=ids["<|endoftext|>"],
+    generation = GenerationConfig(
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]], pad_token_id=ids["<|endoftext|>"]
     )
+    return random_model(Qwen2_5_VLForConditionalGeneration, model_config, config.seed, generation)
+
+
+def random_model(model_class: type[M], model_config: Any, seed: int, generation: GenerationConfig) -> M:
+    """``model_class(model_config)`` with weights drawn under ``seed``, its ``generation_config`` set, in eval mode.
+
+    The weights are drawn under a forked RNG, so the seed fixes them without resetting the caller's random stream.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(model_config)
+    model.generation_config = generation
     return model.eval()
 
 

@@ -23,7 +23,6 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-import torch
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 from transformers import (
     Gemma3Config,
@@ -34,7 +33,7 @@ from transformers import (
     GenerationConfig,
 )
 
-from pipelines.vlm.tiny import TinyVLMConfig
+from pipelines.vlm.tiny import TinyVLMConfig, random_model
 
 __all__ = ["GEMMA3_CHAT_TEMPLATE", "build_tiny_gemma3", "train_gemma_tokenizer"]
 
@@ -161,16 +160,13 @@ def build_model(tokenizer: GemmaTokenizer, config: TinyVLMConfig) -> Gemma3ForCo
         eoi_token_index=vocab[GEMMA3_IMAGE_TOKENS["eoi_token"]],
         image_token_index=vocab[GEMMA3_IMAGE_TOKENS["image_token"]],
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(config.seed)
-        model = Gemma3ForConditionalGeneration(model_config)
     # Stop at the end of the model turn or of the text, as gemma-3-*-it's generation_config.json does.
-    model.generation_config = GenerationConfig(
+    generation = GenerationConfig(
         eos_token_id=[vocab["<eos>"], vocab["<end_of_turn>"]],
         pad_token_id=vocab["<pad>"],
         bos_token_id=vocab["<bos>"],
     )
-    return model.eval()
+    return random_model(Gemma3ForConditionalGeneration, model_config, config.seed, generation)
 
 
 def build_tiny_gemma3(

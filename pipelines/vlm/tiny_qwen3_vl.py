@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-import torch
 from transformers import (
     GenerationConfig,
     Qwen2Tokenizer,
@@ -35,7 +34,13 @@ from transformers import (
     Qwen3VLVideoProcessor,
 )
 
-from pipelines.vlm.tiny import CHAT_TEMPLATE, QWEN_SPECIAL_TOKENS, TinyVLMConfig, train_tokenizer
+from pipelines.vlm.tiny import (
+    CHAT_TEMPLATE,
+    QWEN_SPECIAL_TOKENS,
+    TinyVLMConfig,
+    random_model,
+    train_tokenizer,
+)
 
 __all__ = ["build_tiny_qwen3_vl"]
 
@@ -115,14 +120,10 @@ def _model(
         vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(config.seed)
-        model = model_class(model_config)
-    model.generation_config = GenerationConfig(
-        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
-        pad_token_id=ids["<|endoftext|>"],
+    generation = GenerationConfig(
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]], pad_token_id=ids["<|endoftext|>"]
     )
-    return model.eval()
+    return random_model(model_class, model_config, config.seed, generation)
 
 
 def build_tiny_qwen3_vl(
