@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -252,6 +252,21 @@ class FlowAdapter(ABC):
     @abstractmethod
     def encode(self, prompts: Sequence[str], cfg: bool = False, negative_prompt: str = "") -> Conditioning:
         """Text conditioning ``[B, ...]``; ``cfg=True`` also encodes ``negative_prompt`` for guidance."""
+
+    @staticmethod
+    def conditioning_from(
+        encode_batch: Callable[[list[str]], dict[str, torch.Tensor]],
+        prompts: Sequence[str],
+        cfg: bool,
+        negative_prompt: str,
+    ) -> Conditioning:
+        """:meth:`encode` for a family whose text encoder maps a list of prompts to the transformer's keyword
+        tensors: the prompts, and with ``cfg`` as many copies of ``negative_prompt`` (no gradients)."""
+        prompts = list(prompts)
+        with torch.no_grad():
+            cond = encode_batch(prompts)
+            uncond = encode_batch([negative_prompt] * len(prompts)) if cfg else None
+        return Conditioning(cond, uncond)
 
     @abstractmethod
     def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:

@@ -59,11 +59,7 @@ class Flux2KleinAdapter(FlowAdapter):
         return {"encoder_hidden_states": embeds}
 
     def encode(self, prompts: Sequence[str], cfg: bool = False, negative_prompt: str = "") -> Conditioning:
-        prompts = list(prompts)
-        with torch.no_grad():
-            cond = self._encode(prompts)
-            uncond = self._encode([negative_prompt] * len(prompts)) if cfg else None
-        return Conditioning(cond, uncond)
+        return self.conditioning_from(self._encode, prompts, cfg, negative_prompt)
 
     def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
         f = self.pipe.vae_scale_factor * 2  # VAE downsampling, then 2x2 patches

@@ -67,11 +67,7 @@ class QwenImageAdapter(FlowAdapter):
         return {"encoder_hidden_states": embeds, "encoder_hidden_states_mask": mask}
 
     def encode(self, prompts: Sequence[str], cfg: bool = False, negative_prompt: str = "") -> Conditioning:
-        prompts = list(prompts)
-        with torch.no_grad():
-            cond = self._encode(prompts)
-            uncond = self._encode([negative_prompt] * len(prompts)) if cfg else None
-        return Conditioning(cond, uncond)
+        return self.conditioning_from(self._encode, prompts, cfg, negative_prompt)
 
     def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
         vsf = self.pipe.vae_scale_factor
