@@ -211,18 +211,28 @@ def _export_flow(cfg: Any, ckpt: Path, to: Path, merge: bool) -> tuple[str, str,
 
     from mmrl.device import DTYPES
     from pipelines.flow.adapters import load_adapter
+    from pipelines.flow.adapters.wan22 import LOW_EXPERT_WEIGHT_NAME
 
     lora_dir = ckpt / "adapter"
+    # Wan2.2 with both experts trained: the low-noise expert's LoRA is a second file beside the first
+    low_expert_file = lora_dir / LOW_EXPERT_WEIGHT_NAME
     if cfg.model.lora is not None and not merge:
         if not (lora_dir / "pytorch_lora_weights.safetensors").is_file():
             raise FileNotFoundError(f"{ckpt} has no LoRA weights (adapter/pytorch_lora_weights.safetensors)")
         shutil.copy2(lora_dir / "pytorch_lora_weights.safetensors", to / "pytorch_lora_weights.safetensors")
+        load_low = ""
+        if low_expert_file.is_file():
+            shutil.copy2(low_expert_file, to / LOW_EXPERT_WEIGHT_NAME)
+            load_low = (
+                f'pipe.load_lora_weights("{to.name}", weight_name="{LOW_EXPERT_WEIGHT_NAME}", '
+                "load_into_transformer_2=True)\n"
+            )
         usage = f"""
 from diffusers import DiffusionPipeline
 
 pipe = DiffusionPipeline.from_pretrained("{cfg.model.path}"{_none_components(cfg.model.path)})
 pipe.load_lora_weights("{to.name}")
-"""
+{load_low}"""
         return "diffusers", f"LoRA adapter (rank {cfg.model.lora.rank})", usage
     adapter = load_adapter(
         cfg.model.family,
@@ -234,16 +244,28 @@ pipe.load_lora_weights("{to.name}")
     pipe = adapter.pipe
     if cfg.model.lora is not None:
         pipe.load_lora_weights(lora_dir)
-        pipe.fuse_lora()  # W + scale * B @ A into the base weights
+        if low_expert_file.is_file():
+            pipe.load_lora_weights(lora_dir, weight_name=LOW_EXPERT_WEIGHT_NAME, load_into_transformer_2=True)
+            pipe.fuse_lora(
+                components=["transformer", "transformer_2"]
+            )  # W + scale * B @ A into the base weights
+        else:
+            pipe.fuse_lora()
         pipe.unload_lora_weights()
         weights = f"Diffusers pipeline with its LoRA (rank {cfg.model.lora.rank}) merged"
     else:
-        folder = ckpt / "transformer"
-        if not (folder / "config.json").is_file():
+        # one folder per trained component: transformer, and Wan2.2's transformer_2 when its expert was trained
+        folders = [
+            name for name in ("transformer", "transformer_2") if (ckpt / name / "config.json").is_file()
+        ]
+        if not folders:
             raise FileNotFoundError(
                 f"{ckpt} has no fully fine-tuned transformer folder (transformer/config.json)"
             )
-        pipe.transformer = type(pipe.transformer).from_pretrained(folder, torch_dtype=DTYPES[cfg.model.dtype])
+        for component in folders:
+            model_cls = type(getattr(pipe, component))
+            trained = model_cls.from_pretrained(ckpt / component, torch_dtype=DTYPES[cfg.model.dtype])
+            setattr(pipe, component, trained)
         weights = "Fully fine-tuned diffusers pipeline"
     pipe.save_pretrained(to)
     usage = f"""

@@ -428,7 +428,8 @@ def quantize_copy(
         module: the training policy: a diffusers / transformers / any torch model, optionally with a peft LoRA
             adapter (diffusers ``add_adapter``, or a peft ``PeftModel``). Only read.
         scheme: one of :data:`SCHEMES` (see the module docstring for format and hardware).
-        skip: ``fnmatch`` patterns of module names kept unquantized (a match on an ancestor counts);
+        skip: ``fnmatch`` patterns of module names kept unquantized (a match on an ancestor counts; a module
+            with a ``quantize_roots`` attribute, a container of models, has them applied below each root too);
             :data:`DEFAULT_SKIP` covers diffusers embedders / output layers and LM ``lm_head`` / ``embed_tokens``.
         compute_dtype: activation dtype and dtype of unquantized parameters; default the dtype of ``module``'s
             first floating parameter (bf16 is the usual choice on GPU).
@@ -449,6 +450,10 @@ def quantize_copy(
             f"skip must be a sequence of patterns, got the string {skip!r}; write skip=({skip!r},)"
         )
     base, _ = unwrap_peft(module)
+    # a container of several models (Wan2.2's two experts) names them in `quantize_roots`: the patterns then
+    # apply below each model, as they would to that model alone
+    roots = getattr(base, "quantize_roots", ())
+    skip = tuple(skip) + tuple(f"{root}.{pattern}" for root in roots for pattern in skip)
     reference = _first_float_param(base)
     check_scheme(scheme, reference.device)
     for name, sub in base.named_modules():

@@ -134,7 +134,7 @@ class FlowGRPOTrainer(TrainerBase):
                 )
             )
             if cfg.model.init_lora:
-                self._load_lora(Path(cfg.model.init_lora))
+                self.adapter.load_lora(Path(cfg.model.init_lora))
         else:
             transformer.requires_grad_(True)
             if cfg.trainer.beta > 0 and for_training:
@@ -236,13 +236,8 @@ class FlowGRPOTrainer(TrainerBase):
                 raise RuntimeError(
                     "no reference policy: full fine-tuning keeps one only when trainer.beta > 0"
                 )
-            pipe, component = self.adapter.pipe, self.adapter.trained_component
-            live = getattr(pipe, component)
-            setattr(pipe, component, self.reference)
-            try:
+            with self.adapter.swapped_denoiser(self.reference):
                 yield
-            finally:
-                setattr(pipe, component, live)
 
     # ------------------------------------------------------------------ rewards
     def score(
@@ -506,6 +501,11 @@ class FlowGRPOTrainer(TrainerBase):
             )
         if cfg.explore.enabled:
             refused.append("explore.enabled: the quantized explorer copies whole weights")
+        if len(self.adapter.trained_parts()) > 1:
+            refused.append(
+                "several trained denoisers (model.options.trained_expert: both): each is called outside the "
+                "sharded root; train one expert per run, or both with LoRA under DDP"
+            )
         if cfg.pool.enabled:
             refused.append("pool.enabled: pool workers receive whole weights")
         if cfg.sampling.rollout != "flat":
@@ -881,55 +881,38 @@ class FlowGRPOTrainer(TrainerBase):
             self.old_policy.load_state_dict(state["old_policy"])
 
     def save_lora(self, directory: Path) -> None:
-        """The LoRA in diffusers/PEFT format: ``pipe.load_lora_weights(directory)`` loads it on the base model."""
-        from peft.utils import get_peft_model_state_dict
-
-        layers = get_peft_model_state_dict(self.adapter.transformer)
-        # the LoRA config (rank, alpha) goes into the file: without it diffusers loads the update scaled by 1, not
-        # by the trained alpha / r
-        config = self.adapter.transformer.peft_config["default"].to_dict()
-        type(self.adapter.pipe).save_lora_weights(
-            directory, transformer_lora_layers=layers, transformer_lora_adapter_metadata=config
-        )
+        """The LoRA in diffusers/PEFT format: ``pipe.load_lora_weights(directory)`` loads it on the base model
+        (the adapter's :meth:`~pipelines.flow.adapters.FlowAdapter.save_lora` says how for its family)."""
+        self.adapter.save_lora(directory)
 
     def save_transformer(self, directory: Path, trainable: dict[str, torch.Tensor]) -> None:
-        """The fully fine-tuned transformer in diffusers format (``config.json`` and
-        ``diffusion_pytorch_model.safetensors``): ``SD3Transformer2DModel.from_pretrained(directory)`` (or the
+        """The fully fine-tuned denoiser in diffusers format, one folder per trained pipeline component
+        (``directory/transformer``; Wan2.2 also ``transformer_2``) with ``config.json`` and
+        ``diffusion_pytorch_model.safetensors``: ``SD3Transformer2DModel.from_pretrained(folder)`` (or the
         family's class) loads it, and ``pipe.transformer = ...`` puts it into the base pipeline. ``trainable`` are
         the whole trained tensors (gathered from the shards under FSDP); buffers come from the model itself."""
         from safetensors.torch import save_file
 
-        transformer = self.adapter.transformer
-        weights = {
-            name: t.detach().cpu() for name, t in transformer.state_dict().items() if name not in trainable
-        }
-        weights.update(trainable)
-        directory.mkdir()
-        save_file(
-            {name: t.contiguous() for name, t in weights.items()},
-            directory / "diffusion_pytorch_model.safetensors",
-        )
-        transformer.save_config(directory)
-        if self.dist.fsdp:  # FSDP2 swapped in a subclass named FSDP<Class>: record the class diffusers knows
-            config_file = directory / "config.json"
-            config = json.loads(config_file.read_text())
-            config["_class_name"] = config["_class_name"].removeprefix("FSDP")
-            config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-    def _load_lora(self, directory: Path) -> None:
-        from peft.utils import set_peft_model_state_dict
-
-        pipe_cls = type(self.adapter.pipe)
-        state = pipe_cls.lora_state_dict(str(directory))
-        state = state[0] if isinstance(state, tuple) else state
-        prefix = "transformer."
-        layers = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
-        if not layers:
-            raise ValueError(f"{directory} holds no transformer LoRA weights")
-        result = set_peft_model_state_dict(self.adapter.transformer, layers)
-        unexpected = getattr(result, "unexpected_keys", [])
-        if unexpected:
-            raise ValueError(f"LoRA at {directory} does not fit this model: unexpected keys {unexpected[:3]}")
+        names = {id(module): name for name, module in self.adapter.transformer.named_modules()}
+        for component, model in self.adapter.trained_parts().items():
+            prefix = names[id(model)] + "." if names[id(model)] else ""
+            own = {name.removeprefix(prefix): t for name, t in trainable.items() if name.startswith(prefix)}
+            weights = {name: t.detach().cpu() for name, t in model.state_dict().items() if name not in own}
+            weights.update(own)
+            folder = directory / component
+            folder.mkdir()
+            save_file(
+                {name: t.contiguous() for name, t in weights.items()},
+                folder / "diffusion_pytorch_model.safetensors",
+            )
+            model.save_config(folder)
+            if (
+                self.dist.fsdp
+            ):  # FSDP2 swapped in a subclass named FSDP<Class>: record the class diffusers knows
+                config_file = folder / "config.json"
+                config = json.loads(config_file.read_text())
+                config["_class_name"] = config["_class_name"].removeprefix("FSDP")
+                config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     def save_checkpoint(self) -> None:
         """Rank 0 writes; under data parallelism every rank first gathers the state with it (its RNG states, and
@@ -942,7 +925,7 @@ class FlowGRPOTrainer(TrainerBase):
             if self.cfg.model.lora is not None:
                 self.save_lora(directory / "adapter")
             else:
-                self.save_transformer(directory / "transformer", state["trainable"])
+                self.save_transformer(directory, state["trainable"])
 
         self.write_checkpoint(state, extra)
 
@@ -972,7 +955,7 @@ def evaluate(
         if cfg.model.lora is None:
             load_trainable(trainer.adapter.transformer, load_checkpoint(checkpoint)["trainable"])
         else:
-            trainer._load_lora(checkpoint / "adapter")
+            trainer.adapter.load_lora(checkpoint / "adapter")
     prompts = trainer.eval_pool
     ro = trainer.generate(prompts, images_per_prompt)
     raw, components = trainer.score(ro.images, ro.prompts, evaluation=True)

@@ -112,13 +112,8 @@ def select_seeds(
 @contextmanager
 def explorer_weights(adapter: FlowAdapter, explorer: torch.nn.Module) -> Iterator[FlowAdapter]:
     """Run ``adapter`` with ``explorer`` (the quantized copy) as its transformer; the policy is untouched."""
-    pipe, component = adapter.pipe, adapter.trained_component
-    live = getattr(pipe, component)
-    setattr(pipe, component, explorer)
-    try:
+    with adapter.swapped_denoiser(explorer):
         yield adapter
-    finally:
-        setattr(pipe, component, live)
 
 
 @torch.no_grad()

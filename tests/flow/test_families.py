@@ -161,4 +161,4 @@ def test_wan22_refuses_a_one_expert_pipeline_and_unknown_experts(tmp_path):
         load_adapter("wan22", str(tmp_path / "wan21"))
     build_tiny_pipeline("wan22", seed=0).save_pretrained(tmp_path / "wan22")
     with pytest.raises(ValueError, match="trained_expert"):
-        load_adapter("wan22", str(tmp_path / "wan22"), trained_expert="both")
+        load_adapter("wan22", str(tmp_path / "wan22"), trained_expert="middle")

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
@@ -237,7 +239,7 @@ class FlowAdapter(ABC):
     @property
     def trained_component(self) -> str:
         """The pipeline attribute holding the denoiser RL trains (``transformer``; Wan2.2's low-noise expert is
-        ``transformer_2``); swapping a policy in (reference, explorer) sets this attribute."""
+        ``transformer_2``); :meth:`swapped_denoiser` swaps a policy (reference, explorer) in there."""
         return "transformer"
 
     @property
@@ -248,6 +250,72 @@ class FlowAdapter(ABC):
     @property
     def device(self) -> torch.device:
         return next(self.transformer.parameters()).device
+
+    def trained_parts(self) -> dict[str, torch.nn.Module]:
+        """The trained denoisers by the pipeline attribute (and diffusers folder) each is saved as:
+        ``{trained_component: transformer}``, both experts for Wan2.2 trained whole."""
+        return {self.trained_component: self.transformer}
+
+    @contextmanager
+    def swapped_denoiser(self, module: torch.nn.Module) -> Iterator[None]:
+        """Run the pipeline with ``module`` (a reference copy, a quantized explorer: a module built from
+        :attr:`transformer`) in place of the trained denoiser; the trained one is back afterwards."""
+        pipe, component = self.pipe, self.trained_component
+        live = getattr(pipe, component)
+        setattr(pipe, component, module)
+        try:
+            yield
+        finally:
+            setattr(pipe, component, live)
+
+    # ---- LoRA files --------------------------------------------------------------------------------------------
+
+    def save_lora(self, directory: Path) -> None:
+        """The trained LoRA in diffusers/PEFT format: ``pipe.load_lora_weights(directory)`` loads it on the base
+        model (Wan2.2's low expert: with ``load_into_transformer_2=True``)."""
+        self._save_lora_file(directory, self.transformer)
+
+    def load_lora(self, directory: Path) -> None:
+        """Load a folder written by :meth:`save_lora` into the trained LoRA layers (added beforehand).
+
+        Raises:
+            ValueError: the folder holds no transformer LoRA, or one that does not fit the model.
+        """
+        self._load_lora_file(directory, self.transformer)
+
+    def _save_lora_file(
+        self, directory: Path, model: torch.nn.Module, weight_name: str | None = None
+    ) -> None:
+        from peft.utils import get_peft_model_state_dict
+
+        layers = get_peft_model_state_dict(model)
+        # the LoRA config (rank, alpha) goes into the file: without it diffusers loads the update scaled by 1, not
+        # by the trained alpha / r
+        config = model.peft_config["default"].to_dict()
+        type(self.pipe).save_lora_weights(
+            directory,
+            transformer_lora_layers=layers,
+            transformer_lora_adapter_metadata=config,
+            weight_name=weight_name,
+        )
+
+    def _load_lora_file(
+        self, directory: Path, model: torch.nn.Module, weight_name: str | None = None
+    ) -> None:
+        from peft.utils import set_peft_model_state_dict
+
+        state = type(self.pipe).lora_state_dict(str(directory), weight_name=weight_name)
+        state = state[0] if isinstance(state, tuple) else state
+        prefix = "transformer."
+        layers = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+        if not layers:
+            raise ValueError(
+                f"{directory} holds no transformer LoRA weights ({weight_name or 'default file'})"
+            )
+        result = set_peft_model_state_dict(model, layers)
+        unexpected = getattr(result, "unexpected_keys", [])
+        if unexpected:
+            raise ValueError(f"LoRA at {directory} does not fit this model: unexpected keys {unexpected[:3]}")
 
     @abstractmethod
     def encode(self, prompts: Sequence[str], cfg: bool = False, negative_prompt: str = "") -> Conditioning:

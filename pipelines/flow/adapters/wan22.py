@@ -2,25 +2,108 @@
 
 Real checkpoint: ``Wan-AI/Wan2.2-T2V-A14B-Diffusers``. ``transformer`` (the high-noise expert) denoises while
 ``sigma >= boundary_ratio`` (0.875), ``transformer_2`` (the low-noise expert) below; everything else is Wan2.1's
-(see :mod:`pipelines.flow.adapters.wan`). RL trains one expert and keeps the other frozen, named by the
-``trained_expert`` option (``model.options.trained_expert``): ``high`` shapes layout and motion (the early, noisy
-steps), ``low`` detail. The SDE window should lie on the trained expert's steps (the high expert's sigmas are the
-first ones): transitions on the frozen expert's steps carry no gradient.
+(see :mod:`pipelines.flow.adapters.wan`). ``model.options.trained_expert`` says which experts RL trains:
 
-A LoRA of the high expert loads with ``pipe.load_lora_weights(DIR)``; one of the low expert with
-``pipe.load_lora_weights(DIR, load_into_transformer_2=True)``. One guidance scale serves both experts (the
-pipeline's ``guidance_scale_2`` is not modelled).
+* ``high``: ``transformer`` only (layout and motion: the early, noisy steps); ``transformer_2`` is frozen;
+* ``low``: ``transformer_2`` only (detail); ``transformer`` is frozen;
+* ``both``: both experts, each on the steps its sigma routes to it. ``adapter.transformer`` is then a
+  :class:`WanExperts` holding the two, so one optimizer, one LoRA config (an adapter per expert), one EMA and
+  one checkpoint cover both.
+
+A transition or regression point trains the expert that computed its velocity; with one expert trained, points on
+the frozen expert's steps carry no gradient and are left out, so the SDE window should lie on the trained
+expert's steps (the high expert's sigmas are the first ones).
+
+LoRA files load with diffusers' own API: the high expert's with ``pipe.load_lora_weights(DIR)``, the low
+expert's with ``pipe.load_lora_weights(DIR, load_into_transformer_2=True)``; with both experts trained the
+low expert's layers are the second file of the folder, :data:`LOW_EXPERT_WEIGHT_NAME` (pass it as
+``weight_name``). One guidance scale serves both experts (the pipeline's ``guidance_scale_2`` is not modelled).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
 from diffusers import WanPipeline
+from diffusers.models import WanTransformer3DModel
+from torch import nn
 
 from pipelines.flow.adapters.registry import register_flow_family
 from pipelines.flow.adapters.wan import WanAdapter
+
+__all__ = ["LOW_EXPERT_WEIGHT_NAME", "Wan22Adapter", "WanExperts"]
+
+#: file of the low-noise expert's LoRA beside the high expert's ``pytorch_lora_weights.safetensors``; diffusers'
+#: default file lookup does not pick it, so a plain ``load_lora_weights(DIR)`` loads the high expert's
+LOW_EXPERT_WEIGHT_NAME = "pytorch_lora_weights_transformer_2.safetensors"
+
+EXPERT_CHOICES = ("high", "low", "both")
+
+
+class WanExperts(nn.Module):
+    """Wan2.2's two experts as one trained module: parameters named ``transformer.*`` (high noise) and
+    ``transformer_2.*`` (low noise), as the pipeline's attributes and its LoRA files name them.
+
+    It is never called itself (the adapter routes each row to one expert); it carries what training does to
+    a denoiser (``requires_grad_``, ``train``/``eval``, ``add_adapter``, adapters on/off, gradient
+    checkpointing, state dicts, copies) to both experts at once.
+    """
+
+    #: quantized explorer copies apply their skip patterns below each expert (pipelines/quant.py)
+    quantize_roots = ("transformer", "transformer_2")
+
+    def __init__(self, transformer: WanTransformer3DModel, transformer_2: WanTransformer3DModel) -> None:
+        super().__init__()
+        self.transformer = transformer
+        self.transformer_2 = transformer_2
+
+    @property
+    def experts(self) -> tuple[nn.Module, nn.Module]:
+        return (self.transformer, self.transformer_2)
+
+    @property
+    def config(self) -> Any:
+        """The high-noise expert's config (the two share patch size, channels and layout)."""
+        return self.transformer.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.dtype
+
+    @property
+    def peft_config(self) -> dict:
+        """The LoRA configs, the same on both experts (one ``model.lora`` section adapts both)."""
+        return self.transformer.peft_config
+
+    @peft_config.setter
+    def peft_config(self, value: dict) -> None:  # peft's injection into this module records its config here
+        for expert in self.experts:
+            expert.peft_config = value
+
+    def add_adapter(self, adapter_config: Any, adapter_name: str = "default") -> None:
+        for expert in self.experts:
+            expert.add_adapter(adapter_config, adapter_name=adapter_name)
+
+    def enable_adapters(self) -> None:
+        for expert in self.experts:
+            expert.enable_adapters()
+
+    def disable_adapters(self) -> None:
+        for expert in self.experts:
+            expert.disable_adapters()
+
+    def enable_gradient_checkpointing(self) -> None:
+        for expert in self.experts:
+            expert.enable_gradient_checkpointing()
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise TypeError(
+            "WanExperts is not called: the adapter routes each row to transformer or transformer_2"
+        )
 
 
 @register_flow_family("wan22")
@@ -30,33 +113,75 @@ class Wan22Adapter(WanAdapter):
     Args:
         pipe: a loaded two-expert ``WanPipeline`` (``transformer_2`` and ``boundary_ratio`` set).
         max_sequence_length: UMT5 tokens (pipeline default 226).
-        trained_expert: ``"high"`` (``transformer``) or ``"low"`` (``transformer_2``); the other one is frozen.
+        trained_expert: ``"high"`` (``transformer``), ``"low"`` (``transformer_2``) or ``"both"``; with one
+            expert trained the other one is frozen.
 
     Raises:
-        ValueError: the pipeline has one expert, or ``trained_expert`` is neither ``high`` nor ``low``.
+        ValueError: the pipeline has one expert, or ``trained_expert`` is not one of the three.
     """
 
     def __init__(
         self,
         pipe: WanPipeline,
         max_sequence_length: int = 226,
-        trained_expert: Literal["high", "low"] = "high",
+        trained_expert: Literal["high", "low", "both"] = "high",
     ) -> None:
         if pipe.transformer_2 is None or pipe.config.get("boundary_ratio") is None:
             raise ValueError(
                 "wan22 needs a two-expert WanPipeline (transformer_2 and boundary_ratio, as "
                 "Wan-AI/Wan2.2-T2V-A14B-Diffusers); use family 'wan' for Wan2.1"
             )
-        if trained_expert not in ("high", "low"):
-            raise ValueError(f"model.options.trained_expert must be 'high' or 'low', got {trained_expert!r}")
+        if trained_expert not in EXPERT_CHOICES:
+            raise ValueError(
+                f"model.options.trained_expert must be one of {list(EXPERT_CHOICES)}, got {trained_expert!r}"
+            )
         super().__init__(pipe, max_sequence_length)
         self.trained_expert = trained_expert
-        frozen = pipe.transformer_2 if trained_expert == "high" else pipe.transformer
-        frozen.requires_grad_(False)
+        self._experts: WanExperts | None = None
+        if trained_expert != "both":
+            frozen = pipe.transformer_2 if trained_expert == "high" else pipe.transformer
+            frozen.requires_grad_(False)
 
     @property
     def trained_component(self) -> str:
+        if self.trained_expert == "both":
+            raise AttributeError(
+                "both Wan2.2 experts are trained: the trained module is adapter.transformer (WanExperts)"
+            )
         return "transformer" if self.trained_expert == "high" else "transformer_2"
+
+    @property
+    def transformer(self) -> nn.Module:
+        """The trained expert, or with both trained a :class:`WanExperts` of the pipeline's current experts."""
+        if self.trained_expert != "both":
+            return super().transformer
+        high, low = self.pipe.transformer, self.pipe.transformer_2
+        if (
+            self._experts is None
+            or self._experts.transformer is not high
+            or self._experts.transformer_2 is not low
+        ):
+            self._experts = WanExperts(high, low)
+        return self._experts
+
+    def trained_parts(self) -> dict[str, nn.Module]:
+        if self.trained_expert != "both":
+            return super().trained_parts()
+        return {"transformer": self.pipe.transformer, "transformer_2": self.pipe.transformer_2}
+
+    @contextmanager
+    def swapped_denoiser(self, module: nn.Module) -> Iterator[None]:
+        if self.trained_expert != "both":
+            with super().swapped_denoiser(module):
+                yield
+            return
+        pipe = self.pipe
+        live = pipe.transformer, pipe.transformer_2
+        pipe.transformer, pipe.transformer_2 = module.transformer, module.transformer_2
+        try:
+            yield
+        finally:
+            pipe.transformer, pipe.transformer_2 = live
 
     @property
     def boundary(self) -> float:
@@ -65,4 +190,20 @@ class Wan22Adapter(WanAdapter):
 
     def trains_at(self, sigma: torch.Tensor) -> torch.Tensor:
         high = sigma >= self.boundary
+        if self.trained_expert == "both":
+            return torch.ones_like(high)
         return high if self.trained_expert == "high" else ~high
+
+    def save_lora(self, directory: Path) -> None:
+        if self.trained_expert != "both":
+            super().save_lora(directory)
+            return
+        self._save_lora_file(directory, self.pipe.transformer)
+        self._save_lora_file(directory, self.pipe.transformer_2, weight_name=LOW_EXPERT_WEIGHT_NAME)
+
+    def load_lora(self, directory: Path) -> None:
+        if self.trained_expert != "both":
+            super().load_lora(directory)
+            return
+        self._load_lora_file(directory, self.pipe.transformer)
+        self._load_lora_file(directory, self.pipe.transformer_2, weight_name=LOW_EXPERT_WEIGHT_NAME)
