@@ -69,6 +69,19 @@ DEFAULT_SKIP: tuple[str, ...] = (
     "patch_embedding",  # Wan patch embedder
     "norm_out",  # final AdaLN modulation
     "proj_out",  # final projection to latent patches
+    # Qwen-Image
+    "img_in",  # latent-patch embedder
+    "txt_in",  # text-token projection
+    # FLUX.2 [dev] / [klein]: the timestep (+ guidance) embedder and the modulations every block shares
+    "time_guidance_embed",
+    "double_stream_modulation_img",
+    "double_stream_modulation_txt",
+    "single_stream_modulation",
+    # Z-Image
+    "t_embedder",  # timestep embedder
+    "cap_embedder",  # caption projection
+    "all_x_embedder",  # latent-patch embedders (one per patch size)
+    "all_final_layer",  # final AdaLN + projection (one per patch size)
     # transformers language models and VLMs
     "lm_head",
     "*embed_tokens",
