@@ -211,28 +211,35 @@ def _export_flow(cfg: Any, ckpt: Path, to: Path, merge: bool) -> tuple[str, str,
 
     from mmrl.device import DTYPES
     from pipelines.flow.adapters import load_adapter
-    from pipelines.flow.adapters.wan22 import LOW_EXPERT_WEIGHT_NAME
+    from pipelines.flow.adapters.wan22 import LORA_FILES
 
     lora_dir = ckpt / "adapter"
-    # Wan2.2 with both experts trained: the low-noise expert's LoRA is a second file beside the first
-    low_expert_file = lora_dir / LOW_EXPERT_WEIGHT_NAME
+    # the LoRA file of each trained component: `transformer`, and Wan2.2's low-noise expert `transformer_2`
+    lora_files = {c: f for c, f in LORA_FILES.items() if (lora_dir / f).is_file()}
+
+    def load_lora_lines(folder: str) -> str:
+        lines = []
+        for component, file in lora_files.items():
+            if component == "transformer" and len(lora_files) == 1:
+                lines.append(f'pipe.load_lora_weights("{folder}")')
+            elif component == "transformer":
+                lines.append(f'pipe.load_lora_weights("{folder}", weight_name="{file}")')
+            else:
+                lines.append(
+                    f'pipe.load_lora_weights("{folder}", weight_name="{file}", load_into_transformer_2=True)'
+                )
+        return "\n".join(lines) + "\n"
+
+    if cfg.model.lora is not None and not lora_files:
+        raise FileNotFoundError(f"{ckpt} has no LoRA weights (adapter/pytorch_lora_weights.safetensors)")
     if cfg.model.lora is not None and not merge:
-        if not (lora_dir / "pytorch_lora_weights.safetensors").is_file():
-            raise FileNotFoundError(f"{ckpt} has no LoRA weights (adapter/pytorch_lora_weights.safetensors)")
-        shutil.copy2(lora_dir / "pytorch_lora_weights.safetensors", to / "pytorch_lora_weights.safetensors")
-        load_low = ""
-        if low_expert_file.is_file():
-            shutil.copy2(low_expert_file, to / LOW_EXPERT_WEIGHT_NAME)
-            load_low = (
-                f'pipe.load_lora_weights("{to.name}", weight_name="{LOW_EXPERT_WEIGHT_NAME}", '
-                "load_into_transformer_2=True)\n"
-            )
+        for file in lora_files.values():
+            shutil.copy2(lora_dir / file, to / file)
         usage = f"""
 from diffusers import DiffusionPipeline
 
 pipe = DiffusionPipeline.from_pretrained("{cfg.model.path}"{_none_components(cfg.model.path)})
-pipe.load_lora_weights("{to.name}")
-{load_low}"""
+{load_lora_lines(to.name)}"""
         return "diffusers", f"LoRA adapter (rank {cfg.model.lora.rank})", usage
     adapter = load_adapter(
         cfg.model.family,
@@ -243,14 +250,14 @@ pipe.load_lora_weights("{to.name}")
     )
     pipe = adapter.pipe
     if cfg.model.lora is not None:
-        pipe.load_lora_weights(lora_dir)
-        if low_expert_file.is_file():
-            pipe.load_lora_weights(lora_dir, weight_name=LOW_EXPERT_WEIGHT_NAME, load_into_transformer_2=True)
-            pipe.fuse_lora(
-                components=["transformer", "transformer_2"]
-            )  # W + scale * B @ A into the base weights
-        else:
-            pipe.fuse_lora()
+        if list(lora_files) == ["transformer"]:
+            pipe.load_lora_weights(lora_dir)
+            pipe.fuse_lora()  # W + scale * B @ A into the base weights
+        else:  # Wan2.2 with its low-noise expert trained
+            for component, file in lora_files.items():
+                into_second = {"load_into_transformer_2": True} if component == "transformer_2" else {}
+                pipe.load_lora_weights(lora_dir, weight_name=file, **into_second)
+            pipe.fuse_lora(components=list(lora_files))
         pipe.unload_lora_weights()
         weights = f"Diffusers pipeline with its LoRA (rank {cfg.model.lora.rank}) merged"
     else:

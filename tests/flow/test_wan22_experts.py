@@ -215,6 +215,13 @@ def test_full_fine_tuning_of_both_experts_resumes_exactly_and_saves_both_folders
             torch.testing.assert_close(weights[name], value, rtol=0, atol=0)
         untrained = dict(getattr(base, component).named_parameters())
         assert any(not torch.equal(untrained[n], weights[n]) for n in weights)
+    # `mmrl export` puts both fine-tuned experts into the pipeline it writes
+    from mmrl.export import export_run
+
+    exported = WanPipeline.from_pretrained(export_run(tmp_path / "a", tmp_path / "export"))
+    for name, value in state.items():
+        component, _, param = name.partition(".")
+        torch.testing.assert_close(getattr(exported, component).get_parameter(param), value, rtol=0, atol=0)
 
 
 def test_both_experts_are_refused_under_fsdp(model_dir, tmp_path):
@@ -222,3 +229,66 @@ def test_both_experts_are_refused_under_fsdp(model_dir, tmp_path):
     trainer.setup()
     with pytest.raises(ValueError, match="trained_expert: both"):
         trainer._check_fsdp()
+
+
+@pytest.mark.parametrize("experts", ["both", "low"])
+def test_lora_exports_load_and_merge_into_the_trained_experts(model_dir, tmp_path, monkeypatch, experts):
+    """``mmrl export``: the LoRA export's model card loads each expert's file into its expert; the merged export
+    holds ``W + (alpha / r) B A`` in exactly the trained experts."""
+    from safetensors.torch import load_file
+
+    from mmrl.export import export_run
+    from tests.infra.test_export import load_as_the_card_says
+
+    options = json.dumps({"max_sequence_length": 8, "trained_expert": experts})
+    cfg = both_config(
+        model_dir,
+        tmp_path,
+        "grpo",
+        LORA,
+        f"model.options={options}",
+        "run.name=run",
+        "trainer.steps=1",
+        "run.save_every=1",
+        "trainer.eval_every=1",
+    )
+    main(cfg)
+    run = tmp_path / "run"
+    adapter_dir = run / "checkpoints/step_00000001/adapter"
+    trained = {"transformer_2": load_file(adapter_dir / LOW_EXPERT_WEIGHT_NAME)}
+    if experts == "both":
+        trained["transformer"] = load_file(adapter_dir / "pytorch_lora_weights.safetensors")
+    else:
+        assert [f.name for f in adapter_dir.iterdir()] == [LOW_EXPERT_WEIGHT_NAME]
+
+    pipe = load_as_the_card_says(export_run(run, tmp_path / "lora"), monkeypatch)["pipe"]
+    for component in ("transformer", "transformer_2"):
+        loaded = {
+            "transformer." + n.replace(".default_0", ""): p
+            for n, p in getattr(pipe, component).named_parameters()
+            if "lora" in n
+        }
+        if component not in trained:
+            assert not loaded
+            continue
+        assert loaded.keys() == trained[component].keys()
+        assert all(torch.equal(loaded[n], trained[component][n]) for n in loaded)
+
+    merged_pipe = load_as_the_card_says(export_run(run, tmp_path / "merged", merge=True), monkeypatch)["pipe"]
+    base = WanPipeline.from_pretrained(model_dir)
+    scale = cfg.model.lora.alpha / cfg.model.lora.rank
+    for component in ("transformer", "transformer_2"):
+        merged = dict(getattr(merged_pipe, component).named_parameters())
+        original = dict(getattr(base, component).named_parameters())
+        if component not in trained:
+            assert all(torch.equal(merged[n], original[n]) for n in original)
+            continue
+        lora = trained[component]
+        layers = [
+            k.removeprefix("transformer.").removesuffix(".lora_A.weight") for k in lora if ".lora_A." in k
+        ]
+        for layer in layers:
+            a, b = lora[f"transformer.{layer}.lora_A.weight"], lora[f"transformer.{layer}.lora_B.weight"]
+            expected = original[f"{layer}.weight"] + scale * b @ a
+            torch.testing.assert_close(merged[f"{layer}.weight"], expected, atol=1e-6, rtol=1e-5)
+        assert any(not torch.equal(merged[f"{n}.weight"], original[f"{n}.weight"]) for n in layers)

@@ -14,10 +14,10 @@ A transition or regression point trains the expert that computed its velocity; w
 the frozen expert's steps carry no gradient and are left out, so the SDE window should lie on the trained
 expert's steps (the high expert's sigmas are the first ones).
 
-LoRA files load with diffusers' own API: the high expert's with ``pipe.load_lora_weights(DIR)``, the low
-expert's with ``pipe.load_lora_weights(DIR, load_into_transformer_2=True)``; with both experts trained the
-low expert's layers are the second file of the folder, :data:`LOW_EXPERT_WEIGHT_NAME` (pass it as
-``weight_name``). One guidance scale serves both experts (the pipeline's ``guidance_scale_2`` is not modelled).
+LoRA files load with diffusers' own API: the high expert's (``pytorch_lora_weights.safetensors``) with
+``pipe.load_lora_weights(DIR)``, the low expert's (:data:`LOW_EXPERT_WEIGHT_NAME`) with
+``pipe.load_lora_weights(DIR, load_into_transformer_2=True)``, adding ``weight_name=LOW_EXPERT_WEIGHT_NAME``
+when the folder holds both. One guidance scale serves both experts (the pipeline's ``guidance_scale_2`` is not modelled).
 """
 
 from __future__ import annotations
@@ -35,11 +35,13 @@ from torch import nn
 from pipelines.flow.adapters.registry import register_flow_family
 from pipelines.flow.adapters.wan import WanAdapter
 
-__all__ = ["LOW_EXPERT_WEIGHT_NAME", "Wan22Adapter", "WanExperts"]
+__all__ = ["LORA_FILES", "LOW_EXPERT_WEIGHT_NAME", "Wan22Adapter", "WanExperts"]
 
 #: file of the low-noise expert's LoRA beside the high expert's ``pytorch_lora_weights.safetensors``; diffusers'
 #: default file lookup does not pick it, so a plain ``load_lora_weights(DIR)`` loads the high expert's
 LOW_EXPERT_WEIGHT_NAME = "pytorch_lora_weights_transformer_2.safetensors"
+#: the LoRA file of each expert in a saved folder (``pytorch_lora_weights.safetensors`` for the high one)
+LORA_FILES = {"transformer": "pytorch_lora_weights.safetensors", "transformer_2": LOW_EXPERT_WEIGHT_NAME}
 
 EXPERT_CHOICES = ("high", "low", "both")
 
@@ -195,15 +197,12 @@ class Wan22Adapter(WanAdapter):
         return high if self.trained_expert == "high" else ~high
 
     def save_lora(self, directory: Path) -> None:
-        if self.trained_expert != "both":
-            super().save_lora(directory)
-            return
-        self._save_lora_file(directory, self.pipe.transformer)
-        self._save_lora_file(directory, self.pipe.transformer_2, weight_name=LOW_EXPERT_WEIGHT_NAME)
+        """One file per trained expert: the high expert's in diffusers' default file, the low expert's in
+        :data:`LOW_EXPERT_WEIGHT_NAME` (alone in the folder when only that expert is trained, so a plain
+        ``load_lora_weights(DIR, load_into_transformer_2=True)`` finds it)."""
+        for component, model in self.trained_parts().items():
+            self._save_lora_file(directory, model, weight_name=LORA_FILES[component])
 
     def load_lora(self, directory: Path) -> None:
-        if self.trained_expert != "both":
-            super().load_lora(directory)
-            return
-        self._load_lora_file(directory, self.pipe.transformer)
-        self._load_lora_file(directory, self.pipe.transformer_2, weight_name=LOW_EXPERT_WEIGHT_NAME)
+        for component, model in self.trained_parts().items():
+            self._load_lora_file(directory, model, weight_name=LORA_FILES[component])
