@@ -906,9 +906,8 @@ class FlowGRPOTrainer(TrainerBase):
                 folder / "diffusion_pytorch_model.safetensors",
             )
             model.save_config(folder)
-            if (
-                self.dist.fsdp
-            ):  # FSDP2 swapped in a subclass named FSDP<Class>: record the class diffusers knows
+            # FSDP2 swapped in a subclass named FSDP<Class>: record the class diffusers knows
+            if self.dist.fsdp:
                 config_file = folder / "config.json"
                 config = json.loads(config_file.read_text())
                 config["_class_name"] = config["_class_name"].removeprefix("FSDP")
