@@ -99,11 +99,20 @@ def test_each_row_backpropagates_into_the_expert_its_sigma_selects(model_dir):
         torch.testing.assert_close(mixed[name], param.grad, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("objective", ["grpo", "nft"])
+# per objective, settings under which its training points reach both experts: GRPO's SDE window covers the 3
+# steps, NFT draws 3 points per image over them; AWM regresses steps 1 .. floor(f n) - 1, one per stratum, so with
+# 5 steps (sigmas 1.0, 0.90 | 0.75, 0.50, 0.009) its 4 strata are steps 1 (high expert) to 4
+REACHES_BOTH = {
+    "grpo": (),
+    "nft": ("trainer.nft_timesteps=3",),
+    "awm": ("sampling.num_steps=5", "trainer.awm.timesteps=4", "trainer.awm.timestep_fraction=1.0"),
+}
+
+
+@pytest.mark.parametrize("objective", list(REACHES_BOTH))
 def test_a_lora_step_trains_both_experts_under_one_optimizer(model_dir, tmp_path, objective):
-    trainer = FlowGRPOTrainer(
-        both_config(model_dir, tmp_path, objective, LORA, "trainer.nft_timesteps=3"), None
-    )
+    cfg = both_config(model_dir, tmp_path, objective, LORA, *REACHES_BOTH[objective])
+    trainer = FlowGRPOTrainer(cfg, None)
     trainer.setup()
     pipe = trainer.adapter.pipe
     optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}

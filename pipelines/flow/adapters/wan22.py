@@ -139,7 +139,8 @@ class Wan22Adapter(WanAdapter):
             )
         super().__init__(pipe, max_sequence_length)
         self.trained_expert = trained_expert
-        self._experts: WanExperts | None = None
+        #: the trained pair (both experts trained): one object for the optimizer, EMA and LoRA hooks to refer to
+        self._experts = WanExperts(pipe.transformer, pipe.transformer_2) if trained_expert == "both" else None
         if trained_expert != "both":
             frozen = pipe.transformer_2 if trained_expert == "high" else pipe.transformer
             frozen.requires_grad_(False)
@@ -158,13 +159,9 @@ class Wan22Adapter(WanAdapter):
         if self.trained_expert != "both":
             return super().transformer
         high, low = self.pipe.transformer, self.pipe.transformer_2
-        if (
-            self._experts is None
-            or self._experts.transformer is not high
-            or self._experts.transformer_2 is not low
-        ):
-            self._experts = WanExperts(high, low)
-        return self._experts
+        if self._experts.transformer is high and self._experts.transformer_2 is low:
+            return self._experts
+        return WanExperts(high, low)  # a pair swapped in for a while (reference copy, explorer)
 
     def trained_parts(self) -> dict[str, nn.Module]:
         if self.trained_expert != "both":
