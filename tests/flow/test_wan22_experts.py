@@ -301,3 +301,32 @@ def test_lora_exports_load_and_merge_into_the_trained_experts(model_dir, tmp_pat
             expected = original[f"{layer}.weight"] + scale * b @ a
             torch.testing.assert_close(merged[f"{layer}.weight"], expected, atol=1e-6, rtol=1e-5)
         assert any(not torch.equal(merged[f"{n}.weight"], original[f"{n}.weight"]) for n in layers)
+
+
+def test_pooled_rollouts_sample_with_both_experts_updated_lora(model_dir, tmp_path):
+    """``pool.enabled``: the workers build the same two-expert module and receive both experts' LoRA. After a
+    first update moved both experts, the second step's pooled samples re-score to ratio 1 under the trainer's
+    weights: the worker sampled with both updated experts (a stale expert would show in the ratio)."""
+    cfg = both_config(
+        model_dir,
+        tmp_path,
+        "grpo",
+        LORA,
+        "pool.enabled=true",
+        "pool.num_workers=1",
+        "pool.max_staleness=0",
+        "trainer.steps=2",
+    )
+    trainer = FlowGRPOTrainer(cfg, None)
+    trainer.setup()
+    try:
+        pipe = trainer.adapter.pipe
+        high, low = lora_of(pipe.transformer), lora_of(pipe.transformer_2)
+        trainer.train_step()
+        assert moved(high, pipe.transformer) and moved(low, pipe.transformer_2)
+        trainer.step += 1  # (the training loop counts the steps)
+        second = trainer.train_step()
+        assert second["pool/lag_mean"] == 0.0
+        assert second["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-5), second["policy/ratio_mean"]
+    finally:
+        trainer.cleanup()
