@@ -103,8 +103,8 @@ def test_each_row_backpropagates_into_the_expert_its_sigma_selects(model_dir):
 # steps, NFT draws 3 points per image over them; AWM regresses steps 1 .. floor(f n) - 1, one per stratum, so with
 # 5 steps (sigmas 1.0, 0.90 | 0.75, 0.50, 0.009) its 4 strata are steps 1 (high expert) to 4
 REACHES_BOTH = {
-    "grpo": (),
-    "nft": ("trainer.nft_timesteps=3",),
+    "grpo": ("trainer.beta=0.01",),  # (the reference: both experts' adapters switched off)
+    "nft": ("trainer.nft_timesteps=3", "trainer.beta=0.01"),
     "awm": ("sampling.num_steps=5", "trainer.awm.timesteps=4", "trainer.awm.timestep_fraction=1.0"),
 }
 
@@ -126,6 +126,21 @@ def test_a_lora_step_trains_both_experts_under_one_optimizer(model_dir, tmp_path
     high, low = lora_of(pipe.transformer), lora_of(pipe.transformer_2)
     metrics = trainer.train_step()
     assert metrics.get("train/skipped_no_signal", 0.0) == 0.0
+    if objective != "awm":  # LoRA B starts at zero: the adapters-off reference equals the policy at step 1
+        assert metrics["policy/kl"] == 0.0
+    # after the step the reference (adapters off on both experts) is the base model, at either expert's sigma
+    adapter = trainer.adapter
+    untrained = load_adapter("wan22", str(model_dir), max_sequence_length=8, trained_expert="both")
+    cond = adapter.encode(["a red circle", "a blue square"])
+    x = torch.randn(2, *adapter.latent_shape(SIZES["height"], SIZES["width"], SIZES["num_frames"]))
+    sigma = torch.tensor([1.0, 0.5])
+    with torch.no_grad():
+        policy = adapter.velocity(x, sigma, cond)
+        with trainer.reference_policy():
+            reference = adapter.velocity(x, sigma, cond)
+        torch.testing.assert_close(reference, untrained.velocity(x, sigma, cond), rtol=1e-5, atol=1e-6)
+    for row in range(2):
+        assert not torch.allclose(policy[row], reference[row], atol=1e-6)
     assert moved(high, pipe.transformer) and moved(low, pipe.transformer_2)
     assert all(
         torch.equal(base[n], p) for n, p in trainer.adapter.transformer.named_parameters() if n in base
