@@ -27,7 +27,7 @@ def test_every_recipe_loads_and_unknown_names_are_refused(monkeypatch):
         cfg = flow_objectives.recipe_config(name, 3, 1, 50, [])
         assert cfg.run.seed == 3 and cfg.trainer.eval_prompts == 50
     assert flow_objectives.recipe_config("awm", 0, 1, 8, []).trainer.objective == "awm"
-    assert flow_objectives.recipe_config("nft_short", 0, 1, 8, []).trainer.steps == 150
+    assert flow_objectives.recipe_config("nft_branch_short", 0, 1, 8, []).trainer.steps == 150
     with pytest.raises(ValueError, match=r"unknown recipe 'ppo'.*'nft'"):
         flow_objectives.recipe_config("ppo", 0, 1, 8, [])
 
