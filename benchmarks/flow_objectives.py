@@ -39,9 +39,21 @@ from pathlib import Path
 import torch
 
 from mmrl.config import load_config
+from mmrl.data.shapes import KINDS, prompt_kind
 from mmrl.flow.config import FlowGRPOConfig
+from mmrl.flow.trainer import FlowGRPOTrainer
 
-__all__ = ["CRITERIA", "RECIPES", "Recipe", "recipe_config", "summarize", "to_markdown", "train_run"]
+__all__ = [
+    "CRITERIA",
+    "RECIPES",
+    "Recipe",
+    "by_kind",
+    "ceiling",
+    "recipe_config",
+    "summarize",
+    "to_markdown",
+    "train_run",
+]
 
 FLAT = "configs/demo/flow_shapes.yaml"
 BRANCH = "configs/demo/flow_shapes_branch.yaml"
@@ -118,6 +130,70 @@ def _eval_point(step: int, nfe: float, train_s: float, scores: dict[str, float])
     return point
 
 
+@torch.no_grad()
+def by_kind(trainer: FlowGRPOTrainer, images_per_prompt: int = 1) -> dict[str, dict[str, float]]:
+    """Held-out strict score of ``trainer``'s current weights per prompt kind (single, count, pair, relation) and
+    over all prompts, from ``K = images_per_prompt`` evaluation samples of each prompt (the evaluation's sampler
+    and fixed noise):
+
+        mean     = mean_p mean_k strict(p, k)     the expected score (K = 1: the evaluation's score)
+        pass@K   = mean_p max_k strict(p, k)      prompts with at least one strictly right sample among K
+
+    pass@K bounds what group-relative RL can reinforce from K samples per prompt without finding new images.
+    """
+    prompts = trainer.eval_pool[: trainer.cfg.trainer.eval_prompts]
+    ro = trainer.generate(prompts, images_per_prompt)
+    raw, _ = trainer.score(ro.images, ro.prompts, evaluation=True)
+    strict = (raw @ trainer.eval_weights).float()  # [P * K]
+    num_prompts = len(prompts)
+    best = torch.zeros(num_prompts).scatter_reduce(0, ro.group_index, strict, "amax", include_self=False)
+    mean = torch.zeros(num_prompts).index_add(0, ro.group_index, strict) / images_per_prompt
+    kinds = [prompt_kind(prompt) for prompt in prompts]
+    out = {}
+    for kind in ("all", *KINDS):
+        mask = torch.tensor([kind in ("all", k) for k in kinds])
+        if mask.any():
+            out[kind] = {
+                "prompts": int(mask.sum()),
+                "mean": float(mean[mask].mean()),
+                f"pass@{images_per_prompt}": float(best[mask].mean()),
+            }
+    return out
+
+
+def ceiling(
+    config: str, guidance_scales: list[float], images_per_prompt: int, eval_prompts: int, threads: int | None
+) -> dict[str, dict[str, dict[str, float]]]:
+    """:func:`by_kind` of the untrained base of ``config`` at each CFG scale: ``{"cfg G": by_kind(...)}``."""
+    out = {}
+    for scale in guidance_scales:
+        cfg = load_config(
+            FlowGRPOConfig,
+            config,
+            [
+                f"sampling.guidance_scale={scale}",
+                f"trainer.eval_prompts={eval_prompts}",
+                f"run.threads={threads if threads is not None else 'null'}",
+            ],
+        )
+        trainer = FlowGRPOTrainer(cfg, run=None)
+        trainer.setup(for_training=False)
+        out[f"cfg {scale:g}"] = by_kind(trainer, images_per_prompt)
+    return out
+
+
+def kind_table(rows: dict[str, dict[str, dict[str, float]]]) -> str:
+    """Markdown: one row per entry of ``rows`` (``{label: by_kind(...)}``), one column per statistic and kind."""
+    first = next(iter(rows.values()))
+    kinds = list(first)
+    stats = [k for k in first["all"] if k != "prompts"]
+    columns = [f"{stat} {kind} ({first[kind]['prompts']})" for stat in stats for kind in kinds]
+    lines = [f"| | {' | '.join(columns)} |", "| --- |" + " --- |" * len(columns)]
+    for label, table in rows.items():
+        lines.append(f"| {label} | " + " | ".join(f"{table[k][s]:.3f}" for s in stats for k in kinds) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def train_run(cfg: FlowGRPOConfig, minutes: float | None, eval_every: int) -> dict[str, object]:
     """Train ``cfg`` from step 0 to ``trainer.steps`` or until ``minutes`` of training seconds; evaluate at step 0,
     every ``eval_every`` steps and at the stop. Nothing is written to disk (no run directory).
@@ -126,8 +202,6 @@ def train_run(cfg: FlowGRPOConfig, minutes: float | None, eval_every: int) -> di
         ``{"curve": [{step, nfe, train_s, strict, object, count, colour, position}, ...], "steps", "train_s",
         "eval_s", "setup_s", "stopped_by"}``.
     """
-    from mmrl.flow.trainer import FlowGRPOTrainer
-
     start = time.perf_counter()
     trainer = FlowGRPOTrainer(cfg, run=None)
     trainer.setup()
@@ -158,10 +232,12 @@ def train_run(cfg: FlowGRPOConfig, minutes: float | None, eval_every: int) -> di
             if out_of_time:
                 stopped_by = "minutes"
                 break
+        final_by_kind = by_kind(trainer)
     finally:
         trainer.cleanup()
     return {
         "curve": curve,
+        "by_kind": final_by_kind,
         "steps": trainer.step,
         "train_s": train_s,
         "eval_s": eval_s,
@@ -175,7 +251,8 @@ def summarize(runs: dict[int, dict[str, object]], target: float) -> dict[str, ob
 
     ``mean_curve``: at each step that every seed evaluated, the mean of each field over seeds (NFE and training
     seconds too: seeds spend the same NFE per step, and their seconds differ by the host's load). ``final``: each
-    field's mean, min and max over the seeds' last evaluations. ``reaches_target``: the first point of
+    field's mean, min and max over the seeds' last evaluations; ``final_by_kind``: the seed mean of the final
+    weights' strict score per prompt kind. ``reaches_target``: the first point of
     ``mean_curve`` after step 0 whose strict score is ``>= target``, or ``None``.
     """
     curves = [run["curve"] for run in runs.values()]
@@ -195,7 +272,21 @@ def summarize(runs: dict[int, dict[str, object]], target: float) -> dict[str, ob
         for k in ("step", *fields)
     }
     reached = next((p for p in mean_curve if p["step"] > 0 and p["strict"] >= target), None)
-    return {"seeds": sorted(runs), "mean_curve": mean_curve, "final": final, "reaches_target": reached}
+    kinds = runs[next(iter(runs))]["by_kind"]
+    final_by_kind = {
+        kind: {
+            "prompts": kinds[kind]["prompts"],
+            "mean": statistics.fmean(r["by_kind"][kind]["mean"] for r in runs.values()),
+        }
+        for kind in kinds
+    }
+    return {
+        "seeds": sorted(runs),
+        "mean_curve": mean_curve,
+        "final": final,
+        "final_by_kind": final_by_kind,
+        "reaches_target": reached,
+    }
 
 
 def to_markdown(results: dict[str, object]) -> str:
@@ -219,6 +310,10 @@ def to_markdown(results: dict[str, object]) -> str:
             + " | ".join(f"{final[c]['mean']:.3f}" for c in CRITERIA)
             + f" | {at} |"
         )
+    lines += ["", "Final strict score per prompt kind (mean of seeds):", ""]
+    lines.append(
+        kind_table({name: summary["final_by_kind"] for name, summary in results["summaries"].items()})
+    )
     for name, summary in results["summaries"].items():
         lines += [
             "",
@@ -267,6 +362,17 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "--out", type=Path, default=Path("runs/flow_objectives"), help="folder of the outputs"
     )
     parser.add_argument("--list", action="store_true", help="print the recipes and exit")
+    parser.add_argument(
+        "--ceiling",
+        type=int,
+        default=None,
+        metavar="K",
+        help="instead of training: the base's held-out strict score per prompt kind and pass@K, K samples per "
+        "prompt, at each --guidance scale",
+    )
+    parser.add_argument(
+        "--guidance", type=float, nargs="+", default=[1.0, 3.0], help="(--ceiling) CFG scales"
+    )
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides applied to every recipe")
     args = parser.parse_args(argv)
     if args.list:
@@ -278,6 +384,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         parser.error(f"unknown recipes {unknown}; known: {sorted(RECIPES)}")
     if args.eval_every < 1:
         parser.error(f"--eval-every must be >= 1, got {args.eval_every}")
+    if args.ceiling is not None:
+        if args.ceiling < 1:
+            parser.error(f"--ceiling must be >= 1, got {args.ceiling}")
+        rows = ceiling(FLAT, args.guidance, args.ceiling, args.eval_prompts, args.threads)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "ceiling.json").write_text(json.dumps(rows, indent=1))
+        print(kind_table(rows))
+        return rows
     overrides = [*args.overrides, *([f"trainer.steps={args.steps}"] if args.steps else [])]
     # validate every config before the first run spends minutes
     for name in args.recipes:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import flow_objectives
+from mmrl.flow.trainer import FlowGRPOTrainer
 
 ROOT = Path(__file__).resolve().parents[2]
 # 4 prompts x 4 images per step, 8 held-out prompts per evaluation
@@ -44,14 +45,20 @@ def test_summary_means_over_seeds_and_first_crossing():
             ]
         },
     }
-    summary = flow_objectives.summarize(runs, target=0.52)
+    for seed, count_score in ((0, 0.2), (1, 0.4)):
+        runs[seed]["by_kind"] = {
+            "all": {"prompts": 8, "mean": 0.5},
+            "count": {"prompts": 2, "mean": count_score},
+        }
+    summary = flow_objectives.summarize(runs, target=0.515)
     assert [p["step"] for p in summary["mean_curve"]] == [0, 10, 20]  # steps every seed evaluated
     assert summary["mean_curve"][1]["strict"] == pytest.approx((0.50 + 0.54) / 2)
     assert summary["mean_curve"][2]["train_s"] == pytest.approx(22.0)
-    # 0.52 is first reached by the seed mean at step 10 (0.52), not by seed 1 alone
+    # 0.515 is first reached by the seed mean at step 10 (0.52), whichever seed is above it
     assert summary["reaches_target"]["step"] == 10
     final = summary["final"]["strict"]  # each seed's last evaluation: 0.60 (step 20) and 0.70 (step 25)
     assert (final["mean"], final["min"], final["max"]) == pytest.approx((0.65, 0.60, 0.70))
+    assert summary["final_by_kind"]["count"] == {"prompts": 2, "mean": pytest.approx(0.3)}
     assert flow_objectives.summarize(runs, target=0.9)["reaches_target"] is None
 
 
@@ -83,8 +90,17 @@ def test_tiny_benchmark_writes_json_and_table(tmp_path, monkeypatch):
             assert point["strict"] <= min(point[c] for c in flow_objectives.CRITERIA) + 1e-9
         summary = results["summaries"][name]
         assert summary["final"]["strict"]["mean"] == curve[-1]["strict"]
+        # the per-kind breakdown of the final weights, from the evaluation's sampler and noise, adds up to it
+        kinds = run["by_kind"]
+        assert kinds["all"]["mean"] == pytest.approx(curve[-1]["strict"])
+        assert sum(kinds[k]["prompts"] for k in ("single", "count", "pair", "relation")) == 8
+        weighted = sum(
+            kinds[k]["mean"] * kinds[k]["prompts"] for k in ("single", "count", "pair", "relation")
+        )
+        assert weighted / 8 == pytest.approx(kinds["all"]["mean"])
     table = (out / "flow_objectives.md").read_text()
     assert "| nft | 2 | 448 |" in table and "| awm_tuned | 2 | 448 |" in table
+    assert "| nft | " in table.split("per prompt kind")[1]
     assert table.count("| step | NFE | train s | strict | object | count | colour | position |") == 2
 
 
@@ -94,3 +110,19 @@ def test_minutes_cap_stops_the_run_and_evaluates_there(monkeypatch):
     run = flow_objectives.train_run(cfg, minutes=1e-6, eval_every=10)
     assert run["stopped_by"] == "minutes" and run["steps"] == 1
     assert [p["step"] for p in run["curve"]] == [0, 1]
+
+
+def test_ceiling_pass_at_k_bounds_the_mean_and_k1_is_the_evaluation(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    base = flow_objectives.ceiling(flow_objectives.FLAT, [1.0], 1, 8, 2)["cfg 1"]["all"]
+    trainer = FlowGRPOTrainer(flow_objectives.recipe_config("nft", 0, 2, 8, []), run=None)
+    trainer.setup()
+    assert base["mean"] == pytest.approx(trainer.evaluate()["eval/reward_mean"])
+    rows = flow_objectives.ceiling(flow_objectives.FLAT, [1.0, 3.0], 3, 8, 2)
+    for table in rows.values():
+        for kind, row in table.items():
+            # K = 3 samples of each prompt: mean is a multiple of 1 / (3 * prompts), pass@3 of 1 / prompts
+            assert row["mean"] <= row["pass@3"] <= 1.0, kind
+            assert row["mean"] * 3 * row["prompts"] == pytest.approx(round(row["mean"] * 3 * row["prompts"]))
+    # K = 1 is the trainer's evaluation itself, and pass@1 equals the mean
+    assert base["mean"] == base["pass@1"]
