@@ -1,7 +1,7 @@
 """Flow objectives side by side: GRPO, DiffusionNFT and AWM trained from the committed shapes base.
 
     python -m benchmarks.flow_objectives                           # every recipe, seeds 0 1 2, each its full schedule
-    python -m benchmarks.flow_objectives --recipes nft nft_short --minutes 2.5
+    python -m benchmarks.flow_objectives --recipes nft awm_tuned --steps 150 --minutes 2.5
     python -m benchmarks.flow_objectives --recipes nft awm --seeds 0 --steps 100 --eval-every 20
 
 Each recipe is a demo config plus overrides (``RECIPES``; ``--list`` prints them). Every run starts from the
