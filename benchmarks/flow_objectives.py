@@ -90,7 +90,7 @@ RECIPES: dict[str, Recipe] = {
     "nft_half": Recipe(
         FLAT,
         ("allocation.rollouts_per_step=32", "trainer.minibatch_size=32"),
-        "the demo with 32 images per step (8 prompts x 4) instead of 64: half the step time",
+        "the demo with 32 images per step (8 prompts x 4) instead of 64: half the NFE per step",
     ),
     "nft_branch_short": Recipe(
         BRANCH, ("trainer.steps=150",), "branching, its cosine over 150 steps instead of 300"
