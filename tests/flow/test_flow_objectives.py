@@ -1,0 +1,128 @@
+"""``python -m benchmarks.flow_objectives`` at a tiny size: output structure, numbers' ranges, the time cap, and
+the seed-mean summary on hand-built curves."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import flow_objectives
+from mmrl.flow.trainer import FlowGRPOTrainer
+
+ROOT = Path(__file__).resolve().parents[2]
+# 4 prompts x 4 images per step, 8 held-out prompts per evaluation
+TINY = ["allocation.prompts_per_step=4", "allocation.rollouts_per_step=16", "trainer.minibatch_size=16"]
+
+
+def _point(step: int, strict: float, train_s: float) -> dict[str, float]:
+    return {"step": step, "nfe": 100.0 * step, "train_s": train_s, "strict": strict} | {
+        c: strict for c in flow_objectives.CRITERIA
+    }
+
+
+def test_every_recipe_loads_and_unknown_names_are_refused(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    for name in flow_objectives.RECIPES:
+        cfg = flow_objectives.recipe_config(name, 3, 1, 50, [])
+        assert cfg.run.seed == 3 and cfg.trainer.eval_prompts == 50
+    assert flow_objectives.recipe_config("awm", 0, 1, 8, []).trainer.objective == "awm"
+    assert flow_objectives.recipe_config("nft_branch_short", 0, 1, 8, []).trainer.steps == 150
+    with pytest.raises(ValueError, match=r"unknown recipe 'ppo'.*'nft'"):
+        flow_objectives.recipe_config("ppo", 0, 1, 8, [])
+
+
+def test_summary_means_over_seeds_and_first_crossing():
+    runs = {
+        0: {"curve": [_point(0, 0.35, 0.0), _point(10, 0.50, 10.0), _point(20, 0.60, 20.0)]},
+        1: {
+            "curve": [
+                _point(0, 0.35, 0.0),
+                _point(10, 0.54, 12.0),
+                _point(20, 0.52, 24.0),
+                _point(25, 0.7, 30.0),
+            ]
+        },
+    }
+    for seed, count_score in ((0, 0.2), (1, 0.4)):
+        runs[seed]["by_kind"] = {
+            "all": {"prompts": 8, "mean": 0.5},
+            "count": {"prompts": 2, "mean": count_score},
+        }
+    summary = flow_objectives.summarize(runs, target=0.515)
+    assert [p["step"] for p in summary["mean_curve"]] == [0, 10, 20]  # steps every seed evaluated
+    assert summary["mean_curve"][1]["strict"] == pytest.approx((0.50 + 0.54) / 2)
+    assert summary["mean_curve"][2]["train_s"] == pytest.approx(22.0)
+    # 0.515 is first reached by the seed mean at step 10 (0.52), whichever seed is above it
+    assert summary["reaches_target"]["step"] == 10
+    final = summary["final"]["strict"]  # each seed's last evaluation: 0.60 (step 20) and 0.70 (step 25)
+    assert (final["mean"], final["min"], final["max"]) == pytest.approx((0.65, 0.60, 0.70))
+    assert summary["final_by_kind"]["count"] == {"prompts": 2, "mean": pytest.approx(0.3)}
+    assert flow_objectives.summarize(runs, target=0.9)["reaches_target"] is None
+
+
+def test_tiny_benchmark_writes_json_and_table(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)  # the recipes name the committed checkpoint relative to the repository
+    out = tmp_path / "bench"
+    argv = ["--recipes", "nft", "awm_tuned", "--seeds", "0", "--steps", "2", "--eval-every", "1"]
+    argv += ["--eval-prompts", "8", "--threads", "2", "--out", str(out), *TINY]
+    flow_objectives.main(argv)
+    results = json.loads((out / "flow_objectives.json").read_text())
+    assert set(results["runs"]) == {"nft", "awm_tuned"}
+    assert results["machine"]["threads"] == 2 and len(results["machine"]["load_average"]) == 3
+    for name, runs in results["runs"].items():
+        run = runs["0"]
+        assert run["steps"] == 2 and run["stopped_by"] == "steps"
+        curve = run["curve"]
+        assert [p["step"] for p in curve] == [0, 1, 2]
+        # the same base, the same evaluation prompts and noise: every recipe starts from the same scores
+        assert curve[0] == results["runs"]["nft"]["0"]["curve"][0]
+        assert curve[0]["nfe"] == 0 and curve[0]["train_s"] == 0
+        # 16 rollouts x 10 steps + 16 images x 2 regression points x (policy + old policy) per step
+        assert [p["nfe"] for p in curve[1:]] == [224, 448], name
+        assert 0 < curve[1]["train_s"] < curve[2]["train_s"] == pytest.approx(run["train_s"])
+        for point in curve:
+            for key in ("strict", *flow_objectives.CRITERIA):
+                # 8 prompts, one image each: every score is a multiple of 1/8 in [0, 1]
+                assert 0.0 <= point[key] <= 1.0 and (point[key] * 8) == pytest.approx(round(point[key] * 8))
+            # strict needs every criterion, so it never exceeds the weakest one
+            assert point["strict"] <= min(point[c] for c in flow_objectives.CRITERIA) + 1e-9
+        summary = results["summaries"][name]
+        assert summary["final"]["strict"]["mean"] == curve[-1]["strict"]
+        # the per-kind breakdown of the final weights, from the evaluation's sampler and noise, adds up to it
+        kinds = run["by_kind"]
+        assert kinds["all"]["mean"] == pytest.approx(curve[-1]["strict"])
+        assert sum(kinds[k]["prompts"] for k in ("single", "count", "pair", "relation")) == 8
+        weighted = sum(
+            kinds[k]["mean"] * kinds[k]["prompts"] for k in ("single", "count", "pair", "relation")
+        )
+        assert weighted / 8 == pytest.approx(kinds["all"]["mean"])
+    table = (out / "flow_objectives.md").read_text()
+    assert "| nft | 2 | 448 |" in table and "| awm_tuned | 2 | 448 |" in table
+    assert "| nft | " in table.split("per prompt kind")[1]
+    assert table.count("| step | NFE | train s | strict | object | count | colour | position |") == 2
+
+
+def test_minutes_cap_stops_the_run_and_evaluates_there(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    cfg = flow_objectives.recipe_config("nft", 0, 2, 8, [*TINY, "trainer.steps=5"])
+    run = flow_objectives.train_run(cfg, minutes=1e-6, eval_every=10)
+    assert run["stopped_by"] == "minutes" and run["steps"] == 1
+    assert [p["step"] for p in run["curve"]] == [0, 1]
+
+
+def test_ceiling_pass_at_k_bounds_the_mean_and_k1_is_the_evaluation(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    base = flow_objectives.ceiling(flow_objectives.FLAT, [1.0], 1, 8, 2)["cfg 1"]["all"]
+    trainer = FlowGRPOTrainer(flow_objectives.recipe_config("nft", 0, 2, 8, []), run=None)
+    trainer.setup()
+    assert base["mean"] == pytest.approx(trainer.evaluate()["eval/reward_mean"])
+    rows = flow_objectives.ceiling(flow_objectives.FLAT, [1.0, 3.0], 3, 8, 2)
+    for table in rows.values():
+        for kind, row in table.items():
+            # K = 3 samples of each prompt: mean is a multiple of 1 / (3 * prompts), pass@3 of 1 / prompts
+            assert row["mean"] <= row["pass@3"] <= 1.0, kind
+            assert row["mean"] * 3 * row["prompts"] == pytest.approx(round(row["mean"] * 3 * row["prompts"]))
+    # K = 1 is the trainer's evaluation itself, and pass@1 equals the mean
+    assert base["mean"] == base["pass@1"]
