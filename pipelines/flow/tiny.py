@@ -164,9 +164,26 @@ def train_clip_tokenizer(
     )
     bpe.train_from_iterator(corpus, trainer)
     model = json.loads(bpe.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
     return CLIPTokenizer(
-        vocab=model["vocab"], merges=[tuple(m) for m in model["merges"]], model_max_length=model_max_length
+        vocab=_stable_ids(model["vocab"], merges), merges=merges, model_max_length=model_max_length
     )
+
+
+def _stable_ids(vocab: dict[str, int], merges: Sequence[tuple[str, str]]) -> dict[str, int]:
+    """``vocab`` renumbered: special tokens first (as trained), then the tokens no merge produced in sorted order,
+    then the merged tokens in merge order.
+
+    The BPE trainer numbers the end-of-word alphabet (``e</w>``) in hash order, which differs between processes;
+    the merges come out in a fixed order. Sorting the alphabet makes a tokenizer trained twice on one corpus the
+    same, hence a seeded model built on it the same.
+    """
+    merged = {"".join(pair) for pair in merges}
+    by_id = sorted(vocab, key=vocab.__getitem__)
+    specials = [t for t in by_id if t.startswith("<|") and t.endswith("|>")]
+    alphabet = sorted(t for t in by_id if t not in merged and t not in specials)
+    ordered = [*specials, *alphabet, *(t for t in by_id if t in merged and t not in specials)]
+    return {token: index for index, token in enumerate(ordered)}
 
 
 def train_t5_tokenizer(
