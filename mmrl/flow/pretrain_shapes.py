@@ -421,17 +421,15 @@ def write_card(
     per_kind = "\n".join(f"| {k} | {scores[k]:.3f} |" for k in KINDS if k in scores)
     if cfg.digits_share > 0:
         start = f"`{cfg.init}`" if cfg.init else "random weights"
-        title = "shapes and digits worlds"
+        title, vocabulary = "shapes and digits worlds", "shapes and digits"
         origin = (
             f"Trained from {start} by flow matching on renders of the shapes world's *train* prompts and, for "
             f"{cfg.digits_share:.0%} of each batch, signs of the digits world's *train* numbers"
         )
     else:
-        title, origin = (
-            "shapes world",
-            (
-                "Pretrained from random weights by flow matching on renders of the shapes world's *train* prompts"
-            ),
+        title, vocabulary = "shapes world", "shapes"
+        origin = (
+            "Pretrained from random weights by flow matching on renders of the shapes world's *train* prompts"
         )
     digits_section = ""
     if "digits_ocr_cfg1" in scores:
@@ -455,7 +453,7 @@ training) x {DIGITS_EVAL_REPEATS}, one ODE sample each, same noise seed:
 `pipelines.flow.adapters.ShapesAdapter.from_pretrained` (the path RL uses).
 
 - architecture: `SD3Transformer2DModel` ({params / 1e6:.2f} M parameters, width {cfg.num_attention_heads * 32}, {cfg.num_layers} layers, patch {cfg.patch_size}, RGB 32x32, no VAE), two
-  `CLIPTextModelWithProjection` encoders, CLIP tokenizer trained on the shapes prompts, no T5
+  `CLIPTextModelWithProjection` encoders, CLIP tokenizer trained on the {vocabulary} prompts, no T5
 - command: `{command}`
 - seed: {cfg.seed}
 - training: {steps} steps of batch {cfg.batch_size}, {train_minutes:.1f} min; AdamW lr {cfg.lr}, EMA {cfg.ema_decay},
