@@ -21,6 +21,17 @@ REFERENCE = json.loads((Path(__file__).parent / "reference_trajectories.json").r
 
 # settings of the recorded runs, as recipe overrides
 SETTINGS = {
+    "pretrain_shapes": (
+        "flow_pretrain_shapes",
+        [
+            "trainer.steps=4",
+            "trainer.batch_size=4",
+            "trainer.warmup_steps=2",
+            "data.cond_dropout=0.25",
+            "data.renders_per_kind=8",
+            "data.eval_prompts=4",
+        ],
+    ),
     "sft_shapes": (
         "vlm_sft_shapes",
         [
