@@ -469,7 +469,8 @@ training) x {DIGITS_EVAL_REPEATS}, one ODE sample each, same noise seed:
     text = f"""# {Path(cfg.out or "model").name}: tiny pixel-space SD3 text-to-image model of the {title}
 
 {origin}
-(`mmrl/flow/pretrain_shapes.py`). Loads with `StableDiffusion3Pipeline.from_pretrained` or
+(`mmrl/flow/pretrain_shapes.py`). Loads with
+`StableDiffusion3Pipeline.from_pretrained(DIR, vae=None, text_encoder_3=None, tokenizer_3=None)` or
 `pipelines.flow.adapters.ShapesAdapter.from_pretrained` (the path RL uses).
 
 - architecture: `SD3Transformer2DModel` ({params / 1e6:.2f} M parameters, width {cfg.model.num_attention_heads * 32}, {cfg.model.num_layers} layers, patch {cfg.model.patch_size}, RGB 32x32, no VAE), two
