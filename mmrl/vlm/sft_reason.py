@@ -364,7 +364,7 @@ model = AutoModelForImageTextToText.from_pretrained("{cfg["out"]}")
 - vision pretraining first: {
         cfg["vision_pretrain_steps"]
     } steps of per-image-token colour and shape classification
-  (`sft_shapes.pretrain_vision`), held-out token accuracy colour {
+  (`mmrl.vlm.sft.pretrain_vision`), held-out token accuracy colour {
         report["vision_pretraining"]["colour"]:.1%}, shape
   {report["vision_pretraining"]["shape"]:.1%}
 - then {cfg["steps"]} steps of {cfg["batch_size"]} items, AdamW lr {cfg["lr"]} (constant after {
@@ -419,7 +419,7 @@ Greedy completions on the first held-out questions:
 
 ## Learning curve
 
-Scored on the first {cfg["curve_items"]} questions of each set at every snapshot:
+Scored on the first {cfg["curve_items"]} questions of each set every `trainer.eval_every` steps:
 
 | step | SFT minutes | lenient | perception | pass@{cfg["samples"]} | lenient, held-out templates |
 |---|---|---|---|---|---|
