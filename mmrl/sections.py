@@ -20,6 +20,7 @@ __all__ = [
     "LoraSettings",
     "PoolSettings",
     "RewardSpec",
+    "SupervisedRecipeConfig",
     "SupervisedSettings",
     "check_reward_keys",
 ]
@@ -193,3 +194,14 @@ class SupervisedSettings(Config):
         return learning_rate(
             step, self.lr, self.steps, self.warmup_steps, self.lr_schedule, self.final_lr_fraction
         )
+
+
+class SupervisedRecipeConfig(Config):
+    """The top level every pretraining/SFT recipe config shares: where its final model is published. The recipe's
+    subclass adds ``recipe``, ``run``, ``model``, ``data`` and ``trainer``."""
+
+    out: str | None = Field(
+        None,
+        description="Folder the final model, its config.yaml and card.md are published to (replaced atomically); "
+        "null: only the run's checkpoints.",
+    )

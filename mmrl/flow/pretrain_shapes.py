@@ -41,14 +41,13 @@ import numpy as np
 import torch
 
 import rewards
-from mmrl.checkpoint import publish_folder
 from mmrl.config import Config, Field, RunConfig, to_yaml
 from mmrl.data import digits, shapes
 from mmrl.ema import EMA
 from mmrl.loop import run_recipe
-from mmrl.run import launch_command, resume_checkpoint
-from mmrl.sections import SupervisedSettings
-from mmrl.trainer_base import TrainerBase
+from mmrl.run import launch_command
+from mmrl.sections import SupervisedRecipeConfig, SupervisedSettings
+from mmrl.supervised import MODEL_FOLDER, SupervisedTrainer
 from pipelines.flow.adapters import ShapesAdapter
 from pipelines.flow.adapters.shapes import SHAPES_GUIDANCE_SCALE, SHAPES_NUM_STEPS, SHAPES_RESOLUTION
 from pipelines.flow.rollout import SamplingConfig, rollout
@@ -123,7 +122,7 @@ class PretrainShapesSettings(SupervisedSettings):
     )
 
 
-class PretrainShapesConfig(Config):
+class PretrainShapesConfig(SupervisedRecipeConfig):
     recipe: Literal["flow_pretrain_shapes"] = Field(
         "flow_pretrain_shapes", description="Which recipe this config runs."
     )
@@ -131,11 +130,6 @@ class PretrainShapesConfig(Config):
     model: ShapesFlowModel = Field(default_factory=ShapesFlowModel)
     data: ShapesFlowData = Field(default_factory=ShapesFlowData)
     trainer: PretrainShapesSettings = Field(default_factory=PretrainShapesSettings)
-    out: str | None = Field(
-        None,
-        description="Folder the final EMA model (diffusers layout), config.yaml and card.md are published to "
-        "(replaced atomically); null: only the run's checkpoints.",
-    )
 
 
 def render_pool(
@@ -244,7 +238,7 @@ def heldout_eval_prompts(n: int, seed: int) -> list[str]:
     return shapes.sample_prompts(n, seed, "heldout")
 
 
-class ShapesPretrainer(TrainerBase):
+class ShapesPretrainer(SupervisedTrainer):
     """Flow-matching pretraining of the tiny shapes model (see the module docstring)."""
 
     cfg: PretrainShapesConfig
@@ -255,7 +249,7 @@ class ShapesPretrainer(TrainerBase):
         cfg = self.cfg
         self.setup_runtime()
         self.start = time.monotonic()
-        self.pipe = self.build_pipeline(resume_checkpoint(cfg.run) if self.checkpoint_wanted() else None)
+        self.pipe = self.build_pipeline(self.resuming_from())
         self.modules = torch.nn.ModuleList(
             [self.pipe.transformer, self.pipe.text_encoder, self.pipe.text_encoder_2]
         )
@@ -275,7 +269,6 @@ class ShapesPretrainer(TrainerBase):
             time.monotonic() - began,
         )
         self.train_seconds = 0.0
-        self.scores: dict[str, float] = {}
         self.resume()
 
     def build_pipeline(self, resuming: Path | None) -> Any:
@@ -284,7 +277,7 @@ class ShapesPretrainer(TrainerBase):
         come from its state)."""
         cfg = self.cfg
         if resuming is not None:
-            return ShapesAdapter.from_pretrained(str(resuming / "model")).pipe
+            return ShapesAdapter.from_pretrained(str(resuming / MODEL_FOLDER)).pipe
         if cfg.model.init is not None:
             pipe = ShapesAdapter.from_pretrained(cfg.model.init).pipe
             if cfg.data.digits_share > 0 and not reads_digits(ShapesAdapter(pipe)):
@@ -367,11 +360,11 @@ class ShapesPretrainer(TrainerBase):
             return {}
         self.modules.eval()
         with self.ema.swapped():
-            self.scores = evaluate_all(
-                ShapesAdapter(self.pipe), self.cfg.data.eval_prompts, self.cfg.run.seed
-            )
+            scores = evaluate_all(ShapesAdapter(self.pipe), self.cfg.data.eval_prompts, self.cfg.run.seed)
         self.modules.train()
-        return {f"eval/{name}": value for name, value in self.scores.items()}
+        if last:
+            self.final = scores
+        return {f"eval/{name}": value for name, value in scores.items()}
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -381,7 +374,6 @@ class ShapesPretrainer(TrainerBase):
             "ema": self.ema.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "train_seconds": self.train_seconds,
-            "scores": self.scores,
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
@@ -389,28 +381,12 @@ class ShapesPretrainer(TrainerBase):
         self.modules.load_state_dict(state["modules"])
         self.ema.load_state_dict(state["ema"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.train_seconds, self.scores = float(state["train_seconds"]), dict(state["scores"])
+        self.train_seconds = float(state["train_seconds"])
 
     def save_model(self, directory: Path) -> None:
         """The EMA weights as a diffusers folder (``StableDiffusion3Pipeline.from_pretrained`` loads it)."""
         with self.ema.swapped():
             self.pipe.save_pretrained(directory)
-
-    def save_checkpoint(self) -> None:
-        if self.checkpoint_wanted():
-            self.write_checkpoint(
-                self.state_dict(), extra=lambda directory: self.save_model(directory / "model")
-            )
-
-    # ------------------------------------------------------------------ the published model
-    def train(self) -> dict[str, float]:
-        """The loop, then (rank 0, ``out`` set) the EMA model with its config and card."""
-        latest = super().train()
-        if self.cfg.out is not None and self.dist.is_main:
-            if not self.scores:  # resumed after the last step: score the final model now
-                self.evaluate()
-            publish_folder(self.cfg.out, self.write_release)
-        return latest
 
     def write_release(self, directory: Path) -> None:
         self.save_model(directory)
@@ -422,7 +398,7 @@ class ShapesPretrainer(TrainerBase):
             self.step,
             self.train_seconds / 60,
             time.monotonic() - self.start,
-            self.scores,
+            self.final,
         )
 
 

@@ -19,12 +19,11 @@ from typing import Any, Protocol
 
 import torch
 
-from mmrl.checkpoint import publish_folder
 from mmrl.config import Config, Field, to_yaml
 from mmrl.data.shapes import COLOURS, SHAPES, Scene
-from mmrl.run import launch_command, resume_checkpoint
+from mmrl.run import launch_command
 from mmrl.sections import SupervisedSettings
-from mmrl.trainer_base import TrainerBase
+from mmrl.supervised import MODEL_FOLDER, SupervisedTrainer
 from pipelines.vlm.families.qwen2_5_vl import mm_token_type_ids
 from pipelines.vlm.tiny import TinyVLMConfig, build_model, build_processor, train_tokenizer
 
@@ -200,16 +199,7 @@ class TinyVLMSection(Config):
     def tiny_vlm(self, seed: int) -> TinyVLMConfig:
         """The builder's config, initialised from ``seed``."""
         return TinyVLMConfig(
-            image_size=self.image_size,
-            hidden_size=self.hidden_size,
-            num_layers=self.num_layers,
-            intermediate_size=self.intermediate_size,
-            vision_depth=self.vision_depth,
-            vision_hidden_size=self.vision_hidden_size,
-            vision_heads=self.vision_heads,
-            vision_intermediate_size=2 * self.vision_hidden_size,
-            patch_size=self.patch_size,
-            seed=seed,
+            **self.model_dump(), vision_intermediate_size=2 * self.vision_hidden_size, seed=seed
         )
 
 
@@ -233,7 +223,7 @@ class VLMSFTSettings(SupervisedSettings):
     )
 
 
-class VLMSFTTrainer(TrainerBase):
+class VLMSFTTrainer(SupervisedTrainer):
     """Supervised fine-tuning of the tiny VLM from random weights, with the loss on the completion only.
 
     ``setup``: data (:meth:`build_data`), a tokenizer trained on :meth:`corpus` (on resume: the checkpoint's),
@@ -241,7 +231,7 @@ class VLMSFTTrainer(TrainerBase):
     captioning task with probability ``trainer.caption_fraction``, one clipped AdamW step at
     ``trainer.lr_at(step)``. Checkpoints hold the state and the model as a ``save_pretrained`` folder
     (``step_N/model``); at the end the model, its ``config.yaml``, ``sft_report.json`` and ``card.md`` are
-    published to ``out``.
+    published to ``out`` (:class:`mmrl.supervised.SupervisedTrainer`).
 
     Subclasses implement :meth:`build_data`, :meth:`corpus`, :meth:`make_batcher`, :meth:`sample_indices`,
     :meth:`evaluate` (setting :attr:`final` at the last step), :meth:`report` and :meth:`render_card`.
@@ -281,11 +271,11 @@ class VLMSFTTrainer(TrainerBase):
         self.start = time.monotonic()
         self.build_data()
         model_config = cfg.model.tiny_vlm(seed=cfg.run.seed)
-        resuming = resume_checkpoint(cfg.run) if self.checkpoint_wanted() else None
+        resuming = self.resuming_from()
         if resuming is not None:  # the tokenizer the checkpoint's weights were trained with
             from transformers import AutoProcessor
 
-            self.processor = AutoProcessor.from_pretrained(resuming / "model")
+            self.processor = AutoProcessor.from_pretrained(resuming / MODEL_FOLDER)
         else:
             tokenizer = train_tokenizer(self.corpus(), vocab_size=model_config.vocab_size)
             self.processor = build_processor(tokenizer, model_config)
@@ -316,7 +306,6 @@ class VLMSFTTrainer(TrainerBase):
         self.losses: list[float] = []
         self.curve: list[dict[str, Any]] = []
         self.train_seconds = 0.0
-        self.final: dict[str, Any] | None = None
         self.resume()
 
     def vision_heldout(self) -> Sequence[SceneItem]:
@@ -368,22 +357,6 @@ class VLMSFTTrainer(TrainerBase):
         """Model and processor as ``save_pretrained`` folders (loadable by transformers' Auto classes)."""
         self.model.save_pretrained(directory)
         self.processor.save_pretrained(directory)
-
-    def save_checkpoint(self) -> None:
-        if self.checkpoint_wanted():
-            self.write_checkpoint(
-                self.state_dict(), extra=lambda directory: self.save_model(directory / "model")
-            )
-
-    # ------------------------------------------------------------------ the published model
-    def train(self) -> dict[str, float]:
-        """The loop, then (rank 0, ``out`` set) the model folder with its config, report and card."""
-        latest = super().train()
-        if self.cfg.out is not None and self.dist.is_main:
-            if self.final is None:  # resumed after the last step: score the final model now
-                self.evaluate()
-            publish_folder(self.cfg.out, self.write_release)
-        return latest
 
     def write_release(self, directory: Path) -> None:
         self.model.eval()

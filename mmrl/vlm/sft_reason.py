@@ -46,6 +46,7 @@ from mmrl.config import Config, Field, RunConfig
 from mmrl.data.shapes import COLOURS, SHAPES
 from mmrl.data.shapes_math import MathItem, make_math_items, perception_accuracy, read_trace
 from mmrl.loop import run_recipe
+from mmrl.sections import SupervisedRecipeConfig
 from mmrl.vlm.sft import (
     CAPTION_QUESTION,
     TinyVLMSection,
@@ -104,17 +105,12 @@ def _reason_model() -> TinyVLMSection:
     )
 
 
-class ReasonSFTConfig(Config):
+class ReasonSFTConfig(SupervisedRecipeConfig):
     recipe: Literal["vlm_sft_reason"] = Field("vlm_sft_reason", description="Which recipe this config runs.")
     run: RunConfig = Field(default_factory=lambda: RunConfig(name="sft_reason", threads=2, log_every=50))
     model: TinyVLMSection = Field(default_factory=_reason_model)
     data: MathDataSection = Field(default_factory=MathDataSection)
     trainer: ReasonSFTSettings = Field(default_factory=ReasonSFTSettings)
-    out: str | None = Field(
-        None,
-        description="Folder the final model, processor, config.yaml, sft_report.json and card.md are published to "
-        "(replaced atomically); null: only the run's checkpoints.",
-    )
 
 
 def _prompt(item: MathItem) -> VLMPrompt:

@@ -34,6 +34,7 @@ from mmrl.config import Config, Field, RunConfig
 from mmrl.data.shapes import COLOURS, SHAPES
 from mmrl.data.shapes_vqa import VQA_KINDS, VQAItem, format_prompt, make_vqa_items
 from mmrl.loop import run_recipe
+from mmrl.sections import SupervisedRecipeConfig
 from mmrl.vlm.sft import (
     CAPTION_QUESTION,
     TinyVLMSection,
@@ -93,20 +94,15 @@ class SFTShapesSettings(VLMSFTSettings):
     lr: float = Field(5e-3, gt=0, description="Peak learning rate of AdamW.")
 
 
-class SFTShapesConfig(Config):
+class SFTShapesConfig(SupervisedRecipeConfig):
     recipe: Literal["vlm_sft_shapes"] = Field("vlm_sft_shapes", description="Which recipe this config runs.")
     run: RunConfig = Field(default_factory=lambda: RunConfig(name="sft_shapes", threads=1, log_every=25))
     model: TinyVLMSection = Field(default_factory=TinyVLMSection)
     data: VQADataSection = Field(default_factory=VQADataSection)
     trainer: SFTShapesSettings = Field(default_factory=SFTShapesSettings)
-    out: str | None = Field(
-        None,
-        description="Folder the final model, processor, config.yaml, sft_report.json and card.md are published to "
-        "(replaced atomically); null: only the run's checkpoints.",
-    )
 
 
-#: Count answers written as words (``SFTConfig.number_words``).
+#: Count answers written as words (``data.number_words``).
 COUNT_WORDS = {int(digit): word for word, digit in NUMBER_WORDS.items()}
 
 
