@@ -12,7 +12,7 @@ import json
 import logging
 import platform
 import time
-from abc import abstractmethod
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -25,10 +25,12 @@ from mmrl.run import launch_command
 from mmrl.sections import SupervisedSettings
 from mmrl.supervised import MODEL_FOLDER, SupervisedTrainer
 from pipelines.vlm.families.qwen2_5_vl import mm_token_type_ids
+from pipelines.vlm.inputs import VLMPrompt, prepare_prompts
 from pipelines.vlm.tiny import TinyVLMConfig, build_model, build_processor, train_tokenizer
 
 __all__ = [
     "CAPTION_QUESTION",
+    "CompletionBatcher",
     "TinyVLMSection",
     "VLMSFTSettings",
     "VLMSFTTrainer",
@@ -57,6 +59,48 @@ class SceneItem(Protocol):
 def caption(item: SceneItem) -> str:
     """``"red triangle, green circle"``: the scene's objects sorted by their centre's x."""
     return ", ".join(f"{o.colour} {o.shape}" for o in sorted(item.scene.objects, key=lambda o: o.x))
+
+
+class CompletionBatcher(ABC):
+    """Right-padded training batches of ``(prompt, completion)`` pairs on the items' scenes (:func:`sft_batch`):
+    prompt ids cached per question text (every scene has the same size, hence the same image-token count),
+    completion ids (plus ``<|im_end|>``) per completion text. A batch is all captioning (:data:`CAPTION_QUESTION`
+    -> ``<answer>red circle, blue square</answer>``) or all the task: caption prompts are shorter, which padding
+    to a mixed batch would waste.
+
+    Subclasses implement :meth:`task_texts`, the question and completion of an item's task.
+    """
+
+    def __init__(self, processor: Any, items: Sequence[SceneItem]) -> None:
+        self.processor = processor
+        self.items = items
+        self.pad_id = processor.tokenizer.pad_token_id
+        self.end_id = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self._prompt_ids: dict[str, list[int]] = {}
+        self._completion_ids: dict[str, list[int]] = {}
+
+    @abstractmethod
+    def task_texts(self, index: int) -> tuple[str, str]:
+        """``(question, completion)`` of item ``index``'s task."""
+
+    def _ids(self, index: int, as_caption: bool) -> tuple[list[int], list[int]]:
+        item = self.items[index]
+        if as_caption:
+            question, completion = CAPTION_QUESTION, f"<answer>{caption(item)}</answer>"
+        else:
+            question, completion = self.task_texts(index)
+        if question not in self._prompt_ids:
+            prompt = VLMPrompt.from_question(question, [item.image])
+            self._prompt_ids[question] = prepare_prompts(self.processor, [prompt])[0][0].input_ids
+        if completion not in self._completion_ids:
+            ids = self.processor.tokenizer(completion, add_special_tokens=False)["input_ids"]
+            self._completion_ids[completion] = [*ids, self.end_id]
+        return self._prompt_ids[question], self._completion_ids[completion]
+
+    def batch(self, indices: Sequence[int], as_caption: bool) -> dict[str, torch.Tensor]:
+        """Model inputs of items ``indices``: their captions when ``as_caption``, else their task."""
+        rows = [self._ids(i, as_caption) for i in indices]
+        return sft_batch(self.processor, rows, [self.items[i].image for i in indices], self.pad_id)
 
 
 def token_labels(scene: Scene, grid: int) -> tuple[torch.Tensor, torch.Tensor]:

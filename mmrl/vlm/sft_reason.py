@@ -49,16 +49,16 @@ from mmrl.loop import run_recipe
 from mmrl.sections import SupervisedRecipeConfig
 from mmrl.vlm.sft import (
     CAPTION_QUESTION,
+    CompletionBatcher,
     TinyVLMSection,
     VLMSFTSettings,
     VLMSFTTrainer,
     caption,
     flat_settings,
-    sft_batch,
 )
 from pipelines.vlm.backend import SamplingParams
 from pipelines.vlm.hf_backend import HFBackend
-from pipelines.vlm.inputs import VLMPrompt, prepare_prompts
+from pipelines.vlm.inputs import VLMPrompt
 
 __all__ = ["ReasonSFTConfig", "ReasonSFTTrainer", "main", "reasoning_report"]
 
@@ -117,29 +117,12 @@ def _prompt(item: MathItem) -> VLMPrompt:
     return VLMPrompt.from_question(item.prompt, [item.image])
 
 
-class ReasonBatcher:
-    """Right-padded training batches of ``(prompt, completion)`` pairs with labels on the completion only;
-    prompt ids are cached per prompt text (every scene has the same size, hence the same image-token count)."""
+class ReasonBatcher(CompletionBatcher):
+    """Reasoning batches: ``prompt -> <think>{trace}</think><answer>{n}</answer>``."""
 
-    def __init__(self, processor: Any, items: Sequence[MathItem]) -> None:
-        self.processor = processor
-        self.items = items
-        self.pad_id = processor.tokenizer.pad_token_id
-        self.end_id = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
-        self._prompt_ids: dict[str, list[int]] = {}
-
-    def _ids(self, item: MathItem, as_caption: bool) -> tuple[list[int], list[int]]:
-        question = CAPTION_QUESTION if as_caption else item.prompt
-        completion = f"<answer>{caption(item)}</answer>" if as_caption else item.completion
-        if question not in self._prompt_ids:
-            prompt = VLMPrompt.from_question(question, [item.image])
-            self._prompt_ids[question] = prepare_prompts(self.processor, [prompt])[0][0].input_ids
-        answer = self.processor.tokenizer(completion, add_special_tokens=False)["input_ids"]
-        return self._prompt_ids[question], [*answer, self.end_id]
-
-    def batch(self, indices: Sequence[int], as_caption: bool) -> dict[str, torch.Tensor]:
-        rows = [self._ids(self.items[i], as_caption) for i in indices]
-        return sft_batch(self.processor, rows, [self.items[i].image for i in indices], self.pad_id)
+    def task_texts(self, index: int) -> tuple[str, str]:
+        item = self.items[index]
+        return item.prompt, item.completion
 
 
 def _completions(

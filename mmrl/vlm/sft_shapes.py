@@ -37,16 +37,16 @@ from mmrl.loop import run_recipe
 from mmrl.sections import SupervisedRecipeConfig
 from mmrl.vlm.sft import (
     CAPTION_QUESTION,
+    CompletionBatcher,
     TinyVLMSection,
     VLMSFTSettings,
     VLMSFTTrainer,
     caption,
     flat_settings,
-    sft_batch,
 )
 from pipelines.vlm.backend import SamplingParams
 from pipelines.vlm.hf_backend import HFBackend
-from pipelines.vlm.inputs import VLMPrompt, prepare_prompts
+from pipelines.vlm.inputs import VLMPrompt
 from rewards.text import NUMBER_WORDS
 
 __all__ = ["SFTShapesConfig", "SFTShapesTrainer", "main"]
@@ -123,18 +123,16 @@ def _completion(answer: str) -> str:
     return f"<answer>{answer}</answer>"
 
 
-class SFTBatcher:
-    """Builds training batches: prompt ids cached per question (every scene has the same size, hence the same
-    image-token count), completion ids per answer, pixels through the image processor.
+class SFTBatcher(CompletionBatcher):
+    """VQA batches: ``format_prompt(question) -> <answer>X</answer>``.
 
     ``number_words``: the share of count questions whose answer is written as a word, drawn once per item from
-    ``seed`` (see ``SFTConfig.number_words``)."""
+    ``seed`` (see ``data.number_words``)."""
 
     def __init__(
         self, processor: Any, items: Sequence[VQAItem], number_words: float = 0.0, seed: int = 0
     ) -> None:
-        self.processor = processor
-        self.items = items
+        super().__init__(processor, items)
         draws = torch.rand(len(items), generator=torch.Generator().manual_seed(seed)).tolist()
         self.answers = [
             COUNT_WORDS[int(item.answer)]
@@ -142,29 +140,9 @@ class SFTBatcher:
             else item.answer
             for item, draw in zip(items, draws, strict=True)
         ]
-        self.pad_id = processor.tokenizer.pad_token_id
-        self.end_id = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
-        self._prompt_ids: dict[str, list[int]] = {}
-        self._answer_ids: dict[str, list[int]] = {}
 
-    def _ids(self, index: int, as_caption: bool) -> tuple[list[int], list[int]]:
-        item = self.items[index]
-        question = CAPTION_QUESTION if as_caption else format_prompt(item.question)
-        answer = caption(item) if as_caption else self.answers[index]
-        if question not in self._prompt_ids:
-            prompt = VLMPrompt.from_question(question, [item.image])
-            self._prompt_ids[question] = prepare_prompts(self.processor, [prompt])[0][0].input_ids
-        if answer not in self._answer_ids:
-            ids = self.processor.tokenizer(_completion(answer), add_special_tokens=False)["input_ids"]
-            self._answer_ids[answer] = [*ids, self.end_id]
-        return self._prompt_ids[question], self._answer_ids[answer]
-
-    def batch(self, indices: Sequence[int], as_caption: bool) -> dict[str, torch.Tensor]:
-        """Right-padded ``[B, L]`` inputs with ``labels`` = -100 everywhere but the completion: the items'
-        captions when ``as_caption``, else their VQA questions (one task per batch: caption prompts are ~40%
-        shorter, which padding to a mixed batch would waste)."""
-        rows = [self._ids(i, as_caption) for i in indices]
-        return sft_batch(self.processor, rows, [self.items[i].image for i in indices], self.pad_id)
+    def task_texts(self, index: int) -> tuple[str, str]:
+        return format_prompt(self.items[index].question), _completion(self.answers[index])
 
 
 def greedy_answers(
