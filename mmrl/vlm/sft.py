@@ -8,12 +8,13 @@ written here once.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import platform
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -37,6 +38,7 @@ __all__ = [
     "caption",
     "flat_settings",
     "pretrain_vision",
+    "rescore_main",
     "sft_batch",
     "token_labels",
 ]
@@ -216,6 +218,22 @@ def flat_settings(config: dict[str, Any]) -> dict[str, Any]:
     for key, value in config.items():
         flat.update(value if isinstance(value, dict) else {key: value})
     return flat
+
+
+def rescore_main(prog: str, rescore: Callable[[str, dict[str, Any]], dict[str, Any]]) -> None:
+    """``python -m PROG --eval-only --out DIR``: print ``rescore(DIR, settings)``, the held-out scores of a model
+    the recipe published, ``settings`` being its ``sft_report.json`` config (:func:`flat_settings`)."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Re-score a published model on the held-out items its card reports."
+    )
+    parser.add_argument("--eval-only", action="store_true", required=True, help="re-score the model in --out")
+    parser.add_argument("--out", required=True, help="a folder the recipe published (with sft_report.json)")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: the training run's)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    settings = flat_settings(json.loads((Path(args.out) / "sft_report.json").read_text())["config"])
+    torch.set_num_threads(args.threads or settings.get("threads") or 1)
+    print(json.dumps(rescore(args.out, settings), indent=2))
 
 
 class TinyVLMSection(Config):

@@ -31,12 +31,9 @@ What is scored (:func:`reasoning_report`), on held-out items, greedy unless said
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -55,6 +52,7 @@ from mmrl.vlm.sft import (
     VLMSFTTrainer,
     caption,
     flat_settings,
+    rescore_main,
 )
 from pipelines.vlm.backend import SamplingParams
 from pipelines.vlm.hf_backend import HFBackend
@@ -414,14 +412,18 @@ def _summary(report: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in report.items() if k != "examples"}
 
 
-def evaluate_checkpoint(path: str, eval_items: int, samples: int, seed: int = 0) -> dict[str, Any]:
-    """Score a saved checkpoint on the held-out sets its card reports (``seed + 1``, ``eval_items`` each)."""
+def evaluate_checkpoint(path: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """Score a published model on the held-out sets its card reports (``settings``: its report's config;
+    ``eval_items`` per set, seed ``seed + 1``)."""
     from pipelines.vlm.hf_backend import load_vlm
 
     processor, model = load_vlm(path)
     model.eval()
+    items, seed, size = settings["eval_items"], settings["seed"], settings["image_size"]
     return {
-        split: reasoning_report(model, processor, make_math_items(eval_items, seed + 1, 64, split), samples)
+        split: reasoning_report(
+            model, processor, make_math_items(items, seed + 1, size, split), settings["samples"]
+        )
         for split in ("heldout", "heldout_templates")
     }
 
@@ -431,21 +433,5 @@ def main(cfg: ReasonSFTConfig) -> dict[str, float]:
     return run_recipe(cfg, ReasonSFTTrainer)
 
 
-def _cli(argv: Sequence[str] | None = None) -> None:
-    """``python -m mmrl.vlm.sft_reason --eval-only --out DIR``: re-score a published model on the held-out sets
-    its card reports (training is ``mmrl train configs/pretrain/shapes_vlm_reason.yaml``)."""
-    parser = argparse.ArgumentParser(prog="python -m mmrl.vlm.sft_reason", description=_cli.__doc__)
-    parser.add_argument("--eval-only", action="store_true", required=True, help="re-score the model in --out")
-    parser.add_argument(
-        "--out", required=True, help="a folder published by the recipe (with sft_report.json)"
-    )
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    torch.set_num_threads(args.threads)
-    cfg = flat_settings(json.loads((Path(args.out) / "sft_report.json").read_text())["config"])
-    print(json.dumps(evaluate_checkpoint(args.out, cfg["eval_items"], cfg["samples"], cfg["seed"]), indent=2))
-
-
 if __name__ == "__main__":
-    _cli()
+    rescore_main("python -m mmrl.vlm.sft_reason", evaluate_checkpoint)

@@ -19,12 +19,9 @@
 
 from __future__ import annotations
 
-import argparse
 import collections
-import json
 import logging
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -43,6 +40,7 @@ from mmrl.vlm.sft import (
     VLMSFTTrainer,
     caption,
     flat_settings,
+    rescore_main,
 )
 from pipelines.vlm.backend import SamplingParams
 from pipelines.vlm.hf_backend import HFBackend
@@ -354,13 +352,14 @@ above are in `sft_report.json`.
 {curve}"""
 
 
-def evaluate_checkpoint(path: str, threads: int = 1) -> dict[str, float]:
-    """Re-evaluate a saved checkpoint on the held-out items its card reports (same seed, count and size)."""
+def evaluate_checkpoint(path: str, settings: dict[str, Any]) -> dict[str, float]:
+    """Re-evaluate a published model on the held-out items its card reports (``settings``: its report's config:
+    same seed, count and size)."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    torch.set_num_threads(threads)
-    cfg = flat_settings(json.loads((Path(path) / "sft_report.json").read_text())["config"])
-    heldout = make_vqa_items(cfg["eval_items"], seed=cfg["seed"] + 1, size=cfg["image_size"], split="heldout")
+    heldout = make_vqa_items(
+        settings["eval_items"], seed=settings["seed"] + 1, size=settings["image_size"], split="heldout"
+    )
     processor = AutoProcessor.from_pretrained(path)
     model = AutoModelForImageTextToText.from_pretrained(path).eval()
     return evaluate(model, processor, heldout)
@@ -371,19 +370,5 @@ def main(cfg: SFTShapesConfig) -> dict[str, float]:
     return run_recipe(cfg, SFTShapesTrainer)
 
 
-def _cli(argv: Sequence[str] | None = None) -> None:
-    """``python -m mmrl.vlm.sft_shapes --eval-only --out DIR``: re-score a published model (training is
-    ``mmrl train configs/pretrain/shapes_vlm.yaml``)."""
-    parser = argparse.ArgumentParser(prog="python -m mmrl.vlm.sft_shapes", description=_cli.__doc__)
-    parser.add_argument("--eval-only", action="store_true", required=True, help="re-score the model in --out")
-    parser.add_argument(
-        "--out", required=True, help="a folder published by the recipe (with sft_report.json)"
-    )
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    print(json.dumps(evaluate_checkpoint(args.out, args.threads), indent=2))
-
-
 if __name__ == "__main__":
-    _cli()
+    rescore_main("python -m mmrl.vlm.sft_shapes", evaluate_checkpoint)

@@ -11,13 +11,14 @@ from transformers import AutoModelForImageTextToText, AutoProcessor, Qwen2_5_VLF
 from mmrl.config import ConfigError, load_config
 from mmrl.data.shapes import COLOURS, SHAPES, Scene, SceneObject
 from mmrl.data.shapes_vqa import make_vqa_items
-from mmrl.vlm.sft import caption, token_labels
+from mmrl.vlm.sft import caption, flat_settings, token_labels
 from mmrl.vlm.sft_shapes import (
     COUNT_WORDS,
     SFTBatcher,
     SFTShapesConfig,
     blind_baselines,
     evaluate,
+    evaluate_checkpoint,
     main,
     max_objects,
 )
@@ -65,6 +66,8 @@ def test_recipe_runs_and_publishes_a_loadable_model_with_card(tmp_path):
     assert "| model, number words accepted |" in card and "50% of the training items" in card
     strict, read = report["heldout_accuracy"], report["heldout_accuracy_number_words"]
     assert all(read[kind] >= strict[kind] for kind in strict)  # accepting words can only add matches
+    # re-scoring the published folder (`python -m mmrl.vlm.sft_shapes --eval-only`) gives the card's numbers
+    assert evaluate_checkpoint(str(out), flat_settings(report["config"])) == report["heldout_accuracy"]
     # the published config repeats the run
     assert load_config(SFTShapesConfig, out / "config.yaml") == cfg
     assert not any(p.name.startswith(".tmp") for p in tmp_path.iterdir())  # published by rename
