@@ -158,7 +158,7 @@ def render_pool(
 
 
 @torch.no_grad()
-def evaluate(
+def score_shapes(
     adapter: ShapesAdapter,
     prompts: Sequence[str],
     seed: int,
@@ -222,9 +222,9 @@ def reads_digits(adapter: ShapesAdapter) -> bool:
 def evaluate_all(adapter: ShapesAdapter, eval_prompts: int, seed: int) -> dict[str, float]:
     """The card's scores: shapes strict with CFG (``strict`` and per template), and for a digits model also
     shapes strict without CFG (``strict_cfg1``) and the held-out OCR score with and without CFG."""
-    scores = evaluate(adapter, heldout_eval_prompts(eval_prompts, seed), seed)
+    scores = score_shapes(adapter, heldout_eval_prompts(eval_prompts, seed), seed)
     if reads_digits(adapter):
-        scores["strict_cfg1"] = evaluate(adapter, heldout_eval_prompts(eval_prompts, seed), seed, 1.0)[
+        scores["strict_cfg1"] = score_shapes(adapter, heldout_eval_prompts(eval_prompts, seed), seed, 1.0)[
             "strict"
         ]
         for guidance in (1.0, SHAPES_GUIDANCE_SCALE):

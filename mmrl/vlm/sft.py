@@ -1,5 +1,5 @@
 """What the VLM SFT recipes share: the batch layout, dense vision pretraining, the tiny model's config section
-and :class:`VLMSFTTrainer`, the supervised loop on :class:`mmrl.trainer_base.TrainerBase`.
+and :class:`VLMSFTTrainer`, the supervised loop on :class:`mmrl.supervised.SupervisedTrainer`.
 
 A recipe (``sft_shapes``, ``sft_reason``) subclasses the trainer with its data, tokenizer corpus, batch sampling,
 evaluation, report and card; the loop, schedule, seeding, checkpoints, resume and the published model folder are

@@ -166,7 +166,7 @@ def score_answers(
     return _accuracy_by_kind(items, scores.tolist())
 
 
-def evaluate(
+def score_vqa(
     model: torch.nn.Module, processor: Any, items: Sequence[VQAItem], batch_size: int = 64
 ) -> dict[str, float]:
     """Held-out accuracy per kind and ``"overall"``: greedy generation, exact match on the answer span."""
@@ -240,7 +240,7 @@ class SFTShapesTrainer(VLMSFTTrainer):
         scores: dict[str, float] = {}
         self.model.eval()
         if self.curve_due():
-            point = evaluate(self.model, self.processor, self.heldout[: self.cfg.data.curve_items])
+            point = score_vqa(self.model, self.processor, self.heldout[: self.cfg.data.curve_items])
             self.curve.append({"step": self.step, "seconds": self.train_seconds, **point})
             scores["eval/curve_accuracy"] = point["overall"]
         if self.step == self.cfg.trainer.steps:
@@ -362,7 +362,7 @@ def evaluate_checkpoint(path: str, settings: dict[str, Any]) -> dict[str, float]
     )
     processor = AutoProcessor.from_pretrained(path)
     model = AutoModelForImageTextToText.from_pretrained(path).eval()
-    return evaluate(model, processor, heldout)
+    return score_vqa(model, processor, heldout)
 
 
 def main(cfg: SFTShapesConfig) -> dict[str, float]:

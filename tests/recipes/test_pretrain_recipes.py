@@ -37,6 +37,9 @@ def test_committed_config_validates_and_errors_name_the_key(name):
         load_config(schema, CONFIGS / name, ["trainer.batch_size=0"])
     with pytest.raises(ConfigError, match=r"unknown key 'data\.nope'"):
         load_config(schema, CONFIGS / name, ["data.nope=1"])
+    # `mmrl eval` (a prompt file through a flow/VLM sampler) is for the RL recipes; these re-score with --eval-only
+    with pytest.raises(ValueError, match="`mmrl eval` does not apply"):
+        get_recipe(RECIPE_OF[name]).load_evaluate()
 
 
 def _run(tmp_path: Path, script: str, out: Path, extra: list[str]) -> None:

@@ -17,10 +17,10 @@ from mmrl.vlm.sft_shapes import (
     SFTBatcher,
     SFTShapesConfig,
     blind_baselines,
-    evaluate,
     evaluate_checkpoint,
     main,
     max_objects,
+    score_vqa,
 )
 
 CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "shapes_vlm"
@@ -149,7 +149,7 @@ def test_committed_checkpoint_loads_generates_and_beats_blind_baseline():
     model = AutoModelForImageTextToText.from_pretrained(CHECKPOINT).eval()
     size = report["config"]["image_size"]
     items = make_vqa_items(70, seed=report["config"]["seed"] + 1, size=size, split="heldout")
-    accuracy = evaluate(model, processor, items)
+    accuracy = score_vqa(model, processor, items)
     # the card's first 70 held-out items, re-scored from the saved files
     assert accuracy["overall"] > report["baselines"]["majority"]["overall"]
     assert sum(p.numel() for p in model.parameters()) == report["parameters"]
