@@ -215,7 +215,7 @@ def evaluate_digits(
 
 
 def reads_digits(adapter: ShapesAdapter) -> bool:
-    """Whether the model's tokenizer has the digits world's tokens (a checkpoint made with ``--digits-share``)."""
+    """Whether the model's tokenizer has the digits world's tokens (a checkpoint trained with ``data.digits_share``)."""
     return "4</w>" in adapter.pipe.tokenizer.get_vocab()
 
 

@@ -100,3 +100,19 @@ def test_flow_recipe_publishes_a_diffusers_pipeline_with_card(tmp_path):
     ).transformer.proj_out.weight.detach()
     torch.testing.assert_close(published, state["ema"]["0.proj_out.weight"], rtol=0, atol=0)
     assert not torch.equal(published, live)
+
+
+def test_flow_recipe_continues_a_saved_model_on_the_digits_world(tmp_path):
+    out = tmp_path / "digits_model"
+    committed = Path(__file__).resolve().parents[2] / "checkpoints" / "shapes_flow"
+    _run(
+        tmp_path,
+        "pretrain_shapes",
+        out,
+        [f"model.init={committed}", "data.digits_share=0.5", "trainer.steps=2"],
+    )
+    pipe = StableDiffusion3Pipeline.from_pretrained(out, **NO_VAE_NO_T5)
+    base = StableDiffusion3Pipeline.from_pretrained(committed, **NO_VAE_NO_T5)
+    assert "4</w>" in pipe.tokenizer.get_vocab() and "4</w>" not in base.tokenizer.get_vocab()
+    card = (out / "card.md").read_text()
+    assert "50% of each batch, signs of the digits world" in card and "OCR score" in card
