@@ -24,7 +24,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["atomic_write_text", "latest_checkpoint", "load_checkpoint", "load_trainable", "save_checkpoint"]
+__all__ = [
+    "atomic_write_text",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_trainable",
+    "publish_folder",
+    "save_checkpoint",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +93,26 @@ def save_checkpoint(
             shutil.rmtree(stale)
     logger.info("saved checkpoint %s", final)
     return final
+
+
+def publish_folder(out: str | Path, write: Callable[[Path], None]) -> Path:
+    """Replace the folder ``out`` with what ``write(directory)`` writes (a model release: weights, card):
+    written into a hidden sibling, then swapped in by renames, so a crash leaves the old or the new folder
+    complete on disk, never a mix."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".tmp-{out.name}")
+    old = out.with_name(f".old-{out.name}")
+    for leftover in (tmp, old):
+        shutil.rmtree(leftover, ignore_errors=True)
+    tmp.mkdir()
+    write(tmp)
+    if out.exists():
+        os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+    logger.info("wrote %s", out)
+    return out
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:

@@ -74,8 +74,10 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_recipes(args: argparse.Namespace) -> int:
-    for name, desc in list_recipes().items():
-        print(f"{name:16s} {desc}")
+    recipes = list_recipes()
+    width = max(map(len, recipes))
+    for name, desc in recipes.items():
+        print(f"{name:{width}s}  {desc}")
     return 0
 
 

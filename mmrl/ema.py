@@ -27,9 +27,13 @@ class EMA:
         self.shadow = {n: p.detach().clone() for n, p in self.params.items()}
 
     @torch.no_grad()
-    def update(self) -> None:
+    def update(self, num_updates: int | None = None) -> None:
+        """One averaging step. With ``num_updates`` (updates done before this one) the decay is
+        ``min(decay, (1 + n) / (10 + n))``, TensorFlow's warm-up, so that the first averages forget the random
+        initialisation quickly."""
+        decay = self.decay if num_updates is None else min(self.decay, (1 + num_updates) / (10 + num_updates))
         for name, p in self.params.items():
-            self.shadow[name].lerp_(p.detach(), 1.0 - self.decay)
+            self.shadow[name].lerp_(p.detach(), 1.0 - decay)
 
     @contextmanager
     def swapped(self) -> Iterator[None]:

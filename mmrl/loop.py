@@ -64,7 +64,7 @@ def train_loop(
     if trainer.step == 0:
         first = trainer.evaluate()
         latest.update(first)
-        if writes:
+        if writes and first:  # (a recipe that does not score its starting model returns nothing)
             run.log_metrics(0, first)
             logger.info("step 0 evaluation: %s", format_metrics(first))
     with TrainProgress(

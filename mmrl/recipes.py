@@ -46,6 +46,17 @@ _RECIPES: dict[str, Recipe] = {
         "flow-matching GRPO / DiffusionNFT for text-to-image/video",
         config_module="mmrl.flow.config",
     ),
+    "flow_pretrain_shapes": Recipe(
+        "mmrl.flow.pretrain_shapes",
+        "PretrainShapesConfig",
+        "flow-matching pretraining of the tiny shapes text-to-image model from random weights",
+    ),
+    "vlm_sft_reason": Recipe(
+        "mmrl.vlm.sft_reason", "ReasonSFTConfig", "SFT of the tiny VLM on shapes-math reasoning traces"
+    ),
+    "vlm_sft_shapes": Recipe(
+        "mmrl.vlm.sft_shapes", "SFTShapesConfig", "SFT of the tiny VLM from random weights on shapes VQA"
+    ),
     "vlm_rlvr": Recipe(
         "mmrl.vlm.trainer",
         "VLMRLVRConfig",

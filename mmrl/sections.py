@@ -1,4 +1,5 @@
-"""Config sections every recipe shares: rewards, LoRA, prompt selection and rollout allocation, rollout pools.
+"""Config sections every recipe shares: rewards, LoRA, prompt selection and rollout allocation, rollout pools, and
+the optimisation settings of the supervised (pretraining, SFT) recipes.
 
 A recipe subclasses a section only to change its defaults (the VLM's LoRA targets other module names than the
 flow transformer's); the fields, their checks and their meaning are written here once.
@@ -12,12 +13,15 @@ from typing import Any, Literal
 from pydantic import model_validator
 
 from mmrl.config import Config, Field
+from mmrl.schedule import LRSchedule, learning_rate
 
 __all__ = [
     "AllocationConfig",
     "LoraSettings",
     "PoolSettings",
     "RewardSpec",
+    "SupervisedRecipeConfig",
+    "SupervisedSettings",
     "check_reward_keys",
 ]
 
@@ -166,3 +170,38 @@ class PoolSettings(Config):
             request_timeout=self.request_timeout,
             ray=ray,
         )
+
+
+class SupervisedSettings(Config):
+    """Steps, batch and AdamW settings of a supervised recipe (pretraining, SFT), with the learning-rate schedule
+    of :func:`mmrl.schedule.learning_rate`. A recipe's subclass adds its own fields and defaults."""
+
+    steps: int = Field(1000, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(16, ge=1, description="Items per optimizer step.")
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate of AdamW.")
+    lr_schedule: LRSchedule = Field(
+        "cosine",
+        description="After the warm-up: cosine (decay to final_lr_fraction * lr at the last step) or constant.",
+    )
+    final_lr_fraction: float = Field(0.0, ge=0, le=1, description="Where the cosine ends, as a share of lr.")
+    warmup_steps: int = Field(50, ge=0, description="Linear warm-up steps.")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    eval_every: int = Field(0, ge=0, description="Evaluate every this many steps (0: at the end only).")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step ``step`` (``step`` steps done)."""
+        return learning_rate(
+            step, self.lr, self.steps, self.warmup_steps, self.lr_schedule, self.final_lr_fraction
+        )
+
+
+class SupervisedRecipeConfig(Config):
+    """The top level every pretraining/SFT recipe config shares: where its final model is published. The recipe's
+    subclass adds ``recipe``, ``run``, ``model``, ``data`` and ``trainer``."""
+
+    out: str | None = Field(
+        None,
+        description="Folder the final model, its config.yaml and card.md are published to (replaced atomically); "
+        "null: only the run's checkpoints.",
+    )

@@ -33,8 +33,8 @@ logger = logging.getLogger(__name__)
 class TrainerBase:
     """The shared half of a trainer.
 
-    Subclasses set :attr:`show` (progress-bar metrics), build ``self.stats`` (a :class:`PromptStats`) in their
-    ``setup``, implement ``train_step()``, ``evaluate()``, ``state_dict()`` / ``load_state()`` (starting from
+    Subclasses set :attr:`show` (progress-bar metrics), build ``self.stats`` (a :class:`PromptStats`; supervised
+    recipes have none) in their ``setup``, implement ``train_step()``, ``evaluate()``, ``state_dict()`` / ``load_state()`` (starting from
     :meth:`base_state` / :meth:`load_base_state`) and ``save_checkpoint()`` (through :meth:`write_checkpoint`).
 
     Attributes:
@@ -47,7 +47,7 @@ class TrainerBase:
     """
 
     show: tuple[str, ...] = ("reward/mean",)
-    stats: PromptStats
+    stats: PromptStats | None = None
 
     def __init__(self, cfg: Config, run: Run | None = None) -> None:
         self.cfg = cfg
@@ -101,11 +101,12 @@ class TrainerBase:
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict[str, float]:
-        """:func:`mmrl.loop.train_loop` from the current step to ``trainer.steps``."""
+        """:func:`mmrl.loop.train_loop` from the current step to ``trainer.steps`` (``eval_every`` 0: evaluate at
+        the end only)."""
         return train_loop(
             self,
             self.cfg.trainer.steps,
-            self.cfg.trainer.eval_every,
+            self.cfg.trainer.eval_every or self.cfg.trainer.steps,
             self.cfg.run,
             self.run,
             show=self.show,
@@ -118,7 +119,7 @@ class TrainerBase:
         rng = get_rng_state({"train": self.generator})
         return {
             "step": self.step,
-            "stats": self.stats.state_dict(),
+            "stats": self.stats.state_dict() if self.stats is not None else None,
             "rng": rng,
             "rng_per_rank": self.dist.gather(rng) if self.dist.active else None,
         }
@@ -126,7 +127,8 @@ class TrainerBase:
     def load_base_state(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`base_state` saved (this rank's RNG states)."""
         self.step = int(state["step"])
-        self.stats.load_state_dict(state["stats"])
+        if self.stats is not None:
+            self.stats.load_state_dict(state["stats"])
         set_rng_state(self.dist.own(state.get("rng_per_rank"), state["rng"]), {"train": self.generator})
 
     def checkpoint_wanted(self) -> bool:

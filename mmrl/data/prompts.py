@@ -1,4 +1,4 @@
-"""Prompt sources for the text-to-image front end: a prompt file, or a split of the embedded shapes world."""
+"""Prompt sources for the text-to-image front end: a prompt file, or a split of an embedded world (shapes, digits)."""
 
 from __future__ import annotations
 
@@ -8,42 +8,46 @@ from typing import Any
 
 __all__ = ["check_prompts", "load_prompts"]
 
-_SHAPES_SPLITS = ("train", "heldout", "all")
+_SPLITS = ("train", "heldout", "all")
+#: the embedded worlds whose splits ``WORLD:SPLIT`` names (modules with train/heldout/all/sample_prompts)
+_WORLDS = {"shapes": "mmrl.data.shapes", "digits": "mmrl.data.digits"}
 
 
 def load_prompts(source: str) -> list[str]:
     """Prompts from ``source``.
 
-    ``shapes:train`` / ``shapes:heldout`` / ``shapes:all`` are the shapes world's prompt splits;
-    ``shapes:heldout@100`` is a template-balanced sample of 100 prompts of the split (the four templates in
-    turn, as GenEval balances its tasks and as the base checkpoint's card measures); anything else is a UTF-8
-    text file with one prompt per line (blank lines and ``#`` comments skipped).
+    ``shapes:train`` / ``shapes:heldout`` / ``shapes:all`` are the shapes world's prompt splits, ``digits:train``
+    / ``digits:heldout`` / ``digits:all`` the digits world's (split by number); ``shapes:heldout@100`` is a
+    sample of 100 prompts of the split (for shapes the four templates in turn, as GenEval balances its tasks and
+    as the base checkpoint's card measures; for digits the split shuffled under seed 0); anything else is a
+    UTF-8 text file with one prompt per line (blank lines and ``#`` comments skipped).
 
     Raises:
-        ValueError: unknown shapes split, a missing file, or a file without a single prompt.
+        ValueError: unknown world split, a missing file, or a file without a single prompt.
     """
-    if source.startswith("shapes:"):
-        from mmrl.data import shapes
+    world, colon, split = source.partition(":")
+    if colon and world in _WORLDS:
+        import importlib
 
-        split = source.split(":", 1)[1]
+        module = importlib.import_module(_WORLDS[world])
         count = None
         if "@" in split:
             split, _, n = split.partition("@")
             if not n.isdigit() or int(n) < 1:
                 raise ValueError(f"{source!r}: the sample size after '@' must be a positive integer")
             count = int(n)
-        if split not in _SHAPES_SPLITS:
-            raise ValueError(
-                f"unknown shapes split {split!r} in {source!r}. Available: {list(_SHAPES_SPLITS)}"
-            )
+        if split not in _SPLITS:
+            raise ValueError(f"unknown {world} split {split!r} in {source!r}. Available: {list(_SPLITS)}")
         if count is not None:
-            return shapes.sample_prompts(count, 0, split)  # type: ignore[arg-type]
-        return {"train": shapes.train_prompts, "heldout": shapes.heldout_prompts, "all": shapes.all_prompts}[
+            return module.sample_prompts(count, 0, split)
+        return {"train": module.train_prompts, "heldout": module.heldout_prompts, "all": module.all_prompts}[
             split
         ]()
     path = Path(source)
     if not path.is_file():
-        raise ValueError(f"prompt file not found: {path} (or use shapes:train / shapes:heldout)")
+        raise ValueError(
+            f"prompt file not found: {path} (or use a world split: shapes:train, digits:heldout, ...)"
+        )
     prompts = [prompt for _, prompt in _numbered_prompts(path)]
     if not prompts:
         raise ValueError(f"prompt file {path} holds no prompt (one prompt per line expected)")

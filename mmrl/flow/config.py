@@ -13,6 +13,7 @@ from mmrl.sections import AllocationConfig, LoraSettings, PoolSettings, RewardSp
 __all__ = [
     "AWMSettings",
     "ExploreSettings",
+    "FlowEvalSet",
     "FlowGRPOConfig",
     "FlowLora",
     "FlowModelConfig",
@@ -274,6 +275,22 @@ class FlowTrainerConfig(Config):
     sample_every: int = Field(10, ge=1, description="Save an image grid of training samples every N steps.")
 
 
+class FlowEvalSet(Config):
+    """A further held-out set, scored at every evaluation beside ``eval_prompts`` with its own rewards (a second
+    skill of the same model, e.g. the shapes verifier's score while training on OCR)."""
+
+    prompts: str = Field(description="Prompt file or world split (shapes:heldout@200, digits:heldout, ...).")
+    rewards: list[RewardSpec] = Field(description="Rewards of this set (at least one).")
+    num_prompts: int | None = Field(None, ge=1, description="Score the first N prompts (null: all).")
+
+    @model_validator(mode="after")
+    def _check(self) -> FlowEvalSet:
+        if not self.rewards:
+            raise ValueError("extra_eval.*.rewards: give at least one reward")
+        check_reward_keys(self.rewards, "extra_eval.*.rewards")
+        return self
+
+
 class FlowGRPOConfig(Config):
     recipe: Literal["flow_grpo"] = Field("flow_grpo", description="Which recipe this config runs.")
     run: RunConfig = Field(default_factory=lambda: RunConfig(name="flow_grpo"))
@@ -287,6 +304,11 @@ class FlowGRPOConfig(Config):
         None,
         description="Rewards of evaluation and `mmrl eval` (null: the training rewards), e.g. a strict "
         "verifier while training on its partial-credit form.",
+    )
+    extra_eval: dict[str, FlowEvalSet] = Field(
+        default_factory=dict,
+        description="Further held-out sets, name -> {prompts, rewards, num_prompts}, generated and scored at each "
+        "evaluation and by `mmrl eval`, logged as eval/NAME/{reward}/mean.",
     )
     sampling: FlowSamplingConfig = Field(default_factory=FlowSamplingConfig)
     allocation: AllocationConfig = Field(default_factory=AllocationConfig)

@@ -1,7 +1,10 @@
-"""Pretrain the shapes world's tiny text-to-image flow model from random weights on a CPU (issue 3, part 4).
+"""Pretrain the shapes world's tiny text-to-image flow model from random weights on a CPU (recipe
+``flow_pretrain_shapes``).
 
-    python -m mmrl.flow.pretrain_shapes --out checkpoints/shapes_flow --minutes 15 --seed 0
-    python -m mmrl.flow.pretrain_shapes --eval-only checkpoints/shapes_flow      # re-measure a checkpoint
+    mmrl train configs/pretrain/shapes_flow.yaml                                  # the committed checkpoint
+    mmrl train configs/pretrain/shapes_flow.yaml model.init=checkpoints/shapes_flow data.digits_share=0.5 \
+        out=checkpoints/shapes_digits_flow                                        # add the digits world
+    python -m mmrl.flow.pretrain_shapes --eval-only checkpoints/shapes_flow       # re-measure a checkpoint
 
 The model is :func:`pipelines.flow.tiny.build_shapes_pipeline`: a pixel-space ``StableDiffusion3Pipeline``
 (tiny ``SD3Transformer2DModel`` on 32x32 RGB, two tiny CLIP text encoders, a CLIP tokenizer trained on the
@@ -10,17 +13,18 @@ shapes prompts). Training is rectified-flow matching (SD3, arXiv 2403.03206, eq.
     x_t = (1 - t) x0 + t eps,   t = sigmoid(n), n ~ N(0, 1),   loss = || v_theta(x_t, t | c) - (eps - x0) ||^2
 
 on renders of the *train* prompts (``mmrl.data.shapes``), templates drawn in turn (single, count, pair,
-relation) as the held-out evaluation draws them. The prompt is replaced by "" with probability
-``cond_dropout`` so the model also learns the unconditional velocity that classifier-free guidance needs.
-Transformer and text encoders train jointly with AdamW; an exponential moving average of the weights is what
-gets saved. Training stops at the time budget (``--minutes``, minus a reserve for evaluation) or at
-``--max-steps``; with a time budget the number of steps depends on the machine, and the card records it (rerun
-with ``--max-steps N`` to repeat exactly).
+relation) as the held-out evaluation draws them. With ``data.digits_share f`` a fraction ``f`` of each batch are
+signs of the digits world's *train* numbers (``mmrl.data.digits``); ``model.init DIR`` continues from a saved
+model instead of random weights, its tokenizers first extended with the digits world's words
+(:func:`pipelines.flow.tiny.extend_shapes_vocabulary`) so the shapes prompts keep their tokens. The prompt is
+replaced by "" with probability ``data.cond_dropout`` so the model also learns the unconditional velocity that
+classifier-free guidance needs. Transformer and text encoders train jointly with AdamW (warm-up, then cosine to
+``final_lr_fraction`` of the peak over ``trainer.steps``); an exponential moving average of the weights
+(:class:`mmrl.ema.EMA` with warm-up) is what checkpoints (``step_N/model``) and the published model hold.
 
-At the end the EMA model is saved as a diffusers directory, loaded back through
-:class:`pipelines.flow.adapters.ShapesAdapter` (the path RL uses), sampled on held-out prompts with the ODE
-sampler and scored by the strict verifier ``rewards.build("shapes")``; ``card.md`` records command, seed, wall
-time and scores.
+At the end the EMA model is sampled on held-out prompts with the ODE sampler and scored by the strict verifier
+``rewards.build("shapes")`` (and, with digits, on held-out numbers by the ``ocr`` reward); it is published to
+``out`` as a diffusers folder with ``config.yaml`` and a ``card.md`` of command, seed, wall time and scores.
 """
 
 from __future__ import annotations
@@ -28,110 +32,133 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
-import shutil
-import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
 import rewards
-from mmrl.data import shapes
+from mmrl.config import Config, Field, RunConfig, to_yaml
+from mmrl.data import digits, shapes
+from mmrl.ema import EMA
+from mmrl.loop import run_recipe
+from mmrl.run import launch_command
+from mmrl.sections import SupervisedRecipeConfig, SupervisedSettings
+from mmrl.supervised import MODEL_FOLDER, SupervisedTrainer
 from pipelines.flow.adapters import ShapesAdapter
 from pipelines.flow.adapters.shapes import SHAPES_GUIDANCE_SCALE, SHAPES_NUM_STEPS, SHAPES_RESOLUTION
 from pipelines.flow.rollout import SamplingConfig, rollout
-from pipelines.flow.tiny import build_shapes_pipeline
+from pipelines.flow.tiny import build_shapes_pipeline, extend_shapes_vocabulary
+
+__all__ = ["PretrainShapesConfig", "ShapesPretrainer", "main"]
 
 logger = logging.getLogger(__name__)
 
 KINDS = ("single", "count", "pair", "relation")
+#: held-out digits evaluation: each held-out number this many times (one ODE sample each)
+DIGITS_EVAL_REPEATS = 4
 
 
-@dataclass
-class PretrainConfig:
-    """Settings of the shapes pretraining run.
+class ShapesFlowModel(Config):
+    """The tiny pixel-space SD3 model: its size when built from random weights, or a saved one to continue."""
 
-    Attributes:
-        out: checkpoint directory (diffusers layout + ``card.md`` + ``metrics.jsonl``).
-        minutes: wall-time budget of the whole command (data, training, evaluation, saving).
-        seed: seeds weights, data renders, batch order and the evaluation noise.
-        max_steps: stop after this many optimizer steps (exact replay); ``None`` = until the time budget.
-        batch_size: images per step.
-        lr: AdamW peak learning rate; linear warmup over ``warmup_steps`` then cosine decay to 10% over the run.
-        warmup_steps: learning-rate warmup.
-        ema_decay: EMA decay of the saved weights (``min(ema_decay, (1 + n) / (10 + n))`` at step ``n``).
-        cond_dropout: probability of training on the empty prompt (CFG's unconditional branch).
-        renders_per_kind: training images rendered per template kind before training (drawn from train prompts).
-        eval_prompts: held-out prompts sampled (balanced over templates) for the final score.
-        eval_reserve_s: seconds of the budget kept for evaluation and saving.
-        threads: torch CPU threads. 1 by default: on the shared 2-core machine this was tuned on, two OpenMP
-            threads spin-waiting for each other under load ran about 10x slower per step than one thread.
-        log_every: steps between loss log lines.
-        num_layers, num_attention_heads, patch_size: transformer size (heads of 32 dimensions; patch 4 = 64
-            image tokens at 32x32).
-        shift: the sampler's time shift ``t -> shift t / (1 + (shift - 1) t)``, saved in the scheduler (SD3's 3:
-            more sampling steps at high noise, where the layout of the scene is decided).
-        train_shift: the same shift applied to the logit-normal training times (measured: 3 scored 11.5% held-out
-            where 1, SD3's unshifted logit-normal, scored 7.5%; the layout decided at high noise is the hard part).
-    """
-
-    out: str = "checkpoints/shapes_flow"
-    minutes: float = 15.0
-    seed: int = 0
-    max_steps: int | None = None
-    batch_size: int = 32
-    lr: float = 1e-3
-    warmup_steps: int = 100
-    ema_decay: float = 0.995
-    cond_dropout: float = 0.1
-    renders_per_kind: int = 4000
-    eval_prompts: int = 200
-    eval_reserve_s: float = 45.0
-    threads: int = 1
-    log_every: int = 25
-    num_layers: int = 4
-    num_attention_heads: int = 4
-    patch_size: int = 4
-    shift: float = 3.0
-    train_shift: float = 3.0
-
-    def __post_init__(self) -> None:
-        if self.minutes <= 0:
-            raise ValueError(f"minutes must be > 0, got {self.minutes}")
-        if not 0 <= self.cond_dropout < 1:
-            raise ValueError(f"cond_dropout must be in [0, 1), got {self.cond_dropout}")
-        if self.batch_size < 1 or self.renders_per_kind < 1 or self.eval_prompts < 1:
-            raise ValueError("batch_size, renders_per_kind and eval_prompts must be >= 1")
+    num_layers: int = Field(4, ge=1, description="Transformer blocks.")
+    num_attention_heads: int = Field(4, ge=1, description="Attention heads of 32 dimensions each.")
+    patch_size: int = Field(4, ge=1, description="Patch side in pixels (4: 64 image tokens at 32x32).")
+    shift: float = Field(
+        3.0,
+        gt=0,
+        description="The sampler's time shift t -> shift t / (1 + (shift - 1) t), saved in the scheduler (SD3's 3: "
+        "more sampling steps at high noise, where the layout of the scene is decided).",
+    )
+    init: str | None = Field(
+        None, description="Continue from this saved model (diffusers folder) instead of random weights."
+    )
 
 
-def render_pool(per_kind: int, seed: int) -> dict[str, tuple[list[str], torch.Tensor]]:
+class ShapesFlowData(Config):
+    """The training renders and the held-out evaluation."""
+
+    renders_per_kind: int = Field(
+        4000, ge=1, description="Training images rendered per template kind before training (train prompts)."
+    )
+    cond_dropout: float = Field(
+        0.1,
+        ge=0,
+        lt=1,
+        description="Probability of training on the empty prompt (CFG's unconditional branch).",
+    )
+    digits_share: float = Field(
+        0.0, ge=0, lt=1, description="Fraction of each batch drawn from the digits world (0: shapes only)."
+    )
+    eval_prompts: int = Field(
+        200, ge=1, description="Held-out prompts sampled (the four templates in turn) for the score."
+    )
+
+
+class PretrainShapesSettings(SupervisedSettings):
+    """Flow-matching defaults: cosine to 10% of the peak, no weight decay, an EMA of the weights."""
+
+    steps: int = Field(13871, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(32, ge=1, description="Images per step.")
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate of AdamW.")
+    final_lr_fraction: float = Field(0.1, ge=0, le=1, description="Where the cosine ends, as a share of lr.")
+    warmup_steps: int = Field(100, ge=0, description="Linear warm-up steps.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    ema_decay: float = Field(
+        0.995,
+        gt=0,
+        lt=1,
+        description="EMA decay of the saved weights (min(ema_decay, (1 + n) / (10 + n)) at update n).",
+    )
+    train_shift: float = Field(
+        3.0,
+        gt=0,
+        description="The time shift applied to the logit-normal training times (measured: 3 scored 11.5% held-out "
+        "where 1, SD3's unshifted logit-normal, scored 7.5%; the layout decided at high noise is the hard part).",
+    )
+
+
+class PretrainShapesConfig(SupervisedRecipeConfig):
+    recipe: Literal["flow_pretrain_shapes"] = Field(
+        "flow_pretrain_shapes", description="Which recipe this config runs."
+    )
+    run: RunConfig = Field(default_factory=lambda: RunConfig(name="pretrain_shapes", threads=1, log_every=25))
+    model: ShapesFlowModel = Field(default_factory=ShapesFlowModel)
+    data: ShapesFlowData = Field(default_factory=ShapesFlowData)
+    trainer: PretrainShapesSettings = Field(default_factory=PretrainShapesSettings)
+
+
+def render_pool(
+    per_kind: int, seed: int, with_digits: bool = False
+) -> dict[str, tuple[list[str], torch.Tensor]]:
     """``{kind: (prompts [N], images uint8 [N, 3, 32, 32])}`` rendered from the train split.
 
     Each kind gets ``per_kind`` renders spread evenly over its train prompts (few single-object prompts thus get
-    many renders each, the many relation prompts few each), each render with its own scene seed.
+    many renders each, the many relation prompts few each), each render with its own scene seed. With
+    ``with_digits`` the kind ``"digits"`` holds as many signs of the digits world's train numbers.
     """
     rng = np.random.default_rng(seed)
     by_kind = {k: [p for p in shapes.train_prompts() if shapes.prompt_kind(p) == k] for k in KINDS}
+    if with_digits:
+        by_kind["digits"] = digits.train_prompts()
     pool = {}
     for k, prompts in by_kind.items():
         chosen = [prompts[i % len(prompts)] for i in rng.permutation(per_kind)]
         seeds = rng.integers(0, 2**31, size=per_kind)
+        render = digits.render_prompt if k == "digits" else shapes.render_prompt
         images = np.stack(
-            [
-                np.asarray(shapes.render_prompt(p, int(s), SHAPES_RESOLUTION))
-                for p, s in zip(chosen, seeds, strict=True)
-            ]
+            [np.asarray(render(p, int(s), SHAPES_RESOLUTION)) for p, s in zip(chosen, seeds, strict=True)]
         )  # [N, H, W, 3]
         pool[k] = (chosen, torch.from_numpy(images).permute(0, 3, 1, 2).contiguous())
     return pool
 
 
 @torch.no_grad()
-def evaluate(
+def score_shapes(
     adapter: ShapesAdapter,
     prompts: Sequence[str],
     seed: int,
@@ -164,163 +191,220 @@ def evaluate(
     return out
 
 
+@torch.no_grad()
+def evaluate_digits(
+    adapter: ShapesAdapter,
+    seed: int,
+    guidance_scale: float = 1.0,
+    num_steps: int = SHAPES_NUM_STEPS,
+) -> dict[str, float]:
+    """OCR score (``rewards.build("ocr", mode="recognize")``: 1 - normalised edit distance) and exact-read rate of
+    deterministic (ODE) samples of the digits world's held-out numbers, each :data:`DIGITS_EVAL_REPEATS` times."""
+    reward = rewards.build("ocr", mode="recognize")
+    prompts = digits.heldout_prompts() * DIGITS_EVAL_REPEATS
+    config = SamplingConfig(
+        num_steps=num_steps,
+        guidance_scale=guidance_scale,
+        sde_window=(0, 0),
+        height=SHAPES_RESOLUTION,
+        width=SHAPES_RESOLUTION,
+    )
+    images = rollout(adapter, prompts, 1, config, generator=torch.Generator().manual_seed(seed)).images
+    out = reward.score(images=images, prompts=prompts)
+    return {"ocr": float(out.scores.mean()), "exact": float(out.components["exact"].mean())}
+
+
+def reads_digits(adapter: ShapesAdapter) -> bool:
+    """Whether the model's tokenizer has the digits world's tokens (a checkpoint trained with ``data.digits_share``)."""
+    return "4</w>" in adapter.pipe.tokenizer.get_vocab()
+
+
+def evaluate_all(adapter: ShapesAdapter, eval_prompts: int, seed: int) -> dict[str, float]:
+    """The card's scores: shapes strict with CFG (``strict`` and per template), and for a digits model also
+    shapes strict without CFG (``strict_cfg1``) and the held-out OCR score with and without CFG."""
+    scores = score_shapes(adapter, heldout_eval_prompts(eval_prompts, seed), seed)
+    if reads_digits(adapter):
+        scores["strict_cfg1"] = score_shapes(adapter, heldout_eval_prompts(eval_prompts, seed), seed, 1.0)[
+            "strict"
+        ]
+        for guidance in (1.0, SHAPES_GUIDANCE_SCALE):
+            for name, value in evaluate_digits(adapter, seed, guidance).items():
+                scores[f"digits_{name}_cfg{guidance:g}"] = value
+    return scores
+
+
 def heldout_eval_prompts(n: int, seed: int) -> list[str]:
     """The evaluation prompt list: ``n`` held-out prompts, the four templates in turn."""
     return shapes.sample_prompts(n, seed, "heldout")
 
 
-class ShapesPretrainer:
-    """Flow-matching pretraining of the tiny shapes model: ``setup()``, ``train()``, ``save_checkpoint()``."""
+class ShapesPretrainer(SupervisedTrainer):
+    """Flow-matching pretraining of the tiny shapes model (see the module docstring)."""
 
-    def __init__(self, config: PretrainConfig, command: str) -> None:
-        self.config = config
-        self.command = command
-        self.start = time.time()
-        self.step = 0
-        self.metrics: list[dict] = []
+    cfg: PretrainShapesConfig
+    show = ("loss", "eval/strict")
 
+    # ------------------------------------------------------------------ setup
     def setup(self) -> None:
-        cfg = self.config
-        torch.set_num_threads(cfg.threads)
-        torch.manual_seed(cfg.seed)
-        # 1. model: random weights, tokenizer trained on the prompt vocabulary
-        self.pipe = build_shapes_pipeline(
-            shapes.all_prompts(),
-            cfg.num_layers,
-            cfg.num_attention_heads,
-            patch_size=cfg.patch_size,
-            shift=cfg.shift,
+        cfg = self.cfg
+        self.setup_runtime()
+        self.start = time.monotonic()
+        self.pipe = self.build_pipeline(self.resuming_from())
+        self.modules = torch.nn.ModuleList(
+            [self.pipe.transformer, self.pipe.text_encoder, self.pipe.text_encoder_2]
         )
-        self.modules = [self.pipe.transformer, self.pipe.text_encoder, self.pipe.text_encoder_2]
-        self.params = [p for m in self.modules for p in m.parameters()]
-        for m in self.modules:
-            m.train()
-        self.ema = [p.detach().clone() for p in self.params]
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=0.0, foreach=True)
-        # 2. data
-        t0 = time.time()
-        self.pool = render_pool(cfg.renders_per_kind, cfg.seed)
+        self.params = list(self.modules.parameters())
+        self.modules.train()
+        self.ema = EMA(self.modules, cfg.trainer.ema_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay, foreach=True
+        )
+        began = time.monotonic()
+        self.pool = render_pool(
+            cfg.data.renders_per_kind, cfg.run.seed, with_digits=cfg.data.digits_share > 0
+        )
         logger.info(
-            "rendered %d training images in %.1fs", cfg.renders_per_kind * len(KINDS), time.time() - t0
+            "rendered %d training images in %.1fs",
+            cfg.data.renders_per_kind * len(self.pool),
+            time.monotonic() - began,
         )
-        self.rng = torch.Generator().manual_seed(cfg.seed)
+        self.train_seconds = 0.0
+        self.resume()
 
-    def _lr(self, progress: float) -> float:
-        """Warmup, then cosine from ``lr`` to ``0.1 lr`` as ``progress`` (time or steps used) goes 0 -> 1."""
-        cfg = self.config
-        if self.step < cfg.warmup_steps:
-            return cfg.lr * (self.step + 1) / cfg.warmup_steps
-        return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0))))
+    def build_pipeline(self, resuming: Path | None) -> Any:
+        """Random weights and a tokenizer trained on the prompt vocabulary; or ``model.init``, whose tokenizers
+        learn the digits world's words; or, on resume, the checkpoint's model (its tokenizers; the weights then
+        come from its state)."""
+        cfg = self.cfg
+        if resuming is not None:
+            return ShapesAdapter.from_pretrained(str(resuming / MODEL_FOLDER)).pipe
+        if cfg.model.init is not None:
+            pipe = ShapesAdapter.from_pretrained(cfg.model.init).pipe
+            if cfg.data.digits_share > 0 and not reads_digits(ShapesAdapter(pipe)):
+                added = extend_shapes_vocabulary(
+                    pipe, digits.all_prompts(), shapes.all_prompts(), cfg.run.seed
+                )
+                logger.info("added %d tokens to the tokenizers of %s", len(added), cfg.model.init)
+            return pipe
+        corpus = shapes.all_prompts() + (digits.all_prompts() if cfg.data.digits_share > 0 else [])
+        return build_shapes_pipeline(
+            corpus,
+            cfg.model.num_layers,
+            cfg.model.num_attention_heads,
+            patch_size=cfg.model.patch_size,
+            shift=cfg.model.shift,
+        )
 
-    def _batch(self) -> tuple[list[str], torch.Tensor]:
-        """``batch_size`` (prompt, image in [-1, 1]) pairs, template kinds in turn."""
-        cfg = self.config
+    # ------------------------------------------------------------------ one step
+    def batch(self) -> tuple[list[str], torch.Tensor]:
+        """``batch_size`` (prompt, image in [-1, 1]) pairs: the first ``round(digits_share x batch_size)`` signs,
+        the others shapes with the template kinds in turn."""
+        batch_size, data = self.cfg.trainer.batch_size, self.cfg.data
         prompts, images = [], []
-        for i in range(cfg.batch_size):
-            kind_prompts, kind_images = self.pool[KINDS[(self.step * cfg.batch_size + i) % len(KINDS)]]
-            j = int(torch.randint(len(kind_prompts), (1,), generator=self.rng))
+        num_digits = round(data.digits_share * batch_size)
+        for i in range(batch_size):
+            shape_kind = KINDS[(self.step * (batch_size - num_digits) + i - num_digits) % len(KINDS)]
+            kind_prompts, kind_images = self.pool["digits" if i < num_digits else shape_kind]
+            j = int(torch.randint(len(kind_prompts), (1,), generator=self.generator))
             prompts.append(kind_prompts[j])
             images.append(kind_images[j])
         x0 = torch.stack(images).float() / 127.5 - 1
-        drop = torch.rand(cfg.batch_size, generator=self.rng) < cfg.cond_dropout
+        drop = torch.rand(batch_size, generator=self.generator) < data.cond_dropout
         prompts = ["" if d else p for p, d in zip(prompts, drop.tolist(), strict=True)]
         return prompts, x0
 
-    def _progress(self) -> float:
-        cfg = self.config
-        if cfg.max_steps is not None:
-            return self.step / cfg.max_steps
-        return (time.time() - self.start) / (cfg.minutes * 60 - cfg.eval_reserve_s)
-
-    def train(self) -> None:
-        cfg = self.config
-        transformer = self.pipe.transformer
-        running = []
-        while self._progress() < 1.0:
-            # 1. data and noise
-            prompts, x0 = self._batch()  # x0: [B, 3, 32, 32]
-            eps = torch.randn(x0.shape, generator=self.rng)
-            u = torch.sigmoid(torch.randn(cfg.batch_size, generator=self.rng))  # logit-normal(0, 1)
-            t = cfg.train_shift * u / (1 + (cfg.train_shift - 1) * u)
-            t_ = t.view(-1, 1, 1, 1)
-            x_t = (1 - t_) * x0 + t_ * eps
-            # 2. text through the pipeline's own encoder code (the path sampling uses), with gradients
-            embeds, _, pooled, _ = self.pipe.encode_prompt(
-                prompt=prompts,
-                prompt_2=None,
-                prompt_3=None,
-                do_classifier_free_guidance=False,
-                device="cpu",
-                max_sequence_length=0,
-            )
-            # 3. velocity loss
-            v = transformer(
-                hidden_states=x_t,
-                timestep=t * 1000,
-                encoder_hidden_states=embeds,
-                pooled_projections=pooled,
-                return_dict=False,
-            )[0]
-            loss = torch.nn.functional.mse_loss(v, eps - x0)
-            # 4. update and EMA
-            for group in self.optimizer.param_groups:
-                group["lr"] = self._lr(self._progress())
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.params, 1.0)
-            self.optimizer.step()
-            decay = min(cfg.ema_decay, (1 + self.step) / (10 + self.step))
-            with torch.no_grad():
-                torch._foreach_lerp_(self.ema, [p.detach() for p in self.params], 1 - decay)
-            self.step += 1
-            running.append(loss.item())
-            if self.step % cfg.log_every == 0:
-                record = {
-                    "step": self.step,
-                    "loss": sum(running) / len(running),
-                    "lr": self.optimizer.param_groups[0]["lr"],
-                    "elapsed_s": round(time.time() - self.start, 1),
-                }
-                self.metrics.append(record)
-                logger.info("step %(step)d loss %(loss).4f lr %(lr).2e elapsed %(elapsed_s).0fs", record)
-                running = []
-            if cfg.max_steps is not None and self.step >= cfg.max_steps:
-                break
-
-    def save_checkpoint(self) -> dict[str, float]:
-        """Write the EMA model, reload it through the adapter, evaluate held-out prompts, write the card."""
-        cfg = self.config
-        out = Path(cfg.out)
-        with torch.no_grad():
-            for e, p in zip(self.ema, self.params, strict=True):
-                p.copy_(e)
-        for m in self.modules:
-            m.eval()
-        # write to a temporary directory, then rename: an interrupted save never leaves a broken checkpoint
-        tmp = out.with_name(out.name + ".tmp")
-        self.pipe.save_pretrained(tmp)
-        (tmp / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in self.metrics))
-        train_minutes = (time.time() - self.start) / 60
-        adapter = ShapesAdapter.from_pretrained(str(tmp))
-        scores = evaluate(adapter, heldout_eval_prompts(cfg.eval_prompts, cfg.seed), cfg.seed)
-        wall = time.time() - self.start
-        write_card(tmp, cfg, self.command, self.step, train_minutes, wall, scores)
-        if out.exists():
-            backup = out.with_name(out.name + ".old")
-            out.rename(backup)
-            tmp.rename(out)
-            shutil.rmtree(backup)
-        else:
-            tmp.rename(out)
-        logger.info(
-            "held-out strict score %.3f (%s); wall %.1f min -> %s", scores["strict"], scores, wall / 60, out
+    def train_step(self) -> dict[str, float]:
+        trainer = self.cfg.trainer
+        began = time.monotonic()
+        # 1. data and noise
+        prompts, x0 = self.batch()  # x0: [B, 3, 32, 32]
+        eps = torch.randn(x0.shape, generator=self.generator)
+        u = torch.sigmoid(torch.randn(trainer.batch_size, generator=self.generator))  # logit-normal(0, 1)
+        t = trainer.train_shift * u / (1 + (trainer.train_shift - 1) * u)
+        t_ = t.view(-1, 1, 1, 1)
+        x_t = (1 - t_) * x0 + t_ * eps
+        # 2. text through the pipeline's own encoder code (the path sampling uses), with gradients
+        embeds, _, pooled, _ = self.pipe.encode_prompt(
+            prompt=prompts,
+            prompt_2=None,
+            prompt_3=None,
+            do_classifier_free_guidance=False,
+            device="cpu",
+            max_sequence_length=0,
         )
-        return scores
+        # 3. velocity loss
+        velocity = self.pipe.transformer(
+            hidden_states=x_t,
+            timestep=t * 1000,
+            encoder_hidden_states=embeds,
+            pooled_projections=pooled,
+            return_dict=False,
+        )[0]
+        loss = torch.nn.functional.mse_loss(velocity, eps - x0)
+        # 4. update and EMA
+        loss.backward()
+        lr = trainer.lr_at(self.step)
+        self.optimizer_step(self.optimizer, self.params, trainer.max_grad_norm, lr=lr)
+        self.ema.update(num_updates=self.step)
+        self.train_seconds += time.monotonic() - began
+        self.metrics.add("loss", loss.detach())
+        self.metrics.add("train/lr", lr)
+        return self.metrics.reduce()
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """The EMA model's held-out scores (:func:`evaluate_all`) every ``trainer.eval_every`` steps and at the end
+        (not of the random start)."""
+        every, last = self.cfg.trainer.eval_every, self.step == self.cfg.trainer.steps
+        if self.step == 0 or not (last or (every and self.step % every == 0)):
+            return {}
+        self.modules.eval()
+        with self.ema.swapped():
+            scores = evaluate_all(ShapesAdapter(self.pipe), self.cfg.data.eval_prompts, self.cfg.run.seed)
+        self.modules.train()
+        if last:
+            self.final = scores
+        return {f"eval/{name}": value for name, value in scores.items()}
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **self.base_state(),
+            "modules": self.modules.state_dict(),
+            "ema": self.ema.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "train_seconds": self.train_seconds,
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.load_base_state(state)
+        self.modules.load_state_dict(state["modules"])
+        self.ema.load_state_dict(state["ema"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.train_seconds = float(state["train_seconds"])
+
+    def save_model(self, directory: Path) -> None:
+        """The EMA weights as a diffusers folder (``StableDiffusion3Pipeline.from_pretrained`` loads it)."""
+        with self.ema.swapped():
+            self.pipe.save_pretrained(directory)
+
+    def write_release(self, directory: Path) -> None:
+        self.save_model(directory)
+        (directory / "config.yaml").write_text(to_yaml(self.cfg))
+        write_card(
+            directory,
+            self.cfg,
+            launch_command(),
+            self.step,
+            self.train_seconds / 60,
+            time.monotonic() - self.start,
+            self.final,
+        )
 
 
 def write_card(
     directory: Path,
-    cfg: PretrainConfig,
+    cfg: PretrainShapesConfig,
     command: str,
     steps: int,
     train_minutes: float,
@@ -331,100 +415,88 @@ def write_card(
     size_mb = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file()) / 1e6
     params = sum(p.numel() for p in ShapesAdapter.from_pretrained(str(directory)).transformer.parameters())
     per_kind = "\n".join(f"| {k} | {scores[k]:.3f} |" for k in KINDS if k in scores)
-    text = f"""# shapes_flow: tiny pixel-space SD3 text-to-image model of the shapes world
+    if cfg.data.digits_share > 0:
+        start = f"`{cfg.model.init}`" if cfg.model.init else "random weights"
+        title, vocabulary = "shapes and digits worlds", "shapes and digits"
+        origin = (
+            f"Trained from {start} by flow matching on renders of the shapes world's *train* prompts and, for "
+            f"{cfg.data.digits_share:.0%} of each batch, signs of the digits world's *train* numbers"
+        )
+    else:
+        title, vocabulary = "shapes world", "shapes"
+        origin = (
+            "Pretrained from random weights by flow matching on renders of the shapes world's *train* prompts"
+        )
+    digits_section = ""
+    if "digits_ocr_cfg1" in scores:
+        digits_section = f"""
+Shapes strict score without CFG (guidance 1, the RL demos' sampler), same prompts and noise:
+{scores["strict_cfg1"]:.3f}.
 
-Pretrained from random weights by flow matching on renders of the shapes world's *train* prompts
-(`mmrl/flow/pretrain_shapes.py`). Loads with `StableDiffusion3Pipeline.from_pretrained` or
+Digits world: the `ocr` reward (`rewards.build("ocr", mode="recognize")`, PP-OCRv4 recognition; 1 - normalised
+edit distance to the quoted number) on the {len(digits.heldout_prompts())} held-out numbers (never rendered in
+training) x {DIGITS_EVAL_REPEATS}, one ODE sample each, same noise seed:
+
+| guidance | OCR score | exact reads |
+|---|---|---|
+| 1.0 | {scores["digits_ocr_cfg1"]:.3f} | {scores["digits_exact_cfg1"]:.3f} |
+| {SHAPES_GUIDANCE_SCALE} | {scores[f"digits_ocr_cfg{SHAPES_GUIDANCE_SCALE:g}"]:.3f} | {scores[f"digits_exact_cfg{SHAPES_GUIDANCE_SCALE:g}"]:.3f} |
+"""
+    text = f"""# {Path(cfg.out or "model").name}: tiny pixel-space SD3 text-to-image model of the {title}
+
+{origin}
+(`mmrl/flow/pretrain_shapes.py`). Loads with
+`StableDiffusion3Pipeline.from_pretrained(DIR, vae=None, text_encoder_3=None, tokenizer_3=None)` or
 `pipelines.flow.adapters.ShapesAdapter.from_pretrained` (the path RL uses).
 
-- architecture: `SD3Transformer2DModel` ({params / 1e6:.2f} M parameters, width {cfg.num_attention_heads * 32}, {cfg.num_layers} layers, patch {cfg.patch_size}, RGB 32x32, no VAE), two
-  `CLIPTextModelWithProjection` encoders, CLIP tokenizer trained on the shapes prompts, no T5
+- architecture: `SD3Transformer2DModel` ({params / 1e6:.2f} M parameters, width {cfg.model.num_attention_heads * 32}, {cfg.model.num_layers} layers, patch {cfg.model.patch_size}, RGB 32x32, no VAE), two
+  `CLIPTextModelWithProjection` encoders, CLIP tokenizer trained on the {vocabulary} prompts, no T5
 - command: `{command}`
-- seed: {cfg.seed}
-- training: {steps} steps of batch {cfg.batch_size}, {train_minutes:.1f} min; AdamW lr {cfg.lr}, EMA {cfg.ema_decay},
-  prompt dropout {cfg.cond_dropout}, {cfg.threads} CPU threads
+- seed: {cfg.run.seed}
+- training: {steps} steps of batch {cfg.trainer.batch_size}, {train_minutes:.1f} min; AdamW lr {cfg.trainer.lr}, EMA {cfg.trainer.ema_decay},
+  prompt dropout {cfg.data.cond_dropout}, {torch.get_num_threads()} CPU threads
 - wall time (model setup, rendering, training, saving, evaluation; Python imports excluded): {wall_s / 60:.1f} min
 - size on disk: {size_mb:.1f} MB
 
 ## Held-out score
 
 Strict shapes verifier (`rewards.build("shapes")`, 1 only if object, count, colour and position are all right)
-on {cfg.eval_prompts} held-out prompts (`mmrl.data.shapes.sample_prompts({cfg.eval_prompts}, {cfg.seed}, "heldout")`, the four
+on {cfg.data.eval_prompts} held-out prompts (`mmrl.data.shapes.sample_prompts({cfg.data.eval_prompts}, {cfg.run.seed}, "heldout")`, the four
 templates in turn), one ODE sample each ({SHAPES_NUM_STEPS} Euler steps, guidance scale {SHAPES_GUIDANCE_SCALE},
-initial noise from `torch.Generator().manual_seed({cfg.seed})`).
+initial noise from `torch.Generator().manual_seed({cfg.run.seed})`).
 
 | prompts | strict score |
 |---|---|
 | all | {scores["strict"]:.3f} |
 {per_kind}
+{digits_section}
+Reproduce the score: `python -m mmrl.flow.pretrain_shapes --eval-only {cfg.out} --seed {cfg.run.seed} --eval-prompts {cfg.data.eval_prompts}`
 
-Reproduce the score: `python -m mmrl.flow.pretrain_shapes --eval-only {cfg.out} --seed {cfg.seed} --eval-prompts {cfg.eval_prompts}`
-
-Full config: `{json.dumps(asdict(cfg))}`
+Full config: `config.yaml` beside this card (`mmrl train` it to repeat the run).
 """
     (directory / "card.md").write_text(text)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m mmrl.flow.pretrain_shapes", description=__doc__.split("\n")[0]
-    )
-    defaults = PretrainConfig()
-    parser.add_argument("--out", default=defaults.out, help="checkpoint directory")
-    parser.add_argument(
-        "--minutes", type=float, default=defaults.minutes, help="wall-time budget of the command"
-    )
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--max-steps", type=int, default=None, help="stop after N steps (exact replay)")
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    parser.add_argument("--lr", type=float, default=defaults.lr)
-    parser.add_argument("--renders-per-kind", type=int, default=defaults.renders_per_kind)
-    parser.add_argument("--layers", type=int, default=defaults.num_layers)
-    parser.add_argument("--heads", type=int, default=defaults.num_attention_heads)
-    parser.add_argument("--patch", type=int, default=defaults.patch_size)
-    parser.add_argument("--shift", type=float, default=defaults.shift)
-    parser.add_argument("--train-shift", type=float, default=defaults.train_shift)
-    parser.add_argument("--ema-decay", type=float, default=defaults.ema_decay)
-    parser.add_argument("--threads", type=int, default=defaults.threads)
-    parser.add_argument("--eval-prompts", type=int, default=defaults.eval_prompts)
-    parser.add_argument(
-        "--eval-only", metavar="DIR", help="only evaluate the checkpoint in DIR (as the card does)"
-    )
-    return parser.parse_args(argv)
+def main(cfg: PretrainShapesConfig) -> dict[str, float]:
+    """Train end to end (``mmrl train``); returns the final metrics."""
+    return run_recipe(cfg, ShapesPretrainer)
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, float]:
+def _cli(argv: Sequence[str] | None = None) -> dict[str, float]:
+    """``python -m mmrl.flow.pretrain_shapes --eval-only DIR``: the card's scores of a saved model (training is
+    ``mmrl train configs/pretrain/shapes_flow.yaml``)."""
+    parser = argparse.ArgumentParser(prog="python -m mmrl.flow.pretrain_shapes", description=_cli.__doc__)
+    parser.add_argument("--eval-only", metavar="DIR", required=True, help="the saved model to evaluate")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and the initial noise")
+    parser.add_argument("--eval-prompts", type=int, default=200, help="held-out prompts")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    args = parse_args(argv)
-    if args.eval_only:
-        torch.set_num_threads(args.threads)
-        adapter = ShapesAdapter.from_pretrained(args.eval_only)
-        scores = evaluate(adapter, heldout_eval_prompts(args.eval_prompts, args.seed), args.seed)
-        print(json.dumps(scores))
-        return scores
-    config = PretrainConfig(
-        out=args.out,
-        minutes=args.minutes,
-        seed=args.seed,
-        max_steps=args.max_steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        threads=args.threads,
-        renders_per_kind=args.renders_per_kind,
-        num_layers=args.layers,
-        num_attention_heads=args.heads,
-        patch_size=args.patch,
-        shift=args.shift,
-        train_shift=args.train_shift,
-        ema_decay=args.ema_decay,
-        eval_prompts=args.eval_prompts,
-    )
-    command = "python -m mmrl.flow.pretrain_shapes " + " ".join(sys.argv[1:] if argv is None else argv)
-    trainer = ShapesPretrainer(config, command)
-    trainer.setup()
-    trainer.train()
-    return trainer.save_checkpoint()
+    torch.set_num_threads(args.threads)
+    scores = evaluate_all(ShapesAdapter.from_pretrained(args.eval_only), args.eval_prompts, args.seed)
+    print(json.dumps(scores))
+    return scores
 
 
 if __name__ == "__main__":
-    main()
+    _cli()

@@ -161,6 +161,14 @@ class FlowGRPOTrainer(TrainerBase):
         self.eval_weights = torch.tensor([spec.weight for spec in self.eval_specs], dtype=torch.float32)
         self.eval_pool = load_prompts(cfg.eval_prompts)
         check_prompts(cfg.eval_prompts, self.eval_pool, self.eval_rewards)  # before anything is generated
+        # further held-out sets: name -> (prompts, specs, rewards, weights)
+        self.extra_eval: dict[str, tuple[list[str], list[Any], list[Any], torch.Tensor]] = {}
+        for name, extra in cfg.extra_eval.items():
+            extra_rewards = [reward_registry.build(spec.name, **spec.options) for spec in extra.rewards]
+            extra_prompts = load_prompts(extra.prompts)[: extra.num_prompts]
+            check_prompts(extra.prompts, extra_prompts, extra_rewards)
+            weights = torch.tensor([spec.weight for spec in extra.rewards], dtype=torch.float32)
+            self.extra_eval[name] = (extra_prompts, list(extra.rewards), extra_rewards, weights)
         if not for_training:
             return
         self.train_pool = load_prompts(cfg.train_prompts)
@@ -246,11 +254,17 @@ class FlowGRPOTrainer(TrainerBase):
         """``([B, K] raw rewards, components for logging)`` of the training rewards (or, with ``evaluation``,
         of the evaluation rewards); a reward that raises or returns a non-finite score stops the run with its
         name (:class:`rewards.base.RewardCheckError`)."""
-        pil = tensor_to_pil(images) if images.ndim == 4 else None
-        columns, components = [], {}
         specs, rewards = (
             (self.eval_specs, self.eval_rewards) if evaluation else (self.cfg.rewards, self.rewards)
         )
+        return self.score_with(specs, rewards, images, prompts)
+
+    def score_with(
+        self, specs: list[Any], rewards: list[Any], images: torch.Tensor, prompts: list[str]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """:meth:`score` with the given reward specs and built rewards (an ``extra_eval`` set's)."""
+        pil = tensor_to_pil(images) if images.ndim == 4 else None
+        columns, components = [], {}
         for spec, reward in zip(specs, rewards, strict=True):
             batch = (
                 {"images": pil, "prompts": prompts}
@@ -853,6 +867,15 @@ class FlowGRPOTrainer(TrainerBase):
                 self.eval_weights,
             )
             self.run.save_samples(self.step, "eval", records, ro.images[:n])
+        for name, (extra_prompts, specs, rewards, weights) in self.extra_eval.items():
+            with self.ema.swapped() if self.ema is not None else nullcontext():
+                ro = self.generate(extra_prompts, t.eval_images_per_prompt)
+            raw, components = self.score_with(specs, rewards, ro.images, ro.prompts)
+            out[f"eval/{name}/reward_mean"] = float((raw @ weights).mean())
+            for k, spec in enumerate(specs):
+                out[f"eval/{name}/{spec.key}/mean"] = float(raw[:, k].mean())
+            for key, value in components.items():
+                out[f"eval/{name}/" + key.removeprefix("reward/")] = float(value.mean())
         return out
 
     # ------------------------------------------------------------------ state
@@ -971,6 +994,12 @@ def evaluate(
         "reward_mean": float(total.mean()),
     }
     summary.update({f"{spec.key}_mean": float(raw[:, k].mean()) for k, spec in enumerate(trainer.eval_specs)})
+    for name, (extra_prompts, specs, rewards, _) in trainer.extra_eval.items():
+        extra_ro = trainer.generate(extra_prompts, images_per_prompt)
+        extra_raw, _ = trainer.score_with(specs, rewards, extra_ro.images, extra_ro.prompts)
+        summary.update(
+            {f"{name}/{spec.key}_mean": float(extra_raw[:, k].mean()) for k, spec in enumerate(specs)}
+        )
     write_summary_json(out_dir / "summary.json", summary)
     make_grid(ro.images[:256]).save(out_dir / "grid.png")
     return summary

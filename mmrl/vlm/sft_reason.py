@@ -1,19 +1,20 @@
-"""Supervised fine-tuning of the tiny shapes VLM on shapes-math reasoning traces: a base that reasons a little.
+"""Supervised fine-tuning of the tiny shapes VLM on shapes-math reasoning traces: a base that reasons a little
+(recipe ``vlm_sft_reason``).
 
-    python -m mmrl.vlm.sft_reason --out checkpoints/shapes_vlm_reason --steps 500 --seed 0
-
-(the committed checkpoint's exact command is in its card)
+    mmrl train configs/pretrain/shapes_vlm_reason.yaml                                 # the committed checkpoint
+    python -m mmrl.vlm.sft_reason --eval-only --out checkpoints/shapes_vlm_reason      # re-score it
 
 1. generate training shapes-math items (``mmrl.data.shapes_math``, training scenes and templates) and held-out
    items (held-out scenes with the training templates; held-out scenes with the held-out templates);
 2. train a tokenizer on their text and build the tiny Qwen2.5-VL (``pipelines.vlm.tiny``) with random weights;
-   pretrain the vision tower alone on dense per-token colour/shape labels (``sft_shapes.pretrain_vision``);
-3. train all weights (AdamW, linear warm-up, then a constant learning rate) on ``prompt -> <think>{trace}</think><answer>{n}</answer><|im_end|>`` with the loss on the
-   completion only; a share of the batches is the perception task of ``sft_shapes`` (list the objects left to
-   right), which teaches the counts the traces need;
-4. every ``--eval-every`` steps, save a snapshot (``{out}/snapshots/step_N``) and score it on the held-out
-   items (:func:`reasoning_report`), so the snapshot where the model "reasons a little" can be chosen;
-5. save the final model with its processor, ``sft_report.json`` and ``card.md``.
+   pretrain the vision tower alone on dense per-token colour/shape labels (``mmrl.vlm.sft.pretrain_vision``);
+3. train all weights (AdamW, linear warm-up, then a constant learning rate, so the checkpoint at step N is the
+   model a run of N steps trains) on ``prompt -> <think>{trace}</think><answer>{n}</answer><|im_end|>`` with the
+   loss on the completion only; a share of the batches is the perception task (list the objects left to right),
+   which teaches the counts the traces need;
+4. every ``trainer.eval_every`` steps, score the model on the held-out items (:func:`reasoning_report`); with
+   ``run.save_every`` at the same period the run's checkpoints (``step_N/model``) are the snapshots to choose from;
+5. publish the final model with its processor, ``config.yaml``, ``sft_report.json`` and ``card.md`` to ``out``.
 
 What is scored (:func:`reasoning_report`), on held-out items, greedy unless said:
 
@@ -30,113 +31,96 @@ What is scored (:func:`reasoning_report`), on held-out items, greedy unless said
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
 import logging
-import platform
-import shutil
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 import rewards
+from mmrl.config import Config, Field, RunConfig
 from mmrl.data.shapes import COLOURS, SHAPES
 from mmrl.data.shapes_math import MathItem, make_math_items, perception_accuracy, read_trace
-from mmrl.vlm.sft_shapes import CAPTION_QUESTION, caption, pretrain_vision, sft_batch
+from mmrl.loop import run_recipe
+from mmrl.sections import SupervisedRecipeConfig
+from mmrl.vlm.sft import (
+    CAPTION_QUESTION,
+    CompletionBatcher,
+    TinyVLMSection,
+    VLMSFTSettings,
+    VLMSFTTrainer,
+    caption,
+    flat_settings,
+    rescore_main,
+)
 from pipelines.vlm.backend import SamplingParams
 from pipelines.vlm.hf_backend import HFBackend
-from pipelines.vlm.inputs import VLMPrompt, prepare_prompts
-from pipelines.vlm.tiny import TinyVLMConfig, build_model, build_processor, train_tokenizer
+from pipelines.vlm.inputs import VLMPrompt
 
-__all__ = ["ReasonSFTConfig", "reasoning_report", "train"]
+__all__ = ["ReasonSFTConfig", "ReasonSFTTrainer", "main", "reasoning_report"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class ReasonSFTConfig:
-    """Options of the reasoning SFT run (each is also a command-line flag)."""
+class MathDataSection(Config):
+    """The shapes-math items the model trains and is scored on."""
 
-    out: str = field(
-        default="checkpoints/shapes_vlm_reason",
-        metadata={"help": "Directory of the model, processor, card.md and sft_report.json (replaced)."},
+    train_items: int = Field(20000, ge=1, description="Size of the training pool (reused over epochs).")
+    eval_items: int = Field(
+        252, ge=1, description="Held-out items per held-out set (balanced over its templates)."
     )
-    steps: int = field(default=3000, metadata={"help": "Optimizer steps of the SFT stage."})
-    seed: int = field(
-        default=0, metadata={"help": "Seed of the data, the initialisation and the batch order."}
+    curve_items: int = Field(
+        126, ge=1, description="Held-out items per set scored at each curve point (a prefix of eval_items)."
     )
-    train_items: int = field(
-        default=20000, metadata={"help": "Size of the training pool (reused over epochs)."}
+    samples: int = Field(
+        8, ge=0, description="Samples per question for pass@k at temperature 1 (0: greedy only)."
     )
-    eval_items: int = field(
-        default=252, metadata={"help": "Held-out items per held-out set (balanced over its templates)."}
+    max_new_tokens: int = Field(48, ge=1, description="Completion budget of the evaluation.")
+
+
+class ReasonSFTSettings(VLMSFTSettings):
+    """The reasoning SFT's defaults: a constant learning rate after the warm-up, vision pretraining first."""
+
+    steps: int = Field(3000, ge=1, description="Optimizer steps of the SFT stage.")
+    batch_size: int = Field(32, ge=1, description="Items per optimizer step.")
+    lr: float = Field(3e-3, gt=0, description="Peak learning rate of AdamW.")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="constant: a checkpoint at step N is the model that a run of N steps trains."
     )
-    curve_items: int = field(
-        default=126,
-        metadata={"help": "Held-out items per set scored at each snapshot (a prefix of eval_items)."},
+    vision_pretrain_steps: int = Field(1500, ge=0, description="Steps of dense vision pretraining.")
+    caption_fraction: float = Field(
+        0.3, ge=0, le=1, description="Share of batches that are the perception (captioning) task."
     )
-    samples: int = field(default=8, metadata={"help": "Samples per question for pass@k at temperature 1."})
-    image_size: int = field(default=64, metadata={"help": "Scene side in pixels (64: 16 image tokens)."})
-    hidden_size: int = field(
-        default=128, metadata={"help": "Language-model width (TinyVLMConfig.hidden_size)."}
+    eval_every: int = Field(
+        500, ge=0, description="Score the model every this many steps (0: at the end only)."
     )
-    num_layers: int = field(default=4, metadata={"help": "Language-model decoder layers."})
-    intermediate_size: int = field(default=320, metadata={"help": "Language-model MLP width."})
-    vision_hidden_size: int = field(default=64, metadata={"help": "Vision-tower width."})
-    vision_depth: int = field(default=1, metadata={"help": "Vision-tower blocks."})
-    vision_pretrain_steps: int = field(
-        default=1500, metadata={"help": "Steps of dense vision pretraining (sft_shapes.pretrain_vision)."}
+
+
+def _reason_model() -> TinyVLMSection:
+    return TinyVLMSection(
+        hidden_size=128, num_layers=4, intermediate_size=320, vision_hidden_size=64, vision_depth=1
     )
-    vision_pretrain_lr: float = field(default=3e-3, metadata={"help": "Learning rate of vision pretraining."})
-    caption_fraction: float = field(
-        default=0.3, metadata={"help": "Share of batches that are the perception (captioning) task."}
-    )
-    batch_size: int = field(default=32, metadata={"help": "Items per optimizer step."})
-    lr: float = field(default=3e-3, metadata={"help": "Peak learning rate of AdamW."})
-    warmup_steps: int = field(
-        default=50, metadata={"help": "Linear warm-up steps; the learning rate is constant after them."}
-    )
-    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay."})
-    eval_every: int = field(
-        default=500,
-        metadata={"help": "Save a snapshot and score it every this many steps (0: only at the end)."},
-    )
-    max_new_tokens: int = field(default=48, metadata={"help": "Completion budget of the evaluation."})
-    threads: int = field(default=2, metadata={"help": "CPU threads for torch."})
+
+
+class ReasonSFTConfig(SupervisedRecipeConfig):
+    recipe: Literal["vlm_sft_reason"] = Field("vlm_sft_reason", description="Which recipe this config runs.")
+    run: RunConfig = Field(default_factory=lambda: RunConfig(name="sft_reason", threads=2, log_every=50))
+    model: TinyVLMSection = Field(default_factory=_reason_model)
+    data: MathDataSection = Field(default_factory=MathDataSection)
+    trainer: ReasonSFTSettings = Field(default_factory=ReasonSFTSettings)
 
 
 def _prompt(item: MathItem) -> VLMPrompt:
     return VLMPrompt.from_question(item.prompt, [item.image])
 
 
-class ReasonBatcher:
-    """Right-padded training batches of ``(prompt, completion)`` pairs with labels on the completion only;
-    prompt ids are cached per prompt text (every scene has the same size, hence the same image-token count)."""
+class ReasonBatcher(CompletionBatcher):
+    """Reasoning batches: ``prompt -> <think>{trace}</think><answer>{n}</answer>``."""
 
-    def __init__(self, processor: Any, items: Sequence[MathItem]) -> None:
-        self.processor = processor
-        self.items = items
-        self.pad_id = processor.tokenizer.pad_token_id
-        self.end_id = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
-        self._prompt_ids: dict[str, list[int]] = {}
-
-    def _ids(self, item: MathItem, as_caption: bool) -> tuple[list[int], list[int]]:
-        question = CAPTION_QUESTION if as_caption else item.prompt
-        completion = f"<answer>{caption(item)}</answer>" if as_caption else item.completion
-        if question not in self._prompt_ids:
-            prompt = VLMPrompt.from_question(question, [item.image])
-            self._prompt_ids[question] = prepare_prompts(self.processor, [prompt])[0][0].input_ids
-        answer = self.processor.tokenizer(completion, add_special_tokens=False)["input_ids"]
-        return self._prompt_ids[question], [*answer, self.end_id]
-
-    def batch(self, indices: Sequence[int], as_caption: bool) -> dict[str, torch.Tensor]:
-        rows = [self._ids(self.items[i], as_caption) for i in indices]
-        return sft_batch(self.processor, rows, [self.items[i].image for i in indices], self.pad_id)
+    def task_texts(self, index: int) -> tuple[str, str]:
+        item = self.items[index]
+        return item.prompt, item.completion
 
 
 def _completions(
@@ -227,118 +211,82 @@ def reasoning_report(
     return report
 
 
-def train(cfg: ReasonSFTConfig) -> dict[str, Any]:
-    """Run the whole SFT procedure (see the module docstring); returns the report written beside the model."""
-    start = time.monotonic()
-    torch.set_num_threads(cfg.threads)
-    torch.manual_seed(cfg.seed)
-    # 1. data
-    train_items = make_math_items(cfg.train_items, cfg.seed, cfg.image_size, "train")
-    heldout = {
-        split: make_math_items(cfg.eval_items, cfg.seed + 1, cfg.image_size, split)
-        for split in ("heldout", "heldout_templates")
-    }
-    # 2. tokenizer, processor, random model, vision pretraining
-    model_config = TinyVLMConfig(
-        image_size=cfg.image_size,
-        hidden_size=cfg.hidden_size,
-        num_layers=cfg.num_layers,
-        intermediate_size=cfg.intermediate_size,
-        vision_hidden_size=cfg.vision_hidden_size,
-        vision_depth=cfg.vision_depth,
-        vision_intermediate_size=2 * cfg.vision_hidden_size,
-        seed=cfg.seed,
-    )
-    corpus = sorted({item.prompt for item in train_items}) + [item.completion for item in train_items[:4000]]
-    corpus += [CAPTION_QUESTION, *sorted({f"<answer>{caption(item)}</answer>" for item in train_items})]
-    tokenizer = train_tokenizer(corpus, vocab_size=model_config.vocab_size)
-    processor = build_processor(tokenizer, model_config)
-    model = build_model(tokenizer, model_config).train()
-    generator = torch.Generator().manual_seed(cfg.seed)
-    vision = pretrain_vision(model, processor, train_items, heldout["heldout"], cfg, generator)  # type: ignore[arg-type]
-    logger.info(
-        "vision pretraining: colour %.3f shape %.3f (%.0fs)",
-        vision["colour"],
-        vision["shape"],
-        time.monotonic() - start,
-    )
-    # 3. SFT with snapshots
-    batcher = ReasonBatcher(processor, train_items)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    out = Path(cfg.out)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    curve: list[dict[str, Any]] = []
-    losses: list[float] = []
-    train_start = time.monotonic()
-    train_seconds = 0.0
-    for step in range(1, cfg.steps + 1):
-        for group in optimizer.param_groups:
-            # warm-up, then constant: a snapshot at step N is then the model that `--steps N` trains
-            group["lr"] = cfg.lr * min(1.0, step / cfg.warmup_steps)
-        indices = torch.randint(len(train_items), (cfg.batch_size,), generator=generator).tolist()
-        as_caption = bool(torch.rand((), generator=generator) < cfg.caption_fraction)
-        loss = model(**batcher.batch(indices, as_caption)).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        losses.append(loss.item())
-        if step % 50 == 0:
-            logger.info("step %d loss %.4f %.0fs", step, sum(losses[-50:]) / 50, time.monotonic() - start)
-        if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
-            train_seconds += time.monotonic() - train_start
-            model.eval()
-            snapshot = tmp / "snapshots" / f"step_{step}"
-            model.save_pretrained(snapshot)
-            processor.save_pretrained(snapshot)
-            point = {
-                "step": step,
-                "train_minutes": train_seconds / 60,
-                "loss": sum(losses[-50:]) / len(losses[-50:]),
-                **{
-                    split: _summary(
-                        reasoning_report(
-                            model, processor, items[: cfg.curve_items], cfg.samples, cfg.max_new_tokens
-                        )
-                    )
-                    for split, items in heldout.items()
-                },
+class ReasonSFTTrainer(VLMSFTTrainer):
+    """Reasoning SFT: uniform batches, :func:`reasoning_report` on both held-out sets as the learning curve and at
+    the end."""
+
+    cfg: ReasonSFTConfig
+    show = ("loss", "eval/heldout/lenient")
+
+    def build_data(self) -> None:
+        data, size, seed = self.cfg.data, self.cfg.model.image_size, self.cfg.run.seed
+        self.train_items = make_math_items(data.train_items, seed, size, "train")
+        self.heldout = {
+            split: make_math_items(data.eval_items, seed + 1, size, split)
+            for split in ("heldout", "heldout_templates")
+        }
+
+    def vision_heldout(self) -> Sequence[MathItem]:
+        return self.heldout["heldout"]
+
+    def corpus(self) -> list[str]:
+        items = self.train_items
+        corpus = sorted({item.prompt for item in items}) + [item.completion for item in items[:4000]]
+        return [*corpus, CAPTION_QUESTION, *sorted({f"<answer>{caption(item)}</answer>" for item in items})]
+
+    def make_batcher(self) -> ReasonBatcher:
+        return ReasonBatcher(self.processor, self.train_items)
+
+    def sample_indices(self) -> list[int]:
+        draws = torch.randint(len(self.train_items), (self.cfg.trainer.batch_size,), generator=self.generator)
+        return draws.tolist()
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """A curve point on the first ``data.curve_items`` of each held-out set when due and at the last step;
+        at the last step the full held-out reports."""
+        data, last = self.cfg.data, self.step == self.cfg.trainer.steps
+        if not (self.curve_due() or (last and self.step > 0)):
+            return {}
+        self.model.eval()
+        point: dict[str, Any] = {
+            "step": self.step,
+            "train_minutes": self.train_seconds / 60,
+            "loss": sum(self.losses[-50:]) / len(self.losses[-50:]),
+        }
+        for split, items in self.heldout.items():
+            report = reasoning_report(
+                self.model, self.processor, items[: data.curve_items], data.samples, data.max_new_tokens
+            )
+            point[split] = _summary(report)
+        self.curve.append(point)
+        if last:
+            self.final = {
+                split: reasoning_report(self.model, self.processor, items, data.samples, data.max_new_tokens)
+                for split, items in self.heldout.items()
             }
-            (snapshot / "report.json").write_text(json.dumps(point, indent=2) + "\n")
-            curve.append(point)
-            logger.info("step %d: %s", step, json.dumps(point))
-            model.train()
-            train_start = time.monotonic()
-    # 4. the final model, its report and card
-    model.eval()
-    final = {
-        split: reasoning_report(model, processor, items, cfg.samples, cfg.max_new_tokens)
-        for split, items in heldout.items()
-    }
-    model.save_pretrained(tmp)
-    processor.save_pretrained(tmp)
-    report = {
-        "config": dataclasses.asdict(cfg),
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "train_minutes": train_seconds / 60,
-        "wall_minutes": (time.monotonic() - start) / 60,
-        "vision_pretraining": vision,
-        "heldout": final,
-        "curve": curve,
-        "command": command_line(cfg),
-        "machine": f"{platform.machine()} CPU, torch {torch.__version__}, torch.set_num_threads({cfg.threads})",
-    }
-    (tmp / "sft_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (tmp / "card.md").write_text(render_card(report))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return report
+        self.model.train()
+        return {
+            f"eval/{split}/{name}": value
+            for split in self.heldout
+            for name, value in point[split].items()
+            if isinstance(value, float)
+        }
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "heldout": self.final,
+            "train_minutes": self.train_seconds / 60,
+            "wall_minutes": (time.monotonic() - self.start) / 60,
+        }
+
+    def render_card(self, report: dict[str, Any]) -> str:
+        return render_card(report)
 
 
 def render_card(report: dict[str, Any]) -> str:
     """The model card: how the checkpoint was made and what it scores on the two held-out sets."""
-    cfg = report["config"]
+    cfg = flat_settings(report["config"])
     columns = (
         "lenient",
         "strict",
@@ -393,7 +341,7 @@ model = AutoModelForImageTextToText.from_pretrained("{cfg["out"]}")
 - vision pretraining first: {
         cfg["vision_pretrain_steps"]
     } steps of per-image-token colour and shape classification
-  (`sft_shapes.pretrain_vision`), held-out token accuracy colour {
+  (`mmrl.vlm.sft.pretrain_vision`), held-out token accuracy colour {
         report["vision_pretraining"]["colour"]:.1%}, shape
   {report["vision_pretraining"]["shape"]:.1%}
 - then {cfg["steps"]} steps of {cfg["batch_size"]} items, AdamW lr {cfg["lr"]} (constant after {
@@ -448,7 +396,7 @@ Greedy completions on the first held-out questions:
 
 ## Learning curve
 
-Scored on the first {cfg["curve_items"]} questions of each set at every snapshot:
+Scored on the first {cfg["curve_items"]} questions of each set every `trainer.eval_every` steps:
 
 | step | SFT minutes | lenient | perception | pass@{cfg["samples"]} | lenient, held-out templates |
 |---|---|---|---|---|---|
@@ -464,54 +412,26 @@ def _summary(report: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in report.items() if k != "examples"}
 
 
-def command_line(cfg: ReasonSFTConfig) -> str:
-    """The command that reproduces ``cfg``: ``--out``, ``--steps``, ``--seed`` and every non-default option."""
-    defaults = ReasonSFTConfig()
-    parts = ["python -m mmrl.vlm.sft_reason"]
-    for option in dataclasses.fields(ReasonSFTConfig):
-        value = getattr(cfg, option.name)
-        if option.name in ("out", "steps", "seed") or value != getattr(defaults, option.name):
-            parts.append(f"--{option.name.replace('_', '-')} {value}")
-    return " ".join(parts)
-
-
-def evaluate_checkpoint(path: str, eval_items: int, samples: int, seed: int = 0) -> dict[str, Any]:
-    """Score a saved checkpoint on the held-out sets its card reports (``seed + 1``, ``eval_items`` each)."""
+def evaluate_checkpoint(path: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """Score a published model on the held-out sets its card reports (``settings``: its report's config;
+    ``eval_items`` per set, seed ``seed + 1``)."""
     from pipelines.vlm.hf_backend import load_vlm
 
     processor, model = load_vlm(path)
     model.eval()
+    items, seed, size = settings["eval_items"], settings["seed"], settings["image_size"]
     return {
-        split: reasoning_report(model, processor, make_math_items(eval_items, seed + 1, 64, split), samples)
+        split: reasoning_report(
+            model, processor, make_math_items(items, seed + 1, size, split), settings["samples"]
+        )
         for split in ("heldout", "heldout_templates")
     }
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """Command-line entry point (``python -m mmrl.vlm.sft_reason --help``)."""
-    defaults = ReasonSFTConfig()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for option in dataclasses.fields(ReasonSFTConfig):
-        default = getattr(defaults, option.name)
-        parser.add_argument(
-            "--" + option.name.replace("_", "-"),
-            type=type(default),
-            default=default,
-            help=f"{option.metadata['help']} (default: {default})",
-        )
-    parser.add_argument(
-        "--eval-only", action="store_true", help="score the checkpoint in --out on the held-out sets and exit"
-    )
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    cfg = ReasonSFTConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ReasonSFTConfig)})
-    if args.eval_only:
-        torch.set_num_threads(cfg.threads)
-        print(json.dumps(evaluate_checkpoint(cfg.out, cfg.eval_items, cfg.samples, cfg.seed), indent=2))
-        return
-    report = train(cfg)
-    print(json.dumps({split: _summary(r) for split, r in report["heldout"].items()}, indent=2))
+def main(cfg: ReasonSFTConfig) -> dict[str, float]:
+    """Train end to end (``mmrl train``); returns the final metrics."""
+    return run_recipe(cfg, ReasonSFTTrainer)
 
 
 if __name__ == "__main__":
-    main()
+    rescore_main("python -m mmrl.vlm.sft_reason", evaluate_checkpoint)

@@ -164,9 +164,26 @@ def train_clip_tokenizer(
     )
     bpe.train_from_iterator(corpus, trainer)
     model = json.loads(bpe.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
     return CLIPTokenizer(
-        vocab=model["vocab"], merges=[tuple(m) for m in model["merges"]], model_max_length=model_max_length
+        vocab=_stable_ids(model["vocab"], merges), merges=merges, model_max_length=model_max_length
     )
+
+
+def _stable_ids(vocab: dict[str, int], merges: Sequence[tuple[str, str]]) -> dict[str, int]:
+    """``vocab`` renumbered: special tokens first (as trained), then the tokens no merge produced in sorted order,
+    then the merged tokens in merge order.
+
+    The BPE trainer numbers the end-of-word alphabet (``e</w>``) in hash order, which differs between processes;
+    the merges come out in a fixed order. Sorting the alphabet makes a tokenizer trained twice on one corpus the
+    same, hence a seeded model built on it the same.
+    """
+    merged = {"".join(pair) for pair in merges}
+    by_id = sorted(vocab, key=vocab.__getitem__)
+    specials = [t for t in by_id if t.startswith("<|") and t.endswith("|>")]
+    alphabet = sorted(t for t in by_id if t not in merged and t not in specials)
+    ordered = [*specials, *alphabet, *(t for t in by_id if t in merged and t not in specials)]
+    return {token: index for index, token in enumerate(ordered)}
 
 
 def train_t5_tokenizer(
@@ -771,6 +788,63 @@ def build_shapes_pipeline(
         text_encoder_3=None,
         tokenizer_3=None,
     )
+
+
+def extend_shapes_vocabulary(
+    pipe: StableDiffusion3Pipeline, corpus: Sequence[str], keep: Sequence[str], seed: int = 0
+) -> list[str]:
+    """Teach a built shapes pipeline's tokenizers new words, keeping what its text encoders know.
+
+    Each CLIP tokenizer is retrained on ``keep`` + ``corpus`` (same trainer, same special tokens, so ``<|startoftext|>``
+    and ``<|endoftext|>`` keep ids 0 and 1); each text encoder's token-embedding row of a token the old vocabulary
+    had is copied to the token's new id, and a new token's row is the mean of the old rows plus noise of their
+    per-dimension standard deviation x 0.1 (under ``seed``), so a new word starts as an average, distinguishable
+    word. The position embeddings are unchanged: every prompt must still fit the old ``model_max_length``.
+
+    Args:
+        pipe: a pipeline of :func:`build_shapes_pipeline` (or loaded from one), changed in place.
+        corpus: prompts with the new words (e.g. the digits world's).
+        keep: prompts the model already reads (e.g. the shapes world's); their tokenization must not change.
+
+    Returns:
+        the new tokens (of the first tokenizer), in id order.
+
+    Raises:
+        ValueError: a ``keep`` prompt tokenizes differently afterwards, or a prompt is longer than the text
+            encoders' positions.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    added: list[str] = []
+    for tokenizer_name, encoder_name in (("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2")):
+        old, encoder = getattr(pipe, tokenizer_name), getattr(pipe, encoder_name)
+        new = train_clip_tokenizer([*keep, *corpus], vocab_size=512, model_max_length=old.model_max_length)
+        for prompt in keep:
+            if new.tokenize(prompt) != old.tokenize(prompt):
+                raise ValueError(
+                    f"{tokenizer_name}: {prompt!r} tokenizes as {new.tokenize(prompt)} after the extension, "
+                    f"{old.tokenize(prompt)} before"
+                )
+        for prompt in corpus:
+            length = len(new(prompt).input_ids)
+            if length > old.model_max_length:
+                raise ValueError(
+                    f"{prompt!r} is {length} tokens; the text encoders have {old.model_max_length} positions"
+                )
+        old_vocab, new_vocab = old.get_vocab(), new.get_vocab()
+        old_rows = encoder.get_input_embeddings().weight.detach()
+        mean, std = old_rows.mean(dim=0), old_rows.std(dim=0)
+        rows = mean + 0.1 * std * torch.randn(len(new_vocab), old_rows.shape[1], generator=generator)
+        for token, index in new_vocab.items():
+            if token in old_vocab:
+                rows[index] = old_rows[old_vocab[token]]
+        embedding = torch.nn.Embedding(len(new_vocab), old_rows.shape[1])
+        embedding.weight.data.copy_(rows)
+        encoder.set_input_embeddings(embedding)
+        encoder.config.vocab_size = len(new_vocab)
+        setattr(pipe, tokenizer_name, new)
+        if not added:
+            added = [t for t, _ in sorted(new_vocab.items(), key=lambda item: item[1]) if t not in old_vocab]
+    return added
 
 
 def build_tiny_pipeline(

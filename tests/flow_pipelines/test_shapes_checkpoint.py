@@ -19,7 +19,8 @@ def test_checkpoint_is_small_and_has_a_card():
     size = sum(f.stat().st_size for f in CHECKPOINT.rglob("*") if f.is_file())
     assert size <= 12e6
     card = (CHECKPOINT / "card.md").read_text()
-    assert "python -m mmrl.flow.pretrain_shapes" in card and "strict score" in card
+    assert "mmrl train configs/pretrain/shapes_flow.yaml" in card and "strict score" in card
+    assert "python -m mmrl.flow.pretrain_shapes --eval-only checkpoints/shapes_flow" in card
 
 
 def test_checkpoint_generates_and_scores():

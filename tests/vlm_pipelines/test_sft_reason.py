@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from mmrl.vlm.sft_reason import ReasonSFTConfig, pass_at_k, render_card, train
+from mmrl.config import load_config
+from mmrl.vlm.sft_reason import ReasonSFTConfig, main, pass_at_k, render_card
 
 CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "shapes_vlm_reason"
 
@@ -30,28 +31,38 @@ def test_committed_card_states_its_report():
     assert heldout["format"] > 0.9
 
 
-def test_tiny_run_writes_model_snapshots_and_card(tmp_path):
-    cfg = ReasonSFTConfig(
-        out=str(tmp_path / "m"),
-        steps=4,
-        train_items=40,
-        eval_items=7,
-        curve_items=7,
-        samples=2,
-        vision_pretrain_steps=1,
-        eval_every=2,
-        batch_size=4,
-        hidden_size=32,
-        num_layers=1,
-        intermediate_size=64,
-        vision_hidden_size=32,
-        max_new_tokens=8,
-        threads=1,
+def test_tiny_run_checkpoints_snapshots_and_publishes_model_and_card(tmp_path):
+    out = tmp_path / "m"
+    cfg = load_config(
+        ReasonSFTConfig,
+        overrides=[
+            f"out={out}",
+            f"run.output_dir={tmp_path}",
+            "run.progress=false",
+            "run.save_every=2",
+            "run.name=sft_reason",
+            "trainer.steps=4",
+            "data.train_items=40",
+            "data.eval_items=7",
+            "data.curve_items=7",
+            "data.samples=2",
+            "trainer.vision_pretrain_steps=1",
+            "trainer.eval_every=2",
+            "trainer.batch_size=4",
+            "model.hidden_size=32",
+            "model.num_layers=1",
+            "model.intermediate_size=64",
+            "model.vision_hidden_size=32",
+            "data.max_new_tokens=8",
+            "run.threads=1",
+        ],
     )
-    report = train(cfg)
-    out = Path(cfg.out)
-    assert (out / "model.safetensors").is_file() and (out / "card.md").is_file()
-    assert sorted(p.name for p in (out / "snapshots").iterdir()) == ["step_2", "step_4"]
+    main(cfg)
+    report = json.loads((out / "sft_report.json").read_text())
+    assert (out / "model.safetensors").is_file() and (out / "card.md").read_text() == render_card(report)
+    snapshots = tmp_path / "sft_reason" / "checkpoints"
+    assert sorted(p.name for p in snapshots.iterdir() if p.is_dir()) == ["step_00000002", "step_00000004"]
+    assert (snapshots / "step_00000002" / "model" / "model.safetensors").is_file()
     assert [p["step"] for p in report["curve"]] == [2, 4]
     for scores in report["heldout"].values():
         assert 0.0 <= scores["lenient"] <= 1.0 and 0.0 <= scores["pass@2"] <= 1.0

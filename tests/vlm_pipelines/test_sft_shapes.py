@@ -1,50 +1,61 @@
-"""The SFT script end to end in a few steps, and the committed tiny-VLM checkpoint."""
+"""The VQA SFT recipe end to end in a few steps, its config errors, and the committed tiny-VLM checkpoint."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from transformers import AutoModelForImageTextToText, AutoProcessor
+import pytest
+from transformers import AutoModelForImageTextToText, AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
+from mmrl.config import ConfigError, load_config
 from mmrl.data.shapes import COLOURS, SHAPES, Scene, SceneObject
 from mmrl.data.shapes_vqa import make_vqa_items
+from mmrl.vlm.sft import caption, flat_settings, token_labels
 from mmrl.vlm.sft_shapes import (
     COUNT_WORDS,
     SFTBatcher,
-    SFTConfig,
+    SFTShapesConfig,
     blind_baselines,
-    caption,
-    evaluate,
+    evaluate_checkpoint,
+    main,
     max_objects,
-    token_labels,
-    train,
+    score_vqa,
 )
 
 CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "shapes_vlm"
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "pretrain" / "shapes_vlm.yaml"
 
 
-def test_sft_runs_and_writes_a_loadable_checkpoint_with_card(tmp_path):
+def test_recipe_runs_and_publishes_a_loadable_model_with_card(tmp_path):
     out = tmp_path / "ckpt"
-    cfg = SFTConfig(
-        out=str(out),
-        steps=2,
-        train_items=24,
-        eval_items=14,
-        batch_size=4,
-        warmup_steps=1,
-        hidden_size=32,
-        num_layers=1,
-        intermediate_size=64,
-        vision_depth=1,
-        eval_every=1,
-        curve_items=7,
-        curriculum=0.5,
-        vision_pretrain_steps=2,
-        number_words=0.5,
+    cfg = load_config(
+        SFTShapesConfig,
+        CONFIG,
+        [
+            f"out={out}",
+            f"run.output_dir={tmp_path}",
+            "run.progress=false",
+            "run.save_every=1",
+            "run.keep_last=5",
+            "trainer.steps=2",
+            "data.train_items=24",
+            "data.eval_items=14",
+            "data.curve_items=7",
+            "data.curriculum=0.5",
+            "data.number_words=0.5",
+            "trainer.batch_size=4",
+            "trainer.warmup_steps=1",
+            "model.hidden_size=32",
+            "model.num_layers=1",
+            "model.intermediate_size=64",
+            "trainer.eval_every=1",
+            "trainer.vision_pretrain_steps=2",
+        ],
     )
-    report = train(cfg)
-    assert report["steps"] == 2
+    metrics = main(cfg)
+    report = json.loads((out / "sft_report.json").read_text())
+    assert report["steps"] == 2 and metrics["eval/accuracy"] == report["heldout_accuracy"]["overall"]
     assert [point["step"] for point in report["curve"]] == [1, 2]
     assert all(0.0 <= point["overall"] <= 1.0 for point in report["curve"])
     assert 0.0 <= report["vision_pretraining"]["shape"] <= 1.0
@@ -55,11 +66,26 @@ def test_sft_runs_and_writes_a_loadable_checkpoint_with_card(tmp_path):
     assert "| model, number words accepted |" in card and "50% of the training items" in card
     strict, read = report["heldout_accuracy"], report["heldout_accuracy_number_words"]
     assert all(read[kind] >= strict[kind] for kind in strict)  # accepting words can only add matches
-    assert f"python -m mmrl.vlm.sft_shapes --out {out} --minutes 15.0 --steps 2 --seed 0" in card
-    assert json.loads((out / "sft_report.json").read_text())["steps"] == 2
-    assert not out.with_name("ckpt.tmp").exists()  # written atomically: temp dir renamed into place
-    AutoProcessor.from_pretrained(out)
-    AutoModelForImageTextToText.from_pretrained(out)
+    # re-scoring the published folder (`python -m mmrl.vlm.sft_shapes --eval-only`) gives the card's numbers
+    assert evaluate_checkpoint(str(out), flat_settings(report["config"])) == report["heldout_accuracy"]
+    # the published config repeats the run
+    assert load_config(SFTShapesConfig, out / "config.yaml") == cfg
+    assert not any(p.name.startswith(".tmp") for p in tmp_path.iterdir())  # published by rename
+    # the published folder and every run checkpoint load with the real classes
+    for folder in (out, tmp_path / "sft_shapes_vlm" / "checkpoints" / "step_00000001" / "model"):
+        AutoProcessor.from_pretrained(folder)
+        assert isinstance(
+            Qwen2_5_VLForConditionalGeneration.from_pretrained(folder), Qwen2_5_VLForConditionalGeneration
+        )
+
+
+def test_config_errors_name_the_key():
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'trainer\.lr_shedule'\. Did you mean 'lr_schedule'\?"
+    ):
+        load_config(SFTShapesConfig, CONFIG, ["trainer.lr_shedule=cosine"])
+    with pytest.raises(ConfigError, match=r"data\.number_words: Input should be less than or equal to 1"):
+        load_config(SFTShapesConfig, CONFIG, ["data.number_words=1.5"])
 
 
 def test_token_labels_name_the_object_covering_each_cell():
@@ -123,7 +149,7 @@ def test_committed_checkpoint_loads_generates_and_beats_blind_baseline():
     model = AutoModelForImageTextToText.from_pretrained(CHECKPOINT).eval()
     size = report["config"]["image_size"]
     items = make_vqa_items(70, seed=report["config"]["seed"] + 1, size=size, split="heldout")
-    accuracy = evaluate(model, processor, items)
+    accuracy = score_vqa(model, processor, items)
     # the card's first 70 held-out items, re-scored from the saved files
     assert accuracy["overall"] > report["baselines"]["majority"]["overall"]
     assert sum(p.numel() for p in model.parameters()) == report["parameters"]

@@ -1,7 +1,7 @@
 """The tiny shapes-world text-to-image model: the SD3 adapter with the tiny model's defaults.
 
 The model (built by :func:`pipelines.flow.tiny.build_shapes_pipeline`, trained by
-``python -m mmrl.flow.pretrain_shapes``) is a real ``StableDiffusion3Pipeline`` directory: a tiny
+``mmrl train configs/pretrain/shapes_flow.yaml``) is a real ``StableDiffusion3Pipeline`` directory: a tiny
 ``SD3Transformer2DModel``, two tiny ``CLIPTextModelWithProjection`` encoders with a tokenizer trained on the shapes
 prompt vocabulary, no T5 and no VAE. Without a VAE it is a pixel-space model (latents are 32x32 RGB images in
 [-1, 1]): at 32x32 a learned VAE would cost part of the 15-minute CPU budget and add reconstruction errors that
