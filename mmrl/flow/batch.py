@@ -31,6 +31,9 @@ class StepBatch:
         cond: conditioning of the ``B`` final samples.
         sample_adv: ``[B]`` per-sample advantages.
         nfe: transformer evaluations the rollout spent.
+        sample_lags: ``[B]`` weight versions each final sample lags behind the trainer (``None``: all 0).
+        weights: ``[N]`` importance weight of each transition's loss term (``None``: all 1), see
+            :func:`mmrl.core.losses.stale_sample_weights`.
     """
 
     transitions: TransitionBatch
@@ -41,6 +44,8 @@ class StepBatch:
     cond: Conditioning
     sample_adv: torch.Tensor
     nfe: int
+    sample_lags: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
 
     @property
     def groups(self) -> torch.Tensor:

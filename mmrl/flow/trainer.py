@@ -22,6 +22,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +49,10 @@ from mmrl.ema import EMA
 from mmrl.flow.awm import awm_update
 from mmrl.flow.batch import StepBatch
 from mmrl.flow.config import FlowGRPOConfig
-from mmrl.flow.pooled import PooledRollouts
+from mmrl.flow.pooled import PooledFlowSource, pooled_worker_factory
 from mmrl.images import make_grid, tensor_to_pil
 from mmrl.loop import run_recipe
+from mmrl.rollouts import StepRequest
 from mmrl.run import Run, write_summary_json
 from mmrl.trainer_base import TrainerBase
 from pipelines.flow.adapters import Conditioning, FlowAdapter, list_adapters, load_adapter
@@ -58,6 +60,8 @@ from pipelines.flow.branch import TreeConfig, prune_transitions, tree_rollout
 from pipelines.flow.explore import ExploreConfig, ExploreResult, explore, spearman
 from pipelines.flow.rollout import Rollout, SamplingConfig, TransitionBatch, rescore, rollout
 from pipelines.flow.sde import sde_noise_scale
+from pipelines.pool.protocol import WeightUpdate
+from pipelines.pool.weights import make_update
 from rewards.base import checked_score
 
 __all__ = ["FlowGRPOTrainer", "evaluate", "main"]
@@ -202,7 +206,41 @@ class FlowGRPOTrainer(TrainerBase):
         self.resume()
         # 6. rollout pool, started from the weights held now (so after a resume)
         if cfg.pool.enabled:
-            self.rollout_pool = PooledRollouts(self)
+            self.rollout_pool = self._make_pooled_source()
+
+    def _make_pooled_source(self) -> PooledFlowSource:
+        """The pool source, its members started from the weights held now (version 0)."""
+        cfg = self.cfg
+        # the members' base sampling: every request sets its step's SDE window. Restore the generator so that
+        # building it does not consume the random-window draw the first step makes
+        state = self.generator.get_state()
+        sampling = replace(self.sampling_config(), sde_window=None)
+        self.generator.set_state(state)
+        # the LoRA (even untrained: the worker then runs the trainer's module structure) or resumed weights
+        initial = (
+            make_update(self.adapter.transformer, version=0)
+            if cfg.model.lora is not None or self.step > 0
+            else None
+        )
+        device = cfg.pool.device if cfg.pool.device is not None else str(self.device)
+        return PooledFlowSource(
+            cfg.pool,
+            pooled_worker_factory(cfg.model, sampling, initial, device),
+            plan=self.plan,
+            prompts_per_step=cfg.allocation.prompts_per_step,
+            first_step=self.step,
+            num_steps=cfg.trainer.steps - self.step,
+            seed=cfg.run.seed,
+            rank=self.rank,
+            weights=self.weight_update,
+            metrics=self.metrics,
+            device=self.device,
+        )
+
+    def weight_update(self, version: int) -> WeightUpdate:
+        """The sampling weights as the pool's weight ``version`` (LoRA-only with a frozen base)."""
+        with self.sampling_weights():
+            return make_update(self.adapter.transformer, version=version)
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         t = self.cfg.trainer
@@ -305,9 +343,10 @@ class FlowGRPOTrainer(TrainerBase):
             start = int(torch.randint(0, span + 1, (1,), generator=self.generator))
         return start, start + s.sde_window
 
-    def sampling_config(self) -> SamplingConfig:
+    def sampling_config(self, step: int | None = None) -> SamplingConfig:
+        """The rollout settings of training step ``step`` (default: the current one)."""
         s = self.cfg.sampling
-        window = self.sde_window(self.step)
+        window = self.sde_window(self.step if step is None else step)
         return SamplingConfig(
             num_steps=s.num_steps,
             guidance_scale=s.guidance_scale,
@@ -339,12 +378,23 @@ class FlowGRPOTrainer(TrainerBase):
         self.metrics.add("train/effective_ratio", effective_ratio(total, group_index))
         self.metrics.add("train/zero_std_frac", float((groups.std(total.double()) == 0).double().mean()))
 
+    def plan(self, step: int, num_prompts: int, exclude: frozenset[str] = frozenset()) -> StepRequest:
+        """Step 1 for a rollout source: ``num_prompts`` prompts (none in ``exclude``), their counts from the
+        allocator, and step ``step``'s sampling settings (its SDE window)."""
+        a = self.cfg.allocation
+        candidates = [p for p in self.train_pool if p not in exclude] if exclude else self.train_pool
+        prompts = alloc_lib.sample_prompts(
+            self.stats, candidates, num_prompts, method=a.selection, generator=self.generator
+        )
+        counts = alloc_lib.allocate(
+            self.stats, prompts, a.rollouts_per_step, method=a.method, n_min=a.n_min, n_max=a.n_max
+        )
+        return StepRequest(step, prompts, prompts, counts.tolist(), self.sampling_config(step))
+
     def collect(self) -> StepBatch:
         """Steps 1-4 for the configured rollout mode."""
         if self.rollout_pool is not None:
-            return (
-                self.rollout_pool.collect()
-            )  # the same steps on rollouts from the pool (mmrl/flow/pooled.py)
+            return self._collect_pooled()
         a = self.cfg.allocation
         prompts = alloc_lib.sample_prompts(
             self.stats, self.train_pool, a.prompts_per_step, method=a.selection, generator=self.generator
@@ -427,6 +477,56 @@ class FlowGRPOTrainer(TrainerBase):
         if result.keep is not None:  # samples the estimator leaves out of the loss (MC-GRPO's pivot)
             trans = trans.select(torch.nonzero(result.keep[trans.sample_index]).flatten())
         return total, adv, trans
+
+    def _collect_pooled(self) -> StepBatch:
+        """Steps 3-4 on the pool's flat rollouts of this step; GRPO re-scores the transitions of stale samples
+        and weights their loss terms (:meth:`_stale_weights`)."""
+        source = self.rollout_pool.collect(self.step)
+        ro = source.output
+        _, adv, trans = self.score_flat(ro)
+        self.rollout_pool.prefetch(self.step)  # later steps' requests, chosen with this step's statistics
+        weights = None
+        if self.cfg.trainer.objective == "grpo":
+            trans, weights = self._stale_weights(trans, source.sample_lags[trans.sample_index])
+        self.metrics.add("nfe/rollout", float(ro.nfe))
+        self.nfe_total += ro.nfe
+        return StepBatch(
+            trans,
+            adv[trans.sample_index],
+            ro.images,
+            ro.prompts,
+            ro.latents[:, -1],
+            ro.cond,
+            adv,
+            ro.nfe,
+            sample_lags=source.sample_lags,
+            weights=weights,
+        )
+
+    @torch.no_grad()
+    def _stale_weights(
+        self, trans: TransitionBatch, lags: torch.Tensor
+    ) -> tuple[TransitionBatch, torch.Tensor]:
+        """Re-score the transitions of stale samples (``lags [N] > 0``) under the current weights: returns the
+        batch with those log-probs as the ratio's old log-probs (the proximal policy of decoupled PPO, AReaL
+        arXiv 2505.24298 eq. 5), and ``[N]`` truncated importance weights of the loss terms (1 at lag 0)."""
+        stale = torch.nonzero(lags > 0).flatten()
+        current = trans.log_probs.clone()  # behaviour log-probs: the current policy's at lag 0
+        if stale.numel():
+            self.adapter.transformer.eval()
+            current[stale] = torch.cat(
+                [
+                    rescore(self.adapter, trans.select(idx))[0].float().cpu()
+                    for idx in stale.split(self.cfg.trainer.minibatch_size)
+                ]
+            )
+            self.nfe_total += stale.numel() * self.adapter.nfe_per_sample(trans.guidance_scale)
+        cap = self.cfg.pool.tis_cap
+        weights = loss_lib.stale_sample_weights(current, trans.log_probs, lags, cap)
+        ratio = torch.exp(current - trans.log_probs)
+        self.metrics.add("tis/weight_mean", weights.mean(), count=len(trans))
+        self.metrics.add("tis/clipped_frac", ((ratio > cap) & (lags > 0)).float().mean(), count=len(trans))
+        return replace(trans, log_probs=current), weights
 
     def _collect_branch(self, prompts: list[str], explored: ExploreResult | None) -> StepBatch:
         """One tree per prompt (per kept seed when exploring); node advantages by depth (BranchGRPO), pruned."""
@@ -555,16 +655,21 @@ class FlowGRPOTrainer(TrainerBase):
         if self.ema is not None:
             self.ema.update()
 
-    def grpo_update(self, trans: TransitionBatch, adv_t: torch.Tensor) -> None:
-        """Clipped-ratio loss on re-scored transitions + KL on SDE means, one optimizer step per accumulation."""
+    def grpo_update(
+        self, trans: TransitionBatch, adv_t: torch.Tensor, weights: torch.Tensor | None = None
+    ) -> None:
+        """Clipped-ratio loss on re-scored transitions + KL on SDE means, one optimizer step per accumulation;
+        ``weights [N]`` (stale samples' importance weights) multiply each transition's clipped-ratio term."""
         t = self.cfg.trainer
+        if weights is None:
+            weights = torch.ones(len(trans))
         if t.drop_zero_advantage:
             keep = torch.nonzero(adv_t != 0).flatten()
             if keep.numel() == 0:
                 self.metrics.add("train/skipped_no_signal", 1.0)
                 self._idle_update()
                 return
-            trans, adv_t = trans.select(keep), adv_t[keep]
+            trans, adv_t, weights = trans.select(keep), adv_t[keep], weights[keep]
         trained = self.adapter.trains_at(trans.sigma)
         if not trained.all():  # steps of an expert that is not trained (Wan2.2) carry no gradient
             if not trained.any():
@@ -572,7 +677,7 @@ class FlowGRPOTrainer(TrainerBase):
                 self._idle_update()
                 return
             keep = torch.nonzero(trained).flatten()
-            trans, adv_t = trans.select(keep), adv_t[keep]
+            trans, adv_t, weights = trans.select(keep), adv_t[keep], weights[keep]
         cfg_scale = None if t.train_cfg else 1.0
         nfe_each = self.adapter.nfe_per_sample(trans.guidance_scale if t.train_cfg else 1.0)
         if t.train_cfg or trans.guidance_scale <= 1.0:
@@ -600,7 +705,7 @@ class FlowGRPOTrainer(TrainerBase):
                 a = adv_t[idx].to(logp.device)
                 old = old_logp[idx].to(logp.device)
                 per_sample = loss_lib.clipped_surrogate(logp, old, a, t.epsilon_low, t.epsilon_high)
-                loss = per_sample.mean()
+                loss = (per_sample * weights[idx].to(per_sample.device)).mean()
                 self.nfe_total += len(mb) * nfe_each
                 if t.beta > 0:
                     with torch.no_grad(), self.reference_policy():
@@ -785,7 +890,7 @@ class FlowGRPOTrainer(TrainerBase):
         start = time.perf_counter()
         objective = self.cfg.trainer.objective
         if objective == "grpo":
-            self.grpo_update(batch.transitions, batch.adv)
+            self.grpo_update(batch.transitions, batch.adv, batch.weights)
         elif objective == "nft":
             self.nft_update(batch.final_latents, batch.cond, batch.sample_adv, batch.groups)
         elif objective == "awm":
