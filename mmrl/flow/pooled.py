@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from mmrl.device import DTYPES
+from mmrl.flow.batch import FlowSamples
 from mmrl.flow.config import FlowModelConfig
 from mmrl.rollouts import Planner, SourceBatch
 from mmrl.run import MetricAccumulator
@@ -161,7 +162,7 @@ def pooled_worker_factory(
 
 class PooledFlowSource:
     """A :class:`~mmrl.rollouts.RolloutSource` of flat flow rollouts from a :class:`RolloutPool`; see the module
-    docstring. Its output is one :class:`Rollout` per step (the step's requests merged, on ``device``).
+    docstring. Its output is one flat :class:`Rollout` per step (the step's requests merged, on ``device``).
 
     Args:
         settings: the ``pool:`` section.
@@ -201,7 +202,7 @@ class PooledFlowSource:
         self.metrics = metrics
         self.device = device
         self.seeds: dict[int, list[int]] = {}
-        self.last: SourceBatch[Rollout] | None = None
+        self.last: SourceBatch[FlowSamples] | None = None
         self.pool = settings.build_pool(worker)
 
     def _requests(self, pool_step: int) -> list[FlowStepRequest]:
@@ -227,7 +228,7 @@ class PooledFlowSource:
         self.seeds[pool_step] = [r.seed for r in requests]
         return requests
 
-    def collect(self, step: int) -> SourceBatch[Rollout]:
+    def collect(self, step: int) -> SourceBatch[FlowSamples]:
         """Steps 1-3 of the module docstring for training step ``step``."""
         pool_step = step - self.first_step
         start = time.perf_counter()
@@ -243,7 +244,11 @@ class PooledFlowSource:
         lags = batch.sample_lags()  # [B], results and samples in order, as in ro
         self.metrics.add("pool/lag_mean", lags.float().mean(), count=lags.numel())
         self.metrics.add("pool/lag_max", float(lags.max()))
-        self.last = SourceBatch(ro, step, lags, {"request_seeds": self.seeds.pop(pool_step)})
+        first = torch.ones(len(ro.group_index), dtype=torch.bool)
+        first[1:] = ro.group_index[1:] != ro.group_index[:-1]
+        prompts = [ro.prompts[i] for i in torch.nonzero(first).flatten().tolist()]
+        info = {"request_seeds": self.seeds.pop(pool_step)}
+        self.last = SourceBatch(FlowSamples(ro, prompts), step, lags, info)
         return self.last
 
     def prefetch(self, step: int) -> None:

@@ -47,17 +47,18 @@ from mmrl.distributed import (
 )
 from mmrl.ema import EMA
 from mmrl.flow.awm import awm_update
-from mmrl.flow.batch import StepBatch
+from mmrl.flow.batch import FlowSamples, StepBatch
 from mmrl.flow.config import FlowGRPOConfig
 from mmrl.flow.pooled import PooledFlowSource, pooled_worker_factory
+from mmrl.flow.rollouts import LoopFlowSource
 from mmrl.images import make_grid, tensor_to_pil
 from mmrl.loop import run_recipe
 from mmrl.rollouts import StepRequest
 from mmrl.run import Run, write_summary_json
 from mmrl.trainer_base import TrainerBase
 from pipelines.flow.adapters import Conditioning, FlowAdapter, list_adapters, load_adapter
-from pipelines.flow.branch import TreeConfig, prune_transitions, tree_rollout
-from pipelines.flow.explore import ExploreConfig, ExploreResult, explore, spearman
+from pipelines.flow.branch import TreeRollout, prune_transitions
+from pipelines.flow.explore import ExploreConfig, spearman
 from pipelines.flow.rollout import Rollout, SamplingConfig, TransitionBatch, rescore, rollout
 from pipelines.flow.sde import sde_noise_scale
 from pipelines.pool.protocol import WeightUpdate
@@ -206,7 +207,31 @@ class FlowGRPOTrainer(TrainerBase):
         self.resume()
         # 6. rollout pool, started from the weights held now (so after a resume)
         if cfg.pool.enabled:
-            self.rollout_pool = self._make_pooled_source()
+            self.rollout_source = self._make_pooled_source()
+        else:
+            self.rollout_source = LoopFlowSource(
+                self.adapter,
+                plan=self.plan,
+                prompts_per_step=cfg.allocation.prompts_per_step,
+                generator=self.generator,
+                sampling_weights=self.sampling_weights,
+                metrics=self.metrics,
+                tree=cfg.tree if cfg.sampling.rollout == "branch" else None,
+                explorer=self.explorer,
+                explore_config=self._explore_config(),
+                preview_reward=lambda images, prompts: self.combine(self.score(images, prompts)[0]),
+            )
+
+    def _explore_config(self) -> ExploreConfig:
+        e = self.cfg.explore
+        return ExploreConfig(
+            candidates=e.candidates,
+            preview_steps=e.preview_steps,
+            keep_best=e.keep_best,
+            keep_worst=e.keep_worst,
+            selection=e.selection,
+            extra_random=e.extra_random,
+        )
 
     def _make_pooled_source(self) -> PooledFlowSource:
         """The pool source, its members started from the weights held now (version 0)."""
@@ -379,92 +404,59 @@ class FlowGRPOTrainer(TrainerBase):
         self.metrics.add("train/zero_std_frac", float((groups.std(total.double()) == 0).double().mean()))
 
     def plan(self, step: int, num_prompts: int, exclude: frozenset[str] = frozenset()) -> StepRequest:
-        """Step 1 for a rollout source: ``num_prompts`` prompts (none in ``exclude``), their counts from the
-        allocator, and step ``step``'s sampling settings (its SDE window)."""
+        """Step 1 for the rollout source: ``num_prompts`` prompts (none in ``exclude``), their counts from the
+        allocator, and step ``step``'s sampling settings (its SDE window). Trees and the explorer decide their
+        own sizes: one per prompt then."""
         a = self.cfg.allocation
         candidates = [p for p in self.train_pool if p not in exclude] if exclude else self.train_pool
         prompts = alloc_lib.sample_prompts(
             self.stats, candidates, num_prompts, method=a.selection, generator=self.generator
         )
-        counts = alloc_lib.allocate(
-            self.stats, prompts, a.rollouts_per_step, method=a.method, n_min=a.n_min, n_max=a.n_max
-        )
-        return StepRequest(step, prompts, prompts, counts.tolist(), self.sampling_config(step))
+        if self.cfg.sampling.rollout == "flat" and not self.cfg.explore.enabled:
+            counts = alloc_lib.allocate(
+                self.stats, prompts, a.rollouts_per_step, method=a.method, n_min=a.n_min, n_max=a.n_max
+            ).tolist()
+        else:
+            counts = [1] * len(prompts)
+        return StepRequest(step, prompts, prompts, counts, self.sampling_config(step))
 
     def collect(self) -> StepBatch:
-        """Steps 1-4 for the configured rollout mode."""
-        if self.rollout_pool is not None:
-            return self._collect_pooled()
-        a = self.cfg.allocation
-        prompts = alloc_lib.sample_prompts(
-            self.stats, self.train_pool, a.prompts_per_step, method=a.selection, generator=self.generator
-        )
-        self.adapter.transformer.eval()
+        """Steps 1-4: the source's samples of this step, scored, with advantages and the transitions to train."""
+        source = self.rollout_source.collect(self.step)
+        samples = source.output
         start = time.perf_counter()
-        with self.sampling_weights():
-            explored = self._explore(prompts) if self.explorer is not None else None
-            if self.cfg.sampling.rollout == "branch":
-                batch = self._collect_branch(prompts, explored)
-            else:
-                batch = self._collect_flat(prompts, explored)
-        self.metrics.add("time/rollout_s", time.perf_counter() - start)
+        if samples.explored is not None:
+            self.metrics.add_dict(self.explore_memory)
+            self.nfe_total += samples.explored.nfe
+        if isinstance(samples.rollout, TreeRollout):
+            batch = self._score_trees(samples)
+        else:
+            batch = self._score_groups(samples)
+        self.rollout_source.prefetch(self.step)  # later steps' requests, chosen with this step's statistics
+        batch = replace(batch, sample_lags=source.sample_lags)
+        if self.cfg.pool.enabled and self.cfg.trainer.objective == "grpo":
+            # pooled samples may be stale: their loss terms get importance weights (1 at lag 0)
+            lags = source.sample_lags[batch.transitions.sample_index]
+            transitions, weights = self._stale_weights(batch.transitions, lags)
+            batch = replace(batch, transitions=transitions, weights=weights)
+        self.metrics.add("time/score_s", time.perf_counter() - start)
         self.metrics.add("nfe/rollout", float(batch.nfe))
         self.nfe_total += batch.nfe
         return batch
 
-    def _explore(self, prompts: list[str]) -> ExploreResult:
-        """Preview candidates with the quantized copy (synced with the current LoRA) and pick seeds to train on."""
-        e = self.cfg.explore
-        self.explorer.sync(self.adapter.transformer)
-        config = ExploreConfig(
-            candidates=e.candidates,
-            preview_steps=e.preview_steps,
-            keep_best=e.keep_best,
-            keep_worst=e.keep_worst,
-            selection=e.selection,
-            extra_random=e.extra_random,
-        )
-        result = explore(
-            self.adapter,
-            self.explorer.module,
-            prompts,
-            self.sampling_config(),
-            config,
-            lambda images, p: self.combine(self.score(images, p)[0]),
-            generator=self.generator,
-        )
-        self.metrics.add("nfe/preview", float(result.nfe))
-        self.metrics.add("explore/preview_reward_mean", result.preview_rewards.mean())
-        self.metrics.add_dict(self.explore_memory)
-        self.nfe_total += result.nfe
-        return result
-
-    def _collect_flat(self, prompts: list[str], explored: ExploreResult | None) -> StepBatch:
-        a = self.cfg.allocation
-        if explored is None:
-            counts = alloc_lib.allocate(
-                self.stats, prompts, a.rollouts_per_step, method=a.method, n_min=a.n_min, n_max=a.n_max
-            )
-        else:
-            counts = torch.full((len(prompts),), explored.chosen.shape[1], dtype=torch.long)
-        ro = rollout(
-            self.adapter,
-            prompts,
-            counts.tolist(),
-            self.sampling_config(),
-            generator=self.generator,
-            noise=None if explored is None else explored.noise,
-        )
+    def _score_groups(self, samples: FlowSamples) -> StepBatch:
+        """Steps 3-4 on flat groups."""
+        ro = samples.rollout
         total, adv, trans = self.score_flat(ro)
-        if explored is not None:
-            self.metrics.add("explore/spearman", spearman(explored.chosen_preview_rewards, total))
+        if samples.explored is not None:
+            self.metrics.add("explore/spearman", spearman(samples.explored.chosen_preview_rewards, total))
         return StepBatch(
             trans, adv[trans.sample_index], ro.images, ro.prompts, ro.latents[:, -1], ro.cond, adv, ro.nfe
         )
 
     def score_flat(self, ro: Rollout) -> tuple[torch.Tensor, torch.Tensor, TransitionBatch]:
         """Score a flat rollout, update the statistics store and log: ``(total reward [B], advantages [B],
-        the transitions to train)`` (the in-process and the pooled flat paths share this)."""
+        the transitions to train)``."""
         raw, components = self.score(ro.images, ro.prompts)
         total = self.combine(raw)
         result = self.advantages(raw, ro.group_index, ro.prompts)
@@ -477,31 +469,6 @@ class FlowGRPOTrainer(TrainerBase):
         if result.keep is not None:  # samples the estimator leaves out of the loss (MC-GRPO's pivot)
             trans = trans.select(torch.nonzero(result.keep[trans.sample_index]).flatten())
         return total, adv, trans
-
-    def _collect_pooled(self) -> StepBatch:
-        """Steps 3-4 on the pool's flat rollouts of this step; GRPO re-scores the transitions of stale samples
-        and weights their loss terms (:meth:`_stale_weights`)."""
-        source = self.rollout_pool.collect(self.step)
-        ro = source.output
-        _, adv, trans = self.score_flat(ro)
-        self.rollout_pool.prefetch(self.step)  # later steps' requests, chosen with this step's statistics
-        weights = None
-        if self.cfg.trainer.objective == "grpo":
-            trans, weights = self._stale_weights(trans, source.sample_lags[trans.sample_index])
-        self.metrics.add("nfe/rollout", float(ro.nfe))
-        self.nfe_total += ro.nfe
-        return StepBatch(
-            trans,
-            adv[trans.sample_index],
-            ro.images,
-            ro.prompts,
-            ro.latents[:, -1],
-            ro.cond,
-            adv,
-            ro.nfe,
-            sample_lags=source.sample_lags,
-            weights=weights,
-        )
 
     @torch.no_grad()
     def _stale_weights(
@@ -528,28 +495,17 @@ class FlowGRPOTrainer(TrainerBase):
         self.metrics.add("tis/clipped_frac", ((ratio > cap) & (lags > 0)).float().mean(), count=len(trans))
         return replace(trans, log_probs=current), weights
 
-    def _collect_branch(self, prompts: list[str], explored: ExploreResult | None) -> StepBatch:
-        """One tree per prompt (per kept seed when exploring); node advantages by depth (BranchGRPO), pruned."""
+    def _score_trees(self, samples: FlowSamples) -> StepBatch:
+        """Steps 3-4 on trees (one per prompt, per kept seed when exploring): node advantages by depth
+        (BranchGRPO), pruned."""
         t = self.cfg.tree
-        config = self.sampling_config()
-        offset = config.sde_window[0] if config.sde_window is not None else 0
-        factors = tuple(t.branch_factor) if isinstance(t.branch_factor, list) else t.branch_factor
-        tree_cfg = TreeConfig(split_steps=tuple(offset + s for s in t.split_steps), branch_factor=factors)
-        if explored is not None:
-            prompts = [p for p in prompts for _ in range(explored.chosen.shape[1])]  # a tree per kept seed
-        tr = tree_rollout(
-            self.adapter,
-            prompts,
-            config,
-            tree_cfg,
-            generator=self.generator,
-            noise=None if explored is None else explored.noise,
-        )
+        tr, explored = samples.rollout, samples.explored
         raw, components = self.score(tr.images, tr.leaf_prompts)
         total = self.combine(raw)
         if explored is not None:
             per_tree = (
-                torch.zeros(len(prompts)).index_add_(0, tr.leaf_tree, total) / tr.tree.leaves_per_tree()
+                torch.zeros(len(samples.prompts)).index_add_(0, tr.leaf_tree, total)
+                / tr.tree.leaves_per_tree()
             )
             self.metrics.add("explore/spearman", spearman(explored.chosen_preview_rewards, per_tree))
         # per-leaf advantages (for the NFT objective, which trains on final images); updates the store
@@ -572,7 +528,7 @@ class FlowGRPOTrainer(TrainerBase):
         )
         node_adv = adv_lib.clip_advantages(node_adv, self.cfg.trainer.adv_clip_max)
         keep = prune_transitions(tr, node_adv, depths=t.train_depths, width=t.width)
-        steps = self._train_steps(config.sde_steps())
+        steps = self._train_steps(samples.sampling.sde_steps())
         keep = keep[torch.isin(tr.transitions.step_index[keep], steps)]
         trans = tr.transitions.select(keep)
         self.metrics.add("tree/nodes", float(tr.parent.numel()))

@@ -61,17 +61,15 @@ from mmrl.rollouts import Planner, SourceBatch
 from mmrl.run import MetricAccumulator
 from mmrl.seeding import request_seed
 from mmrl.vlm.config import GenerationConfig, VLMModelConfig, VLMPoolSettings
+from mmrl.vlm.rollouts import VLMPairs
 from pipelines.pool.protocol import RolloutRequest, WeightUpdate
 from pipelines.pool.vlm_worker import VLMRolloutWorker
 from pipelines.vlm import vllm_backend
-from pipelines.vlm.backend import GenerationSample, SamplingParams
+from pipelines.vlm.backend import SamplingParams
 
-__all__ = ["PooledVLMSource", "PooledVLMWorker", "VLMPairs", "pooled_worker_factory"]
+__all__ = ["PooledVLMSource", "PooledVLMWorker", "pooled_worker_factory"]
 
 logger = logging.getLogger(__name__)
-
-#: a VLM source's output: ``(prompt_id, sample)`` per generated sample
-VLMPairs = list[tuple[str, GenerationSample]]
 
 
 class PooledVLMWorker(VLMRolloutWorker):

@@ -59,6 +59,7 @@ from mmrl.run import write_summary_json
 from mmrl.trainer_base import TrainerBase
 from mmrl.vlm.config import VLMRLVRConfig
 from mmrl.vlm.pooled import PooledVLMSource, pooled_worker_factory
+from mmrl.vlm.rollouts import LoopVLMSource, VLMPairs
 from pipelines.pool.protocol import WeightUpdate
 from pipelines.pool.weights import make_update
 from pipelines.vlm.backend import GenerationBackend, GenerationSample, SamplingParams
@@ -204,7 +205,11 @@ class VLMRLVRTrainer(TrainerBase):
         self.resume()
         # 5. rollout pool, started from the weights held now (so after a resume)
         if cfg.pool.enabled:
-            self.rollout_pool = self._make_pooled_source()
+            self.rollout_source = self._make_pooled_source()
+        else:
+            self.rollout_source = LoopVLMSource(
+                self.plan, self._generate_ids, cfg.allocation.prompts_per_step
+            )
 
     def _make_pooled_source(self) -> PooledVLMSource:
         """The pool source, its members started from the weights held now (version 0)."""
@@ -401,16 +406,10 @@ class VLMRLVRTrainer(TrainerBase):
             metadata=[{"ground_truth": ex.answer} for ex in examples],
         )
 
-    def rollouts(self) -> list[tuple[VQAExample, GenerationSample]]:
-        """Steps 1-2 in the training loop: the step's prompts, then one ``generate`` per distinct count."""
-        temp = self.cfg.generation.temperature
-        chosen, counts = self.choose_prompts(self.cfg.allocation.prompts_per_step)
-        pairs = []
-        for n in sorted(set(counts)):
-            pairs.extend(
-                self.generate([self.by_id[p] for p, c in zip(chosen, counts, strict=True) if c == n], n, temp)
-            )
-        return pairs
+    def _generate_ids(self, prompt_ids: list[str], n: int) -> VLMPairs:
+        """``n`` training samples of each prompt of ``prompt_ids`` (the loop source's generation)."""
+        examples = [self.by_id[pid] for pid in prompt_ids]
+        return [(ex.prompt_id, s) for ex, s in self.generate(examples, n, self.cfg.generation.temperature)]
 
     def collect(
         self,
@@ -418,14 +417,8 @@ class VLMRLVRTrainer(TrainerBase):
         """Steps 1-3: ``(pairs, sequence advantages [N], row mask [N] of samples that enter the loss, weight
         lags [N] of the samples)``."""
         t = self.cfg.trainer
-        # the pool's samples for this step (mmrl/vlm/pooled.py), or generated here
-        if self.rollout_pool is not None:
-            source = self.rollout_pool.collect(self.step)
-            pairs = [(self.by_id[pid], sample) for pid, sample in source.output]
-            lags = source.sample_lags
-        else:
-            pairs = self.rollouts()
-            lags = torch.zeros(len(pairs), dtype=torch.long)
+        source = self.rollout_source.collect(self.step)
+        pairs = [(self.by_id[pid], sample) for pid, sample in source.output]
         total, raw = self.verify(pairs)
         pids = [ex.prompt_id for ex, _ in pairs]
         group_ids = torch.tensor(_group_index(pids))
@@ -452,11 +445,8 @@ class VLMRLVRTrainer(TrainerBase):
         )
         self.metrics.add("adv/mean", adv.mean())
         self.metrics.add("adv/std", adv.std(correction=0))
-        if self.rollout_pool is not None:
-            self.rollout_pool.prefetch(
-                self.step
-            )  # the next steps' requests, chosen with this step's statistics
-        return pairs, adv, keep, lags
+        self.rollout_source.prefetch(self.step)  # later steps' requests, chosen with this step's statistics
+        return pairs, adv, keep, source.sample_lags
 
     def loss_weights(
         self, old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, lags: torch.Tensor

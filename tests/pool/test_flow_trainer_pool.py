@@ -10,6 +10,7 @@ import torch
 
 from mmrl.config import load_config
 from mmrl.core.losses import clipped_surrogate, stale_sample_weights
+from mmrl.flow import rollouts as loop_rollouts
 from mmrl.flow import trainer as trainer_module
 from mmrl.flow.config import FlowGRPOConfig
 from mmrl.flow.pooled import concat_rollouts
@@ -64,7 +65,7 @@ def steps(trainer: FlowGRPOTrainer, n: int) -> list[dict[str, float]]:
 def test_synchronous_pool_equals_in_loop_rollouts(monkeypatch):
     cfg = make_cfg()
     plain = started(cfg)
-    real_rollout = trainer_module.rollout
+    real_rollout = loop_rollouts.rollout
 
     def request_seeded(adapter, prompts, counts, config, generator=None, noise=None):
         # the in-loop path with the noise of the pool's single request of this step
@@ -72,15 +73,15 @@ def test_synchronous_pool_equals_in_loop_rollouts(monkeypatch):
         seed = request_seed(cfg.run.seed, 0, plain.step, 0)
         return real_rollout(adapter, prompts, counts, config, torch.Generator().manual_seed(seed))
 
-    monkeypatch.setattr(trainer_module, "rollout", request_seeded)
+    monkeypatch.setattr(loop_rollouts, "rollout", request_seeded)
     expected = steps(plain, 2)
-    monkeypatch.setattr(trainer_module, "rollout", real_rollout)
+    monkeypatch.setattr(loop_rollouts, "rollout", real_rollout)
 
     pooled = started(make_cfg("pool.enabled=true", "pool.max_staleness=0"))
     initial = [p.detach().clone() for p in pooled.trainable]
     try:
         got = steps(pooled, 2)
-        assert pooled.rollout_pool.last.info["request_seeds"] == [request_seed(cfg.run.seed, 0, 1, 0)]
+        assert pooled.rollout_source.last.info["request_seeds"] == [request_seed(cfg.run.seed, 0, 1, 0)]
     finally:
         pooled.cleanup()
     for want, have in zip(expected, got, strict=True):
@@ -191,7 +192,7 @@ def test_requests_split_over_workers_and_merge():
     trainer = started(make_cfg("pool.enabled=true", "pool.num_workers=2", "trainer.steps=1"))
     try:
         metrics = trainer.train_step()
-        last = trainer.rollout_pool.last
+        last = trainer.rollout_source.last
         assert len(last.info["request_seeds"]) == 2  # 2 prompts, 2 workers: a request each
         assert metrics["rollouts/per_prompt_min"] == 3 and last.sample_lags.numel() == 6
         config = trainer.sampling_config()

@@ -93,7 +93,7 @@ def test_synchronous_pool_equals_in_loop_rollouts():
     initial = lora(pooled)
     try:
         got = steps(pooled, 2)
-        assert pooled.rollout_pool.last.info["request_ids"] == ["step1-0"]
+        assert pooled.rollout_source.last.info["request_ids"] == ["step1-0"]
     finally:
         pooled.cleanup()
     for want, have in zip(expected, got, strict=True):
@@ -133,7 +133,7 @@ def test_async_group_lag_is_bounded_and_stale_samples_are_weighted():
     try:
         for _ in range(3):
             metrics.append(trainer.train_step())
-            lags.append(trainer.rollout_pool.last.sample_lags)
+            lags.append(trainer.rollout_source.last.sample_lags)
             trainer.step += 1
     finally:
         trainer.cleanup()
@@ -175,7 +175,7 @@ def test_overprovisioned_partial_rollouts_are_carried_and_consumed_once(monkeypa
         )
     )
     submitted, delivered, infos, metrics = [], [], [], []
-    pool = trainer.rollout_pool
+    pool = trainer.rollout_source
     original_submit = pool.pool.submit
 
     def record_submit(requests, step=None):
