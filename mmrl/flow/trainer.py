@@ -205,7 +205,7 @@ class FlowGRPOTrainer(TrainerBase):
         self.old_policy = EMA(transformer, decay) if decay else None
         # 5. resume
         self.resume()
-        # 6. rollout pool, started from the weights held now (so after a resume)
+        # 6. the rollout source; a pool starts from the weights held now (so after a resume)
         if cfg.pool.enabled:
             self.rollout_source = self._make_pooled_source()
         else:
@@ -219,8 +219,12 @@ class FlowGRPOTrainer(TrainerBase):
                 tree=cfg.tree if cfg.sampling.rollout == "branch" else None,
                 explorer=self.explorer,
                 explore_config=self._explore_config(),
-                preview_reward=lambda images, prompts: self.combine(self.score(images, prompts)[0]),
+                preview_reward=self.preview_reward,
             )
+
+    def preview_reward(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        """``[B]`` weighted training reward of the explorer's previews."""
+        return self.combine(self.score(images, prompts)[0])
 
     def _explore_config(self) -> ExploreConfig:
         e = self.cfg.explore
@@ -424,7 +428,6 @@ class FlowGRPOTrainer(TrainerBase):
         """Steps 1-4: the source's samples of this step, scored, with advantages and the transitions to train."""
         source = self.rollout_source.collect(self.step)
         samples = source.output
-        start = time.perf_counter()
         if samples.explored is not None:
             self.metrics.add_dict(self.explore_memory)
             self.nfe_total += samples.explored.nfe
@@ -439,7 +442,6 @@ class FlowGRPOTrainer(TrainerBase):
             lags = source.sample_lags[batch.transitions.sample_index]
             transitions, weights = self._stale_weights(batch.transitions, lags)
             batch = replace(batch, transitions=transitions, weights=weights)
-        self.metrics.add("time/score_s", time.perf_counter() - start)
         self.metrics.add("nfe/rollout", float(batch.nfe))
         self.nfe_total += batch.nfe
         return batch

@@ -203,7 +203,7 @@ class VLMRLVRTrainer(TrainerBase):
         )
         self.stats = PromptStats(rho=cfg.allocation.rho, prior_strength=cfg.allocation.prior_strength)
         self.resume()
-        # 5. rollout pool, started from the weights held now (so after a resume)
+        # 5. the rollout source; a pool starts from the weights held now (so after a resume)
         if cfg.pool.enabled:
             self.rollout_source = self._make_pooled_source()
         else:
