@@ -21,6 +21,7 @@ from mmrl.core.stats import PromptStats
 from mmrl.device import resolve_device
 from mmrl.distributed import all_reduce_grads, full_tensor, init_distributed
 from mmrl.loop import train_loop
+from mmrl.rollouts import RolloutSource
 from mmrl.run import MetricAccumulator, Run, resume_checkpoint
 from mmrl.seeding import get_rng_state, seed_everything, set_rng_state
 from pipelines.threads import set_cpu_threads
@@ -42,8 +43,8 @@ class TrainerBase:
         run: the run directory (``None`` on ranks other than 0, and for evaluation-only use).
         step: training steps done.
         metrics: the per-step metric accumulator (reduced once per step).
-        rollout_pool: the rollout pool driver when rollouts are not generated in the loop (closed by
-            :meth:`cleanup`).
+        rollout_source: where the trainer's rollouts come from (a :class:`~mmrl.rollouts.RolloutSource`: in the
+            loop or from a pool), closed by :meth:`cleanup`.
     """
 
     show: tuple[str, ...] = ("reward/mean",)
@@ -54,7 +55,7 @@ class TrainerBase:
         self.run = run
         self.step = 0
         self.metrics = MetricAccumulator()
-        self.rollout_pool: Any = None
+        self.rollout_source: RolloutSource | None = None
 
     # ------------------------------------------------------------------ setup
     def setup_runtime(self, device: str = "cpu") -> None:
@@ -147,7 +148,7 @@ class TrainerBase:
 
     def cleanup(self) -> None:
         """Close the rollout source and the run directory."""
-        if self.rollout_pool is not None:
-            self.rollout_pool.close()
+        if self.rollout_source is not None:
+            self.rollout_source.close()
         if self.run is not None:
             self.run.close()

@@ -24,6 +24,7 @@ __all__ = [
     "gspo_token_logp",
     "kl_estimate",
     "reward_weighted_fm_loss",
+    "stale_sample_weights",
     "truncated_is_weights",
 ]
 
@@ -240,6 +241,42 @@ def truncated_is_weights(
     else:
         raise ValueError(f"policy must be 'truncate' or 'mask', got {policy!r}")
     return weights * m
+
+
+def stale_sample_weights(
+    current_logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    lags: torch.Tensor,
+    cap: float,
+    mode: Literal["token", "sequence"] = "token",
+    mask: torch.Tensor | None = None,
+    fresh: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The one off-policy correction of stale samples: weights for each sample's policy-gradient loss term.
+
+    A sample generated ``lag > 0`` weight versions ago was drawn by an older policy ``pi_behaviour``; its loss
+    term is multiplied by ``w = min(pi_current / pi_behaviour, C)`` (:func:`truncated_is_weights`, held
+    constant). Samples with ``lag == 0`` come from the current weights and get ``fresh`` (an engine's TIS
+    weights, when the rollout engine is not the trainer), else exactly 1 (0 on masked-out tokens).
+
+    Args:
+        current_logp, behaviour_logp: ``[N]`` per-sample (flow transitions) or ``[N, T]`` per-token log-probs.
+        lags: ``[N]`` weight versions each sample lags behind the trainer.
+        cap: ``C >= 1``.
+        mode, mask: as :func:`truncated_is_weights` (``[N, T]`` inputs).
+        fresh: weights of the lag-0 samples, shaped as ``current_logp``; ``None``: 1.
+
+    Returns:
+        Detached weights shaped as ``current_logp``.
+    """
+    check_same_shape(current_logp=current_logp, behaviour_logp=behaviour_logp)
+    if lags.ndim != 1 or lags.shape[0] != current_logp.shape[0]:
+        raise ValueError(f"lags must be [N] = [{current_logp.shape[0]}], got {tuple(lags.shape)}")
+    weights = truncated_is_weights(current_logp, behaviour_logp, cap, mode=mode, mask=mask)
+    if fresh is None:
+        fresh = torch.ones_like(weights) if mask is None else mask.to(weights.dtype)
+    stale = (lags > 0).to(weights.device).view(-1, *([1] * (weights.ndim - 1)))
+    return torch.where(stale, weights, fresh)
 
 
 def diffusion_nft_loss(

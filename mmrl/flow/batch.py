@@ -1,5 +1,5 @@
-"""What one flow rollout step hands to the update, whatever produced it (in the loop, a tree, the explorer, a
-rollout pool)."""
+"""What a flow rollout source hands to the trainer (:class:`FlowSamples`) and what one rollout step hands to the
+update (:class:`StepBatch`), whatever produced it (in the loop, a tree, the explorer, a rollout pool)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ from dataclasses import dataclass
 import torch
 
 from pipelines.flow.adapters import Conditioning
-from pipelines.flow.rollout import TransitionBatch
+from pipelines.flow.branch import TreeRollout
+from pipelines.flow.explore import ExploreResult
+from pipelines.flow.rollout import Rollout, SamplingConfig, TransitionBatch
 
-__all__ = ["StepBatch", "prompt_ids"]
+__all__ = ["FlowSamples", "StepBatch", "prompt_ids"]
 
 
 def prompt_ids(prompts: list[str]) -> torch.Tensor:
@@ -31,6 +33,9 @@ class StepBatch:
         cond: conditioning of the ``B`` final samples.
         sample_adv: ``[B]`` per-sample advantages.
         nfe: transformer evaluations the rollout spent.
+        sample_lags: ``[B]`` weight versions each final sample lags behind the trainer (``None``: all 0).
+        weights: ``[N]`` importance weight of each transition's loss term (``None``: all 1), see
+            :func:`mmrl.core.losses.stale_sample_weights`.
     """
 
     transitions: TransitionBatch
@@ -41,8 +46,33 @@ class StepBatch:
     cond: Conditioning
     sample_adv: torch.Tensor
     nfe: int
+    sample_lags: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
 
     @property
     def groups(self) -> torch.Tensor:
         """``[B]`` group id of each final sample (the images of one prompt form a group)."""
         return prompt_ids(self.prompts)
+
+
+@dataclass
+class FlowSamples:
+    """One step's flow samples.
+
+    Attributes:
+        rollout: the flat groups (:class:`Rollout`) or the trees (:class:`TreeRollout`).
+        prompts: the prompt of each group or tree, in order.
+        sampling: the settings the samples were drawn with (the step's SDE window); ``None`` when they vary
+            per request (a pool).
+        explored: the explorer's choice of seeds, when exploring.
+    """
+
+    rollout: Rollout | TreeRollout
+    prompts: list[str]
+    sampling: SamplingConfig | None = None
+    explored: ExploreResult | None = None
+
+    @property
+    def nfe(self) -> int:
+        """Transformer evaluations of the rollout (the explorer's are in ``explored.nfe``)."""
+        return self.rollout.nfe

@@ -1,21 +1,28 @@
-"""Flat flow-GRPO rollouts from a :class:`~pipelines.pool.pool.RolloutPool` (``pool.enabled: true``).
+"""Flat flow-GRPO rollouts from a :class:`~pipelines.pool.pool.RolloutPool` (``pool.enabled: true``):
+:class:`PooledFlowSource`, a :class:`~mmrl.rollouts.RolloutSource`.
 
-The trainer keeps deciding which prompts get rollouts and how many (its selection and allocation on its
-statistics store); the pool's workers generate them. Per training step ``k`` (the pool's weight version when
-step ``k`` is consumed is ``k``, counted from the step the pool started at):
+The trainer keeps deciding which prompts get rollouts and how many (its planner: selection and allocation on
+its statistics store, and the step's SDE window); the pool's workers generate them. The source never sees the
+trainer. Per training step ``k`` (the pool's weight version when step ``k`` is consumed is ``k``, counted from
+the step the pool started at):
 
-1. publish the weights of the optimizer steps so far (``make_update``: LoRA-only with a frozen base) as version
-   ``k``; the pool started from the trainer's weights as version 0;
-2. queue the requests of steps up to ``k + max_staleness``: prompts and counts from the allocator, the step's SDE
-   window, one request per worker, seeds derived from the run seed, rank, step and request index;
-3. wait for step ``k``'s results; they hold samples of versions ``k - max_staleness .. k``;
-4. score, update the statistics store and compute advantages as the in-process flat rollout does;
-5. GRPO: transitions of samples with lag > 0 were drawn by an older policy. Their log-probs are re-scored under
-   the current weights (the proximal "old" policy of the clipped ratio, decoupled PPO as in AReaL,
-   arXiv 2505.24298 eq. 5) and each transition's surrogate is weighted by the truncated importance weight
-   ``w = min(pi_current / pi_behaviour, C)`` (:func:`mmrl.core.losses.truncated_is_weights`); lag-0
-   transitions keep their behaviour log-probs and ``w = 1`` exactly. The likelihood-free objectives (nft, rwr)
-   train on the final samples under the current weights and are not re-weighted.
+1. publish the trainer's sampling weights (``weights(k)``: LoRA-only with a frozen base) as version ``k``; the
+   pool started from the trainer's weights as version 0;
+2. make sure step ``k``'s requests are queued (:meth:`RolloutPool.submit_through`): the planner's prompts and
+   counts, the step's SDE window, one request per worker, seeds derived from the run seed, rank, step and
+   request index;
+3. wait for step ``k``'s results, merged into one :class:`Rollout`; they hold samples of versions
+   ``k - max_staleness .. k``;
+4. the trainer scores, updates its statistics store and computes advantages as on in-process flat rollouts,
+   then :meth:`PooledFlowSource.prefetch` queues the steps up to ``k + max_staleness``
+   (:meth:`RolloutPool.submit_ahead`, chosen with the statistics of step ``k``), generated while step ``k``
+   trains;
+5. GRPO (the trainer): transitions of samples with lag > 0 were drawn by an older policy. Their log-probs are
+   re-scored under the current weights (the proximal "old" policy of the clipped ratio, decoupled PPO as in
+   AReaL, arXiv 2505.24298 eq. 5) and each transition's loss term is weighted by the truncated importance
+   weight ``w = min(pi_current / pi_behaviour, C)`` (:func:`mmrl.core.losses.stale_sample_weights`); lag-0
+   transitions keep their behaviour log-probs and ``w = 1`` exactly. The likelihood-free objectives (nft, rwr,
+   awm) train on the final samples under the current weights and are not re-weighted.
 
 ``max_staleness = 0`` is synchronous on-policy training with the same draws as the in-process path except the
 rollout noise (seeded per request instead of from the trainer's generator). ``1`` generates step ``k + 1``
@@ -27,32 +34,30 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from mmrl.core import allocation as alloc_lib
-from mmrl.core.losses import truncated_is_weights
 from mmrl.device import DTYPES
-from mmrl.flow.batch import StepBatch
+from mmrl.flow.batch import FlowSamples
+from mmrl.flow.config import FlowModelConfig
+from mmrl.rollouts import Planner, SourceBatch
+from mmrl.run import MetricAccumulator
+from mmrl.sections import PoolSettings
 from mmrl.seeding import request_seed
 from pipelines.flow.adapters import Conditioning
-from pipelines.flow.rollout import Rollout, SamplingConfig, TransitionBatch, rescore, rollout
+from pipelines.flow.rollout import Rollout, SamplingConfig, rollout
 from pipelines.pool.flow_worker import FlowRolloutWorker
 from pipelines.pool.protocol import FULL_PRECISION, RolloutRequest, WeightUpdate
-from pipelines.pool.weights import make_update
-
-if TYPE_CHECKING:
-    from mmrl.flow.trainer import FlowGRPOTrainer
 
 __all__ = [
     "FlowStepRequest",
-    "PoolStepInfo",
+    "PooledFlowSource",
     "PooledFlowWorker",
-    "PooledRollouts",
     "concat_rollouts",
-    "importance_weights",
+    "pooled_worker_factory",
 ]
 
 
@@ -137,166 +142,118 @@ def concat_rollouts(rollouts: list[Rollout], device: torch.device | str) -> Roll
     )
 
 
-def importance_weights(
-    current_logp: torch.Tensor, behaviour_logp: torch.Tensor, lags: torch.Tensor, cap: float
-) -> torch.Tensor:
-    """``[N]`` truncated importance weights: ``min(exp(current - behaviour), cap)`` where ``lags > 0``, exactly 1
-    where ``lags == 0`` (those samples come from the current weights; re-scoring them would only add the
-    rounding noise of a different batch composition)."""
-    weights = truncated_is_weights(current_logp, behaviour_logp, cap)
-    return torch.where(lags > 0, weights, torch.ones_like(weights))
+def pooled_worker_factory(
+    model: FlowModelConfig, sampling: SamplingConfig, initial: WeightUpdate | None, device: str
+) -> Callable[[], PooledFlowWorker]:
+    """The picklable factory of one pool member for the ``model:`` section: ``sampling`` is the members' base
+    sampling (each request sets its step's SDE window), ``initial`` the trainer's weights as version 0."""
+    return functools.partial(
+        PooledFlowWorker.build,
+        model.family,
+        model.path,
+        sampling,
+        initial,
+        device=device,
+        torch_dtype=DTYPES[model.dtype],
+        autocast_dtype=DTYPES[model.autocast] if model.autocast else None,
+        **model.options,
+    )
 
 
-@dataclass
-class PoolStepInfo:
-    """What the last consumed step looked like (tests and debugging).
+class PooledFlowSource:
+    """A :class:`~mmrl.rollouts.RolloutSource` of flat flow rollouts from a :class:`RolloutPool`; see the module
+    docstring. Its output is one flat :class:`Rollout` per step (the step's requests merged, on ``device``).
 
-    Attributes:
-        sample_lags: ``[B]`` weight versions each sample lags behind the trainer.
-        transition_lags: ``[N]`` the lag of each trained transition's sample.
-        weights: ``[N]`` importance weight of each trained transition (1 without GRPO or at lag 0).
-        request_seeds: the step's request seeds, in request order.
+    Args:
+        settings: the ``pool:`` section.
+        worker: factory of one pool member (:func:`pooled_worker_factory`).
+        plan: the trainer's planner (its prompt choice, counts and the step's sampling settings).
+        prompts_per_step: prompts the planner is asked for per step.
+        first_step: the training step the pool starts at (its weight version 0).
+        num_steps: training steps the source serves (no request is made beyond the last).
+        seed, rank: the run seed and the rank (request seeds are derived from them, the step and the request).
+        weights: ``weights(version)``: the trainer's sampling weights as a :class:`WeightUpdate` of ``version``.
+        metrics: the trainer's metric sink.
+        device: where the merged rollout goes (the trainer's device, where it re-scores).
     """
 
-    sample_lags: torch.Tensor
-    transition_lags: torch.Tensor
-    weights: torch.Tensor
-    request_seeds: list[int]
-
-
-class PooledRollouts:
-    """Drives a :class:`RolloutPool` for a :class:`~mmrl.flow.trainer.FlowGRPOTrainer`; see the module docstring.
-
-    Built at the end of the trainer's ``setup()`` (after a resume), so version 0 is the weights held then.
-    """
-
-    def __init__(self, trainer: FlowGRPOTrainer) -> None:
-        self.trainer = trainer
-        cfg = trainer.cfg
-        p = cfg.pool
-        self.settings = p
-        self.start_step = trainer.step
-        self.last_step = cfg.trainer.steps - 1 - self.start_step  # the pool step of the last training step
-        self.submitted = 0  # next pool step whose requests are to be made
+    def __init__(
+        self,
+        settings: PoolSettings,
+        worker: Callable[[], PooledFlowWorker],
+        *,
+        plan: Planner,
+        prompts_per_step: int,
+        first_step: int,
+        num_steps: int,
+        seed: int,
+        rank: int,
+        weights: Callable[[int], WeightUpdate],
+        metrics: MetricAccumulator,
+        device: torch.device | str,
+    ) -> None:
+        self.settings = settings
+        self.plan = plan
+        self.prompts_per_step = prompts_per_step
+        self.first_step = first_step
+        self.last_step = num_steps - 1  # the pool step of the last training step
+        self.seed, self.rank = seed, rank
+        self.weights = weights
+        self.metrics = metrics
+        self.device = device
         self.seeds: dict[int, list[int]] = {}
-        self.last: PoolStepInfo | None = None
-        # the workers' base sampling: every request overrides the SDE window. Restore the generator so that
-        # building it does not consume the random-window draw the first step makes
-        state = trainer.generator.get_state()
-        sampling = replace(trainer.sampling_config(), sde_window=None)
-        trainer.generator.set_state(state)
-        transformer = trainer.adapter.transformer
-        # the LoRA (even untrained: the worker then runs the trainer's module structure) or resumed weights
-        initial = (
-            make_update(transformer, version=0) if cfg.model.lora is not None or trainer.step > 0 else None
-        )
-        device = p.device if p.device is not None else str(trainer.device)
-        factory = functools.partial(
-            PooledFlowWorker.build,
-            cfg.model.family,
-            cfg.model.path,
-            sampling,
-            initial,
-            device=device,
-            torch_dtype=DTYPES[cfg.model.dtype],
-            autocast_dtype=DTYPES[cfg.model.autocast] if cfg.model.autocast else None,
-            **cfg.model.options,
-        )
-        self.pool = p.build_pool(factory)
+        self.last: SourceBatch[FlowSamples] | None = None
+        self.pool = settings.build_pool(worker)
 
-    # ------------------------------------------------------------------ requests
-    def make_requests(self, pool_step: int) -> list[FlowStepRequest]:
-        """The requests of pool step ``pool_step``: the allocator's prompts and counts, one request per worker."""
-        t = self.trainer
-        a = t.cfg.allocation
-        step = self.start_step + pool_step
-        prompts = alloc_lib.sample_prompts(
-            t.stats, t.train_pool, a.prompts_per_step, method=a.selection, generator=t.generator
-        )
-        counts = alloc_lib.allocate(
-            t.stats, prompts, a.rollouts_per_step, method=a.method, n_min=a.n_min, n_max=a.n_max
-        ).tolist()
-        window = self.trainer.sde_window(step)
-        chunks = torch.arange(len(prompts)).tensor_split(min(self.settings.num_workers, len(prompts)))
+    def _requests(self, pool_step: int) -> list[FlowStepRequest]:
+        """The requests of pool step ``pool_step``: the planner's prompts and counts, one request per worker."""
+        step = self.first_step + pool_step
+        plan = self.plan(step, self.prompts_per_step, frozenset())
+        window = plan.sampling.sde_window if plan.sampling is not None else None
+        n = len(plan.prompts)
+        chunks = torch.arange(n).tensor_split(min(self.settings.num_workers, n))
         requests = []
-        for i, rows in enumerate(chunks):
+        for index, rows in enumerate(chunks):
             rows = rows.tolist()
-            seed = request_seed(t.cfg.run.seed, t.rank, step, i)
             requests.append(
                 FlowStepRequest(
-                    request_id=f"step{step}-{i}",
-                    prompt_ids=[prompts[r] for r in rows],
-                    prompts=[prompts[r] for r in rows],
-                    counts=[counts[r] for r in rows],
-                    seed=seed,
+                    request_id=f"step{step}-{index}",
+                    prompt_ids=[plan.prompt_ids[r] for r in rows],
+                    prompts=[plan.prompts[r] for r in rows],
+                    counts=[plan.counts[r] for r in rows],
+                    seed=request_seed(self.seed, self.rank, step, index),
                     sde_window=window,
                 )
             )
         self.seeds[pool_step] = [r.seed for r in requests]
         return requests
 
-    # ------------------------------------------------------------------ one step
-    def collect(self) -> StepBatch:
-        """Steps 1-5 of the module docstring for the trainer's current step."""
-        t = self.trainer
-        k = t.step - self.start_step
+    def collect(self, step: int) -> SourceBatch[FlowSamples]:
+        """Steps 1-3 of the module docstring for training step ``step``."""
+        pool_step = step - self.first_step
         start = time.perf_counter()
-        if self.pool.version < k:
+        if self.pool.version < pool_step:
             # published here rather than after the update, so the trainer needs no hook in its objectives;
-            # nothing changes the weights between the end of train_step and the next collect
-            with t.sampling_weights():
-                update = make_update(t.adapter.transformer, version=k)
-            self.pool.broadcast(update)
-        while self.submitted <= max(k, min(k + self.settings.max_staleness, self.last_step)):
-            self.pool.submit(self.make_requests(self.submitted), step=self.submitted)
-            self.submitted += 1
-        batch = self.pool.collect(k)
-        t.metrics.add("time/rollout_s", time.perf_counter() - start)  # time the trainer waited for samples
-        t.metrics.add("time/generate_s", sum(r.seconds for r in batch.results))
-        ro = concat_rollouts([r.output for r in batch.results], t.device)
-        sample_lags = batch.sample_lags()  # [B], results and samples in order, as in ro
-        t.metrics.add("pool/lag_mean", sample_lags.float().mean(), count=sample_lags.numel())
-        t.metrics.add("pool/lag_max", float(sample_lags.max()))
+            # nothing changes the weights between the end of a step and the next collect
+            self.pool.broadcast(self.weights(pool_step))
+        self.pool.submit_through(pool_step, self._requests, self.last_step)
+        batch = self.pool.collect(pool_step)
+        self.metrics.add("time/rollout_s", time.perf_counter() - start)  # time the trainer waited for samples
+        self.metrics.add("time/generate_s", sum(r.seconds for r in batch.results))
+        ro = concat_rollouts([r.output for r in batch.results], self.device)
+        lags = batch.sample_lags()  # [B], results and samples in order, as in ro
+        self.metrics.add("pool/lag_mean", lags.float().mean(), count=lags.numel())
+        self.metrics.add("pool/lag_max", float(lags.max()))
+        first = torch.ones(len(ro.group_index), dtype=torch.bool)
+        first[1:] = ro.group_index[1:] != ro.group_index[:-1]
+        prompts = [ro.prompts[i] for i in torch.nonzero(first).flatten().tolist()]
+        info = {"request_seeds": self.seeds.pop(pool_step)}
+        self.last = SourceBatch(FlowSamples(ro, prompts), step, lags, info)
+        return self.last
 
-        _, adv, trans = t.score_flat(ro)  # the in-process flat rollout's steps 3-4
-        adv_t = adv[trans.sample_index]
-        lags_t = sample_lags[trans.sample_index]
-        weights = torch.ones(len(trans))
-        if t.cfg.trainer.objective == "grpo":
-            trans, weights = self._correct(trans, lags_t)
-            # w * L(r, A) = L(r, w * A) for w >= 0 (the clipped surrogate is positively homogeneous in A), so
-            # weighting each transition's surrogate is folding w into its advantage; the KL term is not weighted
-            adv_t = adv_t * weights
-        self.last = PoolStepInfo(sample_lags, lags_t, weights, self.seeds.pop(k))
-        t.metrics.add("nfe/rollout", float(ro.nfe))
-        t.nfe_total += ro.nfe
-        return StepBatch(trans, adv_t, ro.images, ro.prompts, ro.latents[:, -1], ro.cond, adv, ro.nfe)
-
-    @torch.no_grad()
-    def _correct(self, trans: TransitionBatch, lags: torch.Tensor) -> tuple[TransitionBatch, torch.Tensor]:
-        """Re-score the transitions of stale samples under the current weights; returns the batch with those
-        log-probs as the ratio's old log-probs, and ``[N]`` TIS weights (1 at lag 0)."""
-        t = self.trainer
-        stale = torch.nonzero(lags > 0).flatten()
-        current = trans.log_probs.clone()  # behaviour log-probs: the current policy's at lag 0
-        if stale.numel():
-            t.adapter.transformer.eval()
-            current[stale] = torch.cat(
-                [
-                    rescore(t.adapter, trans.select(idx))[0].float().cpu()
-                    for idx in stale.split(t.cfg.trainer.minibatch_size)
-                ]
-            )
-            t.nfe_total += stale.numel() * t.adapter.nfe_per_sample(trans.guidance_scale)
-        weights = importance_weights(current, trans.log_probs, lags, self.settings.tis_cap)
-        ratio = torch.exp(current - trans.log_probs)
-        t.metrics.add("tis/weight_mean", weights.mean(), count=len(trans))
-        t.metrics.add(
-            "tis/clipped_frac",
-            ((ratio > self.settings.tis_cap) & (lags > 0)).float().mean(),
-            count=len(trans),
-        )
-        return replace(trans, log_probs=current), weights
+    def prefetch(self, step: int) -> None:
+        """Queue the requests of the steps up to ``step + max_staleness`` (the pool's window)."""
+        self.pool.submit_ahead(step - self.first_step, self._requests, self.last_step)
 
     def close(self) -> None:
         self.pool.close()

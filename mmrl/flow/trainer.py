@@ -22,6 +22,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,18 +47,22 @@ from mmrl.distributed import (
 )
 from mmrl.ema import EMA
 from mmrl.flow.awm import awm_update
-from mmrl.flow.batch import StepBatch
+from mmrl.flow.batch import FlowSamples, StepBatch
 from mmrl.flow.config import FlowGRPOConfig
-from mmrl.flow.pooled import PooledRollouts
+from mmrl.flow.pooled import PooledFlowSource, pooled_worker_factory
+from mmrl.flow.rollouts import LoopFlowSource
 from mmrl.images import make_grid, tensor_to_pil
 from mmrl.loop import run_recipe
+from mmrl.rollouts import StepRequest
 from mmrl.run import Run, write_summary_json
 from mmrl.trainer_base import TrainerBase
 from pipelines.flow.adapters import Conditioning, FlowAdapter, list_adapters, load_adapter
-from pipelines.flow.branch import TreeConfig, prune_transitions, tree_rollout
-from pipelines.flow.explore import ExploreConfig, ExploreResult, explore, spearman
+from pipelines.flow.branch import TreeRollout, prune_transitions
+from pipelines.flow.explore import ExploreConfig, spearman
 from pipelines.flow.rollout import Rollout, SamplingConfig, TransitionBatch, rescore, rollout
 from pipelines.flow.sde import sde_noise_scale
+from pipelines.pool.protocol import WeightUpdate
+from pipelines.pool.weights import make_update
 from rewards.base import checked_score
 
 __all__ = ["FlowGRPOTrainer", "evaluate", "main"]
@@ -208,9 +213,71 @@ class FlowGRPOTrainer(TrainerBase):
         self.old_policy = EMA(transformer, decay) if decay else None
         # 5. resume
         self.resume()
-        # 6. rollout pool, started from the weights held now (so after a resume)
+        # 6. the rollout source; a pool starts from the weights held now (so after a resume)
         if cfg.pool.enabled:
-            self.rollout_pool = PooledRollouts(self)
+            self.rollout_source = self._make_pooled_source()
+        else:
+            self.rollout_source = LoopFlowSource(
+                self.adapter,
+                plan=self.plan,
+                prompts_per_step=cfg.allocation.prompts_per_step,
+                generator=self.generator,
+                sampling_weights=self.sampling_weights,
+                metrics=self.metrics,
+                tree=cfg.tree if cfg.sampling.rollout == "branch" else None,
+                explorer=self.explorer,
+                explore_config=self._explore_config(),
+                preview_reward=self.preview_reward,
+            )
+
+    def preview_reward(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        """``[B]`` weighted training reward of the explorer's previews."""
+        return self.combine(self.score(images, prompts)[0])
+
+    def _explore_config(self) -> ExploreConfig:
+        e = self.cfg.explore
+        return ExploreConfig(
+            candidates=e.candidates,
+            preview_steps=e.preview_steps,
+            keep_best=e.keep_best,
+            keep_worst=e.keep_worst,
+            selection=e.selection,
+            extra_random=e.extra_random,
+        )
+
+    def _make_pooled_source(self) -> PooledFlowSource:
+        """The pool source, its members started from the weights held now (version 0)."""
+        cfg = self.cfg
+        # the members' base sampling: every request sets its step's SDE window. Restore the generator so that
+        # building it does not consume the random-window draw the first step makes
+        state = self.generator.get_state()
+        sampling = replace(self.sampling_config(), sde_window=None)
+        self.generator.set_state(state)
+        # the LoRA (even untrained: the worker then runs the trainer's module structure) or resumed weights
+        initial = (
+            make_update(self.adapter.transformer, version=0)
+            if cfg.model.lora is not None or self.step > 0
+            else None
+        )
+        device = cfg.pool.device if cfg.pool.device is not None else str(self.device)
+        return PooledFlowSource(
+            cfg.pool,
+            pooled_worker_factory(cfg.model, sampling, initial, device),
+            plan=self.plan,
+            prompts_per_step=cfg.allocation.prompts_per_step,
+            first_step=self.step,
+            num_steps=cfg.trainer.steps - self.step,
+            seed=cfg.run.seed,
+            rank=self.rank,
+            weights=self.weight_update,
+            metrics=self.metrics,
+            device=self.device,
+        )
+
+    def weight_update(self, version: int) -> WeightUpdate:
+        """The sampling weights as the pool's weight ``version`` (LoRA-only with a frozen base)."""
+        with self.sampling_weights():
+            return make_update(self.adapter.transformer, version=version)
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         t = self.cfg.trainer
@@ -314,9 +381,10 @@ class FlowGRPOTrainer(TrainerBase):
             start = int(torch.randint(0, span + 1, (1,), generator=self.generator))
         return start, start + s.sde_window
 
-    def sampling_config(self) -> SamplingConfig:
+    def sampling_config(self, step: int | None = None) -> SamplingConfig:
+        """The rollout settings of training step ``step`` (default: the current one)."""
         s = self.cfg.sampling
-        window = self.sde_window(self.step)
+        window = self.sde_window(self.step if step is None else step)
         return SamplingConfig(
             num_steps=s.num_steps,
             guidance_scale=s.guidance_scale,
@@ -348,82 +416,58 @@ class FlowGRPOTrainer(TrainerBase):
         self.metrics.add("train/effective_ratio", effective_ratio(total, group_index))
         self.metrics.add("train/zero_std_frac", float((groups.std(total.double()) == 0).double().mean()))
 
-    def collect(self) -> StepBatch:
-        """Steps 1-4 for the configured rollout mode."""
-        if self.rollout_pool is not None:
-            return (
-                self.rollout_pool.collect()
-            )  # the same steps on rollouts from the pool (mmrl/flow/pooled.py)
+    def plan(self, step: int, num_prompts: int, exclude: frozenset[str] = frozenset()) -> StepRequest:
+        """Step 1 for the rollout source: ``num_prompts`` prompts (none in ``exclude``), their counts from the
+        allocator, and step ``step``'s sampling settings (its SDE window). Trees and the explorer decide their
+        own sizes: one per prompt then."""
         a = self.cfg.allocation
+        candidates = [p for p in self.train_pool if p not in exclude] if exclude else self.train_pool
         prompts = alloc_lib.sample_prompts(
-            self.stats, self.train_pool, a.prompts_per_step, method=a.selection, generator=self.generator
+            self.stats, candidates, num_prompts, method=a.selection, generator=self.generator
         )
-        self.adapter.transformer.eval()
-        start = time.perf_counter()
-        with self.sampling_weights():
-            explored = self._explore(prompts) if self.explorer is not None else None
-            if self.cfg.sampling.rollout == "branch":
-                batch = self._collect_branch(prompts, explored)
-            else:
-                batch = self._collect_flat(prompts, explored)
-        self.metrics.add("time/rollout_s", time.perf_counter() - start)
+        if self.cfg.sampling.rollout == "flat" and not self.cfg.explore.enabled:
+            counts = alloc_lib.allocate(
+                self.stats, prompts, a.rollouts_per_step, method=a.method, n_min=a.n_min, n_max=a.n_max
+            ).tolist()
+        else:
+            counts = [1] * len(prompts)
+        return StepRequest(step, prompts, prompts, counts, self.sampling_config(step))
+
+    def collect(self) -> StepBatch:
+        """Steps 1-4: the source's samples of this step, scored, with advantages and the transitions to train."""
+        source = self.rollout_source.collect(self.step)
+        samples = source.output
+        if samples.explored is not None:
+            self.metrics.add_dict(self.explore_memory)
+            self.nfe_total += samples.explored.nfe
+        if isinstance(samples.rollout, TreeRollout):
+            batch = self._score_trees(samples)
+        else:
+            batch = self._score_groups(samples)
+        self.rollout_source.prefetch(self.step)  # later steps' requests, chosen with this step's statistics
+        batch = replace(batch, sample_lags=source.sample_lags)
+        if self.cfg.pool.enabled and self.cfg.trainer.objective == "grpo":
+            # pooled samples may be stale: their loss terms get importance weights (1 at lag 0)
+            lags = source.sample_lags[batch.transitions.sample_index]
+            transitions, weights = self._stale_weights(batch.transitions, lags)
+            batch = replace(batch, transitions=transitions, weights=weights)
         self.metrics.add("nfe/rollout", float(batch.nfe))
         self.nfe_total += batch.nfe
         return batch
 
-    def _explore(self, prompts: list[str]) -> ExploreResult:
-        """Preview candidates with the quantized copy (synced with the current LoRA) and pick seeds to train on."""
-        e = self.cfg.explore
-        self.explorer.sync(self.adapter.transformer)
-        config = ExploreConfig(
-            candidates=e.candidates,
-            preview_steps=e.preview_steps,
-            keep_best=e.keep_best,
-            keep_worst=e.keep_worst,
-            selection=e.selection,
-            extra_random=e.extra_random,
-        )
-        result = explore(
-            self.adapter,
-            self.explorer.module,
-            prompts,
-            self.sampling_config(),
-            config,
-            lambda images, p: self.combine(self.score(images, p)[0]),
-            generator=self.generator,
-        )
-        self.metrics.add("nfe/preview", float(result.nfe))
-        self.metrics.add("explore/preview_reward_mean", result.preview_rewards.mean())
-        self.metrics.add_dict(self.explore_memory)
-        self.nfe_total += result.nfe
-        return result
-
-    def _collect_flat(self, prompts: list[str], explored: ExploreResult | None) -> StepBatch:
-        a = self.cfg.allocation
-        if explored is None:
-            counts = alloc_lib.allocate(
-                self.stats, prompts, a.rollouts_per_step, method=a.method, n_min=a.n_min, n_max=a.n_max
-            )
-        else:
-            counts = torch.full((len(prompts),), explored.chosen.shape[1], dtype=torch.long)
-        ro = rollout(
-            self.adapter,
-            prompts,
-            counts.tolist(),
-            self.sampling_config(),
-            generator=self.generator,
-            noise=None if explored is None else explored.noise,
-        )
+    def _score_groups(self, samples: FlowSamples) -> StepBatch:
+        """Steps 3-4 on flat groups."""
+        ro = samples.rollout
         total, adv, trans = self.score_flat(ro)
-        if explored is not None:
-            self.metrics.add("explore/spearman", spearman(explored.chosen_preview_rewards, total))
+        if samples.explored is not None:
+            self.metrics.add("explore/spearman", spearman(samples.explored.chosen_preview_rewards, total))
         return StepBatch(
             trans, adv[trans.sample_index], ro.images, ro.prompts, ro.latents[:, -1], ro.cond, adv, ro.nfe
         )
 
     def score_flat(self, ro: Rollout) -> tuple[torch.Tensor, torch.Tensor, TransitionBatch]:
         """Score a flat rollout, update the statistics store and log: ``(total reward [B], advantages [B],
-        the transitions to train)`` (the in-process and the pooled flat paths share this)."""
+        the transitions to train)``."""
         raw, components = self.score(ro.images, ro.prompts)
         total = self.combine(raw)
         result = self.advantages(raw, ro.group_index, ro.prompts)
@@ -437,28 +481,42 @@ class FlowGRPOTrainer(TrainerBase):
             trans = trans.select(torch.nonzero(result.keep[trans.sample_index]).flatten())
         return total, adv, trans
 
-    def _collect_branch(self, prompts: list[str], explored: ExploreResult | None) -> StepBatch:
-        """One tree per prompt (per kept seed when exploring); node advantages by depth (BranchGRPO), pruned."""
+    @torch.no_grad()
+    def _stale_weights(
+        self, trans: TransitionBatch, lags: torch.Tensor
+    ) -> tuple[TransitionBatch, torch.Tensor]:
+        """Re-score the transitions of stale samples (``lags [N] > 0``) under the current weights: returns the
+        batch with those log-probs as the ratio's old log-probs (the proximal policy of decoupled PPO, AReaL
+        arXiv 2505.24298 eq. 5), and ``[N]`` truncated importance weights of the loss terms (1 at lag 0)."""
+        stale = torch.nonzero(lags > 0).flatten()
+        current = trans.log_probs.clone()  # behaviour log-probs: the current policy's at lag 0
+        if stale.numel():
+            self.adapter.transformer.eval()
+            current[stale] = torch.cat(
+                [
+                    rescore(self.adapter, trans.select(idx))[0].float().cpu()
+                    for idx in stale.split(self.cfg.trainer.minibatch_size)
+                ]
+            )
+            self.nfe_total += stale.numel() * self.adapter.nfe_per_sample(trans.guidance_scale)
+        cap = self.cfg.pool.tis_cap
+        weights = loss_lib.stale_sample_weights(current, trans.log_probs, lags, cap)
+        ratio = torch.exp(current - trans.log_probs)
+        self.metrics.add("tis/weight_mean", weights.mean(), count=len(trans))
+        self.metrics.add("tis/clipped_frac", ((ratio > cap) & (lags > 0)).float().mean(), count=len(trans))
+        return replace(trans, log_probs=current), weights
+
+    def _score_trees(self, samples: FlowSamples) -> StepBatch:
+        """Steps 3-4 on trees (one per prompt, per kept seed when exploring): node advantages by depth
+        (BranchGRPO), pruned."""
         t = self.cfg.tree
-        config = self.sampling_config()
-        offset = config.sde_window[0] if config.sde_window is not None else 0
-        factors = tuple(t.branch_factor) if isinstance(t.branch_factor, list) else t.branch_factor
-        tree_cfg = TreeConfig(split_steps=tuple(offset + s for s in t.split_steps), branch_factor=factors)
-        if explored is not None:
-            prompts = [p for p in prompts for _ in range(explored.chosen.shape[1])]  # a tree per kept seed
-        tr = tree_rollout(
-            self.adapter,
-            prompts,
-            config,
-            tree_cfg,
-            generator=self.generator,
-            noise=None if explored is None else explored.noise,
-        )
+        tr, explored = samples.rollout, samples.explored
         raw, components = self.score(tr.images, tr.leaf_prompts)
         total = self.combine(raw)
         if explored is not None:
             per_tree = (
-                torch.zeros(len(prompts)).index_add_(0, tr.leaf_tree, total) / tr.tree.leaves_per_tree()
+                torch.zeros(len(samples.prompts)).index_add_(0, tr.leaf_tree, total)
+                / tr.tree.leaves_per_tree()
             )
             self.metrics.add("explore/spearman", spearman(explored.chosen_preview_rewards, per_tree))
         # per-leaf advantages (for the NFT objective, which trains on final images); updates the store
@@ -481,7 +539,7 @@ class FlowGRPOTrainer(TrainerBase):
         )
         node_adv = adv_lib.clip_advantages(node_adv, self.cfg.trainer.adv_clip_max)
         keep = prune_transitions(tr, node_adv, depths=t.train_depths, width=t.width)
-        steps = self._train_steps(config.sde_steps())
+        steps = self._train_steps(samples.sampling.sde_steps())
         keep = keep[torch.isin(tr.transitions.step_index[keep], steps)]
         trans = tr.transitions.select(keep)
         self.metrics.add("tree/nodes", float(tr.parent.numel()))
@@ -569,16 +627,21 @@ class FlowGRPOTrainer(TrainerBase):
         if self.ema is not None:
             self.ema.update()
 
-    def grpo_update(self, trans: TransitionBatch, adv_t: torch.Tensor) -> None:
-        """Clipped-ratio loss on re-scored transitions + KL on SDE means, one optimizer step per accumulation."""
+    def grpo_update(
+        self, trans: TransitionBatch, adv_t: torch.Tensor, weights: torch.Tensor | None = None
+    ) -> None:
+        """Clipped-ratio loss on re-scored transitions + KL on SDE means, one optimizer step per accumulation;
+        ``weights [N]`` (stale samples' importance weights) multiply each transition's clipped-ratio term."""
         t = self.cfg.trainer
+        if weights is None:
+            weights = torch.ones(len(trans))
         if t.drop_zero_advantage:
             keep = torch.nonzero(adv_t != 0).flatten()
             if keep.numel() == 0:
                 self.metrics.add("train/skipped_no_signal", 1.0)
                 self._idle_update()
                 return
-            trans, adv_t = trans.select(keep), adv_t[keep]
+            trans, adv_t, weights = trans.select(keep), adv_t[keep], weights[keep]
         trained = self.adapter.trains_at(trans.sigma)
         if not trained.all():  # steps of an expert that is not trained (Wan2.2) carry no gradient
             if not trained.any():
@@ -586,7 +649,7 @@ class FlowGRPOTrainer(TrainerBase):
                 self._idle_update()
                 return
             keep = torch.nonzero(trained).flatten()
-            trans, adv_t = trans.select(keep), adv_t[keep]
+            trans, adv_t, weights = trans.select(keep), adv_t[keep], weights[keep]
         cfg_scale = None if t.train_cfg else 1.0
         nfe_each = self.adapter.nfe_per_sample(trans.guidance_scale if t.train_cfg else 1.0)
         if t.train_cfg or trans.guidance_scale <= 1.0:
@@ -614,7 +677,7 @@ class FlowGRPOTrainer(TrainerBase):
                 a = adv_t[idx].to(logp.device)
                 old = old_logp[idx].to(logp.device)
                 per_sample = loss_lib.clipped_surrogate(logp, old, a, t.epsilon_low, t.epsilon_high)
-                loss = per_sample.mean()
+                loss = (per_sample * weights[idx].to(per_sample.device)).mean()
                 self.nfe_total += len(mb) * nfe_each
                 if t.beta > 0:
                     with torch.no_grad(), self.reference_policy():
@@ -799,7 +862,7 @@ class FlowGRPOTrainer(TrainerBase):
         start = time.perf_counter()
         objective = self.cfg.trainer.objective
         if objective == "grpo":
-            self.grpo_update(batch.transitions, batch.adv)
+            self.grpo_update(batch.transitions, batch.adv, batch.weights)
         elif objective == "nft":
             self.nft_update(batch.final_latents, batch.cond, batch.sample_adv, batch.groups)
         elif objective == "awm":

@@ -1,27 +1,29 @@
-"""VLM RLVR rollouts from a :class:`~pipelines.pool.pool.RolloutPool` of VLM workers (``pool.enabled: true``).
+"""VLM RLVR rollouts from a :class:`~pipelines.pool.pool.RolloutPool` of VLM workers (``pool.enabled: true``):
+:class:`PooledVLMSource`, a :class:`~mmrl.rollouts.RolloutSource`.
 
-The trainer keeps deciding which prompts get rollouts and how many (its selection, and in group mode the
-allocator, on its statistics store: :meth:`VLMRLVRTrainer.choose_prompts`); the pool's
-:class:`~pipelines.pool.vlm_worker.VLMRolloutWorker`\\ s generate them. Per training step ``k`` (the pool's weight
-version when step ``k`` is consumed is ``k``, counted from the step the pool started at):
+The trainer keeps deciding which prompts get rollouts and how many (its planner: selection, and in group mode
+the allocator, on its statistics store); the pool's :class:`~pipelines.pool.vlm_worker.VLMRolloutWorker`\\ s
+generate them. The source never sees the trainer. Per training step ``k`` (the pool's weight version when step
+``k`` is consumed is ``k``, counted from the step the pool started at):
 
-1. publish the policy's weights (``make_update``: LoRA-only with a frozen base) as version ``k``; the pool
+1. publish the policy's weights (``weights(k)``: LoRA-only with a frozen base) as version ``k``; the pool
    started from the trainer's weights as version 0;
-2. make sure step ``k``'s requests are queued: prompts and counts from the trainer, one request per worker (or
-   ``pool.prompts_per_request`` prompts each), seeds hashed from the run seed, rank, step and request index,
-   the ground truth in each prompt's metadata;
+2. make sure step ``k``'s requests are queued (:meth:`RolloutPool.submit_through`): the planner's prompts and
+   counts, one request per worker (or ``pool.prompts_per_request`` prompts each), seeds hashed from the run
+   seed, rank, step and request index, the ground truth in each prompt's metadata;
 3. wait for step ``k``'s results (with ``pool.overprovision``: only until the step's target of samples is
    complete; the requests still queued or generating are carried into step ``k + 1`` by the pool and delivered
    first there, never discarded);
 4. the trainer verifies, updates its statistics and computes advantages as on in-loop samples, then
-   :meth:`PooledVLMRollouts.submit_ahead` queues the requests of the steps up to ``k + max_staleness``
-   (chosen with the statistics of step ``k``), which the workers generate while step ``k`` trains;
-5. the update re-scores every sample under the current weights (the trainer's "old" log-probs: the proximal
-   policy of decoupled PPO, AReaL arXiv 2505.24298) and weights the tokens of samples with lag > 0 by the
-   truncated importance weight ``min(pi_current / pi_behaviour, pool.tis_cap)`` against the worker's behaviour
-   log-probs, per token or per sequence as ``trainer.tis_mode`` says (the trainer's TIS path). Lag-0 samples
-   get the trainer's engine TIS (``trainer.tis``; ``auto`` is on for vLLM, off for the transformers backend,
-   where their ratio is ~1).
+   :meth:`PooledVLMSource.prefetch` queues the requests of the steps up to ``k + max_staleness``
+   (:meth:`RolloutPool.submit_ahead`, chosen with the statistics of step ``k``, knowing what step ``k``
+   carried), which the workers generate while step ``k`` trains;
+5. the update (the trainer) re-scores every sample under the current weights (its "old" log-probs: the
+   proximal policy of decoupled PPO, AReaL arXiv 2505.24298) and weights the loss terms of samples with
+   lag > 0 by the truncated importance weight ``min(pi_current / pi_behaviour, pool.tis_cap)`` against the
+   worker's behaviour log-probs, per token or per sequence as ``trainer.tis_mode`` says
+   (:func:`mmrl.core.losses.stale_sample_weights`). Lag-0 samples get the trainer's engine TIS
+   (``trainer.tis``; ``auto`` is on for vLLM, off for the transformers backend, where their ratio is ~1).
 
 Backends (``generation.backend``): with ``hf`` a worker generates with a transformers model on ``pool.device``;
 with ``vllm`` each worker owns a vLLM engine (:meth:`VLMRolloutWorker.from_vllm`, CUDA GPU) and a CPU copy of the
@@ -29,8 +31,9 @@ model that takes the weight updates and pushes them, LoRA merged, into the engin
 the engine's, and ``trainer.tis: auto`` weights lag-0 samples as the in-loop vLLM path does. The trainer builds no
 engine of its own then (it evaluates with transformers on its model). Every member's engine takes
 ``generation.vllm_gpu_memory_utilization`` of its GPU: with several members on one GPU lower it so that they all
-fit beside the training, or give each member its own GPU as a Ray actor (``pool.executor: ray``, ``pool.ray: {num_gpus: 1}``). Ray also gives each engine its own process; vLLM
-does not promise several engines in one process (vllm-project/vllm#1676), which is what in-process members are.
+fit beside the training, or give each member its own GPU as a Ray actor (``pool.executor: ray``,
+``pool.ray: {num_gpus: 1}``). Ray also gives each engine its own process; vLLM does not promise several
+engines in one process (vllm-project/vllm#1676), which is what in-process members are.
 
 ``max_staleness = 0`` is synchronous on-policy training with the in-loop path's prompts and statistics; only the
 sampling seed differs (hashed per request instead of drawn from the trainer's generator). ``1`` generates step
@@ -48,25 +51,23 @@ import functools
 import logging
 import math
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 
-from mmrl.core.losses import truncated_is_weights
 from mmrl.device import DTYPES
+from mmrl.rollouts import Planner, SourceBatch
+from mmrl.run import MetricAccumulator
 from mmrl.seeding import request_seed
+from mmrl.vlm.config import GenerationConfig, VLMModelConfig, VLMPoolSettings
+from mmrl.vlm.rollouts import VLMPairs
 from pipelines.pool.protocol import RolloutRequest, WeightUpdate
 from pipelines.pool.vlm_worker import VLMRolloutWorker
-from pipelines.pool.weights import make_update
 from pipelines.vlm import vllm_backend
-from pipelines.vlm.backend import GenerationSample, SamplingParams
+from pipelines.vlm.backend import SamplingParams
 
-if TYPE_CHECKING:
-    from mmrl.data.vqa import VQAExample
-    from mmrl.vlm.trainer import VLMRLVRTrainer
-
-__all__ = ["PoolStepInfo", "PooledVLMRollouts", "PooledVLMWorker"]
+__all__ = ["PooledVLMSource", "PooledVLMWorker", "pooled_worker_factory"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,204 +101,192 @@ class PooledVLMWorker(VLMRolloutWorker):
         return worker
 
 
-@dataclass
-class PoolStepInfo:
-    """What the last consumed step looked like (tests and debugging).
-
-    Attributes:
-        sample_lags: ``[N]`` weight versions each sample lags behind the trainer, in the order of the pairs.
-        request_ids: the delivered requests, in delivery order (carried ones first).
-        carried_ids: the requests left unfinished and carried into the next step.
-    """
-
-    sample_lags: torch.Tensor
-    request_ids: list[str]
-    carried_ids: list[str]
-
-
-class PooledVLMRollouts:
-    """Drives a :class:`RolloutPool` for a :class:`~mmrl.vlm.trainer.VLMRLVRTrainer`; see the module docstring.
-
-    Built at the end of the trainer's ``setup()`` (after a resume), so version 0 is the weights held then.
+def pooled_worker_factory(
+    model: VLMModelConfig,
+    generation: GenerationConfig,
+    settings: VLMPoolSettings,
+    initial: WeightUpdate | None,
+    device: str,
+    seed: int,
+) -> Callable[[], PooledVLMWorker]:
+    """The picklable factory of one pool member for the ``model:`` / ``generation:`` sections; ``initial`` is
+    the trainer's weights as version 0, ``device`` the trainer's (used when ``pool.device`` is null).
 
     Raises:
-        ValueError: ``pool.overprovision`` asks for more prompts per step than the train set has, or bad
-            ``pool.ray`` options.
+        ImportError: ``generation.backend=vllm`` with in-process members and vLLM not installed.
+    """
+    g = generation
+    params = SamplingParams(
+        temperature=g.temperature,
+        top_p=g.top_p if g.temperature > 0 else 1.0,
+        max_new_tokens=g.max_new_tokens,
+    )
+    if g.backend == "vllm":
+        if settings.executor == "inprocess":
+            # fail here, naming the extra, not later in a member's thread (a Ray driver may lack the GPU and
+            # vLLM its actors have)
+            vllm_backend.import_vllm()
+        # the engine arguments of the trainer's own engine (VLMRLVRTrainer._make_backend); a member never
+        # sleeps (it generates while the trainer trains), so sleep mode is off
+        engine: dict[str, Any] = dict(
+            max_model_len=g.max_model_len or 4096,
+            max_prompt_length=g.max_prompt_length,
+            gpu_memory_utilization=g.vllm_gpu_memory_utilization,
+            max_images_per_prompt=g.vllm_max_images_per_prompt,
+            quantization="fp8" if g.vllm_fp8 else None,
+            dtype=model.dtype,
+            seed=seed,
+            enable_sleep_mode=False,
+        )
+    else:
+        engine = dict(
+            device=settings.device if settings.device is not None else device,
+            max_model_len=g.max_model_len,
+            max_prompt_length=g.max_prompt_length,
+            batch_size=g.batch_size,
+        )
+    return functools.partial(
+        PooledVLMWorker.build,
+        model.path,
+        params,
+        initial,
+        g.backend,
+        torch_dtype=DTYPES[model.dtype],
+        **engine,
+    )
+
+
+class PooledVLMSource:
+    """A :class:`~mmrl.rollouts.RolloutSource` of VLM samples from a :class:`RolloutPool`; see the module
+    docstring. Its output is the step's ``(prompt_id, sample)`` pairs, carried requests first.
+
+    Args:
+        settings: the ``pool:`` section.
+        worker: factory of one pool member (:func:`pooled_worker_factory`).
+        plan: the trainer's planner (prompt choice, counts, prompts and ground truths).
+        prompts_per_step: ``P``, prompts whose samples complete a step.
+        samples_per_step: the step's target of samples (with ``pool.overprovision``, the step trains once
+            that many are complete).
+        num_prompts: prompts the planner can choose from (``ceil(P (1 + overprovision))`` must fit).
+        first_step: the training step the pool starts at (its weight version 0).
+        num_steps: training steps the source serves (no request is made beyond the last).
+        seed, rank: the run seed and the rank (request seeds are derived from them, the step and the request).
+        weights: ``weights(version)``: the policy's weights as a :class:`WeightUpdate` of ``version``.
+        metrics: the trainer's metric sink.
+
+    Raises:
+        ValueError: ``pool.overprovision`` asks for more prompts per step than there are, or bad ``pool.ray``
+            options.
     """
 
-    def __init__(self, trainer: VLMRLVRTrainer) -> None:
-        self.trainer = trainer
-        cfg = trainer.cfg
-        p = self.settings = cfg.pool
-        t = cfg.trainer
-        self.start_step = trainer.step
-        self.last_step = t.steps - 1 - self.start_step  # the pool step of the last training step
-        self.submitted = 0  # next pool step whose requests are to be made
+    def __init__(
+        self,
+        settings: VLMPoolSettings,
+        worker: Callable[[], PooledVLMWorker],
+        *,
+        plan: Planner,
+        prompts_per_step: int,
+        samples_per_step: int,
+        num_prompts: int,
+        first_step: int,
+        num_steps: int,
+        seed: int,
+        rank: int,
+        weights: Callable[[int], WeightUpdate],
+        metrics: MetricAccumulator,
+    ) -> None:
+        self.settings = settings
+        self.plan = plan
+        self.first_step = first_step
+        self.last_step = num_steps - 1  # the pool step of the last training step
+        self.seed, self.rank = seed, rank
+        self.weights = weights
+        self.metrics = metrics
         self.pending: dict[str, RolloutRequest] = {}  # submitted, not delivered yet
         self.step_of: dict[str, int] = {}  # pool step each pending request is delivered at
-        self.lags = torch.zeros(0, dtype=torch.long)  # [N] per sample of the step being trained
-        self.last: PoolStepInfo | None = None
-        self.target_samples = cfg.rollouts_per_step
-        self.in_flight = math.ceil(
-            cfg.allocation.prompts_per_step * (1 + p.overprovision)
-        )  # prompts per step, carried + new
-        if self.in_flight > len(trainer.train_set):
+        self.last: SourceBatch[VLMPairs] | None = None
+        self.target_samples = samples_per_step
+        # prompts per step, carried + new
+        self.in_flight = math.ceil(prompts_per_step * (1 + settings.overprovision))
+        if self.in_flight > num_prompts:
             raise ValueError(
-                f"pool.overprovision={p.overprovision} keeps {self.in_flight} prompts per step in flight, more than "
-                f"the {len(trainer.train_set)} train examples; lower it or allocation.prompts_per_step"
+                f"pool.overprovision={settings.overprovision} keeps {self.in_flight} prompts per step in flight, "
+                f"more than the {num_prompts} train examples; lower it or allocation.prompts_per_step"
             )
-        g = cfg.generation
-        params = SamplingParams(
-            temperature=g.temperature,
-            top_p=g.top_p if g.temperature > 0 else 1.0,
-            max_new_tokens=g.max_new_tokens,
-        )
-        # the LoRA (even untrained: the worker then runs the trainer's module structure) or resumed weights
-        initial = (
-            make_update(trainer.model, version=0) if cfg.model.lora is not None or trainer.step > 0 else None
-        )
-        if g.backend == "vllm":
-            if (
-                p.executor == "inprocess"
-            ):  # fail here, naming the extra, not later in a member's thread (a Ray
-                vllm_backend.import_vllm()  # driver may lack the GPU and vLLM its actors have)
-            # the engine arguments of the trainer's own engine (VLMRLVRTrainer._make_backend); a member never
-            # sleeps (it generates while the trainer trains), so sleep mode is off
-            engine = dict(
-                max_model_len=g.max_model_len or 4096,
-                max_prompt_length=g.max_prompt_length,
-                gpu_memory_utilization=g.vllm_gpu_memory_utilization,
-                max_images_per_prompt=g.vllm_max_images_per_prompt,
-                quantization="fp8" if g.vllm_fp8 else None,
-                dtype=cfg.model.dtype,
-                seed=cfg.run.seed,
-                enable_sleep_mode=False,
-            )
-        else:
-            engine = dict(
-                device=p.device if p.device is not None else str(trainer.device),
-                max_model_len=g.max_model_len,
-                max_prompt_length=g.max_prompt_length,
-                batch_size=g.batch_size,
-            )
-        factory = functools.partial(
-            PooledVLMWorker.build,
-            cfg.model.path,
-            params,
-            initial,
-            g.backend,
-            torch_dtype=DTYPES[cfg.model.dtype],
-            **engine,
-        )
-        self.pool = p.build_pool(factory)
+        self.pool = settings.build_pool(worker)
 
-    # ------------------------------------------------------------------ requests
-    def make_requests(self, pool_step: int) -> list[RolloutRequest]:
+    def _requests(self, pool_step: int) -> list[RolloutRequest]:
         """The new requests of ``pool_step``: enough prompts to keep ``in_flight`` prompts in the step (those
         carried into it count), none already carried into it."""
-        t = self.trainer
-        p = self.settings
-        step = self.start_step + pool_step
+        settings = self.settings
+        step = self.first_step + pool_step
         carried = [r for rid, r in self.pending.items() if self.step_of[rid] == pool_step]
-        exclude = frozenset(pid for r in carried for pid in r.prompt_ids)
         wanted = self.in_flight - sum(len(r.prompts) for r in carried)
-        chosen, counts = t.choose_prompts(wanted, exclude) if wanted > 0 else ([], [])
-        n = len(chosen)
-        if n == 0:  # what was carried in already fills the step
+        if wanted <= 0:  # what was carried in already fills the step
             return []
-        if p.prompts_per_request is not None:
-            chunks = [
-                list(range(i, min(i + p.prompts_per_request, n))) for i in range(0, n, p.prompts_per_request)
-            ]
+        plan = self.plan(step, wanted, frozenset(pid for r in carried for pid in r.prompt_ids))
+        n = len(plan.prompt_ids)
+        if n == 0:
+            return []
+        if settings.prompts_per_request is not None:
+            size = settings.prompts_per_request
+            chunks = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
         else:
-            chunks = [rows.tolist() for rows in torch.arange(n).tensor_split(min(p.num_workers, n))]
+            chunks = [rows.tolist() for rows in torch.arange(n).tensor_split(min(settings.num_workers, n))]
         requests = []
-        for i, rows in enumerate(chunks):
+        for index, rows in enumerate(chunks):
             # by count, as the in-loop path generates (one generate per count, counts ascending)
-            rows = sorted(rows, key=lambda r: counts[r])
-            examples = [t.by_id[chosen[r]] for r in rows]
-            requests.append(
-                RolloutRequest(
-                    request_id=f"step{step}-{i}",
-                    prompt_ids=[ex.prompt_id for ex in examples],
-                    prompts=[t._prompt(ex) for ex in examples],
-                    counts=[counts[r] for r in rows],
-                    seed=request_seed(t.cfg.run.seed, 0, step, i),
-                    metadata=[{"ground_truth": ex.answer} for ex in examples],
-                )
+            rows = sorted(rows, key=lambda r: plan.counts[r])
+            request = RolloutRequest(
+                request_id=f"step{step}-{index}",
+                prompt_ids=[plan.prompt_ids[r] for r in rows],
+                prompts=[plan.prompts[r] for r in rows],
+                counts=[plan.counts[r] for r in rows],
+                seed=request_seed(self.seed, self.rank, step, index),
+                metadata=None if plan.metadata is None else [plan.metadata[r] for r in rows],
             )
+            self.pending[request.request_id] = request
+            self.step_of[request.request_id] = pool_step
+            requests.append(request)
         return requests
 
-    def _submit_through(self, pool_step: int) -> None:
-        while self.submitted <= min(pool_step, self.last_step):
-            requests = self.make_requests(self.submitted)
-            self.pool.submit(requests, step=self.submitted)
-            for r in requests:
-                self.pending[r.request_id] = r
-                self.step_of[r.request_id] = self.submitted
-            self.submitted += 1
-
-    def submit_ahead(self) -> None:
-        """Queue the requests of the steps up to ``k + max_staleness`` (called once step ``k`` is scored)."""
-        self._submit_through(self.trainer.step - self.start_step + self.settings.max_staleness)
-
-    # ------------------------------------------------------------------ one step
-    def collect(self) -> list[tuple[VQAExample, GenerationSample]]:
-        """Steps 1-3 of the module docstring: the ``(example, sample)`` pairs of the trainer's current step."""
-        t = self.trainer
-        k = t.step - self.start_step
+    def collect(self, step: int) -> SourceBatch[VLMPairs]:
+        """Steps 1-3 of the module docstring: the ``(prompt_id, sample)`` pairs of training step ``step``."""
+        pool_step = step - self.first_step
         start = time.perf_counter()
-        if self.pool.version < k:
-            self.pool.broadcast(make_update(t.model, version=k))
-        self._submit_through(k)
+        if self.pool.version < pool_step:
+            self.pool.broadcast(self.weights(pool_step))
+        self.pool.submit_through(pool_step, self._requests, self.last_step)
         partial = self.target_samples if self.settings.overprovision > 0 else None
-        batch = self.pool.collect(k, min_samples=partial)
-        t.metrics.add("time/wait_s", time.perf_counter() - start)  # time the trainer waited for samples
-        t.metrics.add("time/generate_s", sum(r.seconds for r in batch.results))
-        pairs: list[tuple[VQAExample, GenerationSample]] = []
+        batch = self.pool.collect(pool_step, min_samples=partial)
+        self.metrics.add("time/wait_s", time.perf_counter() - start)  # time the trainer waited for samples
+        self.metrics.add("time/generate_s", sum(r.seconds for r in batch.results))
+        pairs: VLMPairs = []
         skipped = 0
         for result in batch.results:
             request = self.pending.pop(result.request_id)
             del self.step_of[result.request_id]
-            for s in result.output.samples:
-                pairs.append((t.by_id[request.prompt_ids[s.prompt_index]], s))
+            pairs.extend((request.prompt_ids[s.prompt_index], s) for s in result.output.samples)
             for s in result.output.skipped:
                 logger.warning("skipped prompt %s: %s", s.prompt_id, s.reason)
             skipped += len(result.output.skipped)
-        t.metrics.add("gen/skipped", float(skipped))
-        carried = [rid for rid, step in self.step_of.items() if step == k]
+        self.metrics.add("gen/skipped", float(skipped))
+        carried = [rid for rid, at in self.step_of.items() if at == pool_step]
         for rid in carried:  # the pool delivers them first at the next step
-            self.step_of[rid] = k + 1
-        self.lags = batch.sample_lags()
-        t.metrics.add("pool/lag_mean", self.lags.float().mean(), count=self.lags.numel())
-        t.metrics.add("pool/lag_max", float(self.lags.max()))
-        t.metrics.add("pool/samples", float(batch.num_samples))
-        t.metrics.add("pool/carried", float(sum(self.pending[rid].num_samples for rid in carried)))
-        self.last = PoolStepInfo(self.lags, [r.request_id for r in batch.results], carried)
-        return pairs
+            self.step_of[rid] = pool_step + 1
+        lags = batch.sample_lags()
+        self.metrics.add("pool/lag_mean", lags.float().mean(), count=lags.numel())
+        self.metrics.add("pool/lag_max", float(lags.max()))
+        self.metrics.add("pool/samples", float(batch.num_samples))
+        self.metrics.add("pool/carried", float(sum(self.pending[rid].num_samples for rid in carried)))
+        info = {"request_ids": [r.request_id for r in batch.results], "carried_ids": carried}
+        self.last = SourceBatch(pairs, step, lags, info)
+        return self.last
 
-    def tis_weights(
-        self, old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor
-    ) -> torch.Tensor | None:
-        """``[B, T]`` truncated importance weights of minibatch ``rows`` (indices into the step's pairs): the
-        trainer's TIS (``trainer.tis_mode``) with cap ``pool.tis_cap`` on samples with lag > 0; the trainer's
-        engine TIS (``trainer.tis``) or 1 on lag-0 samples. ``None`` when no token is weighted."""
-        t = self.trainer
-        c = t.cfg.trainer
-        engine = None
-        if t.uses_tis:
-            engine = truncated_is_weights(old_logp, behaviour_logp, cap=c.tis_cap, mode=c.tis_mode, mask=mask)
-        stale = (self.lags[rows.cpu()] > 0).to(old_logp.device)
-        if not bool(stale.any()):
-            return engine
-        cap = self.settings.tis_cap
-        weights = truncated_is_weights(old_logp, behaviour_logp, cap=cap, mode=c.tis_mode, mask=mask)
-        tokens = mask.bool() & stale[:, None]
-        t.metrics.add(
-            "tis/clipped_frac", ((weights >= cap) & tokens).sum() / tokens.sum(), count=int(tokens.sum())
-        )
-        lag0 = engine if engine is not None else mask.to(weights.dtype)
-        return torch.where(stale[:, None], weights, lag0)
+    def prefetch(self, step: int) -> None:
+        """Queue the requests of the steps up to ``step + max_staleness`` (the pool's window), chosen with the
+        statistics of step ``step``."""
+        self.pool.submit_ahead(step - self.first_step, self._requests, self.last_step)
 
     def close(self) -> None:
         self.pool.close()

@@ -54,9 +54,14 @@ from mmrl.distributed import (
     shard_model,
 )
 from mmrl.loop import run_recipe
+from mmrl.rollouts import StepRequest
 from mmrl.run import write_summary_json
 from mmrl.trainer_base import TrainerBase
 from mmrl.vlm.config import VLMRLVRConfig
+from mmrl.vlm.pooled import PooledVLMSource, pooled_worker_factory
+from mmrl.vlm.rollouts import LoopVLMSource, VLMPairs
+from pipelines.pool.protocol import WeightUpdate
+from pipelines.pool.weights import make_update
 from pipelines.vlm.backend import GenerationBackend, GenerationSample, SamplingParams
 from pipelines.vlm.families import VLMFamily, family_for_model_type, get_vlm_family
 from pipelines.vlm.inputs import VLMPrompt
@@ -198,11 +203,40 @@ class VLMRLVRTrainer(TrainerBase):
         )
         self.stats = PromptStats(rho=cfg.allocation.rho, prior_strength=cfg.allocation.prior_strength)
         self.resume()
-        # 5. rollout pool, started from the weights held now (so after a resume)
+        # 5. the rollout source; a pool starts from the weights held now (so after a resume)
         if cfg.pool.enabled:
-            from mmrl.vlm.pooled import PooledVLMRollouts
+            self.rollout_source = self._make_pooled_source()
+        else:
+            self.rollout_source = LoopVLMSource(
+                self.plan, self._generate_ids, cfg.allocation.prompts_per_step
+            )
 
-            self.rollout_pool = PooledVLMRollouts(self)
+    def _make_pooled_source(self) -> PooledVLMSource:
+        """The pool source, its members started from the weights held now (version 0)."""
+        cfg = self.cfg
+        # the LoRA (even untrained: the worker then runs the trainer's module structure) or resumed weights
+        initial = make_update(self.model, version=0) if cfg.model.lora is not None or self.step > 0 else None
+        worker = pooled_worker_factory(
+            cfg.model, cfg.generation, cfg.pool, initial, str(self.device), cfg.run.seed
+        )
+        return PooledVLMSource(
+            cfg.pool,
+            worker,
+            plan=self.plan,
+            prompts_per_step=cfg.allocation.prompts_per_step,
+            samples_per_step=cfg.rollouts_per_step,
+            num_prompts=len(self.train_set),
+            first_step=self.step,
+            num_steps=cfg.trainer.steps - self.step,
+            seed=cfg.run.seed,
+            rank=self.rank,
+            weights=self.weight_update,
+            metrics=self.metrics,
+        )
+
+    def weight_update(self, version: int) -> WeightUpdate:
+        """The policy's weights as the pool's weight ``version`` (LoRA-only with a frozen base)."""
+        return make_update(self.model, version=version)
 
     def _make_backend(self) -> GenerationBackend:
         g = self.cfg.generation
@@ -360,22 +394,31 @@ class VLMRLVRTrainer(TrainerBase):
         counts = alloc_lib.allocate(self.stats, chosen, budget, method=a.method, n_min=a.n_min, n_max=a.n_max)
         return chosen, counts.tolist()
 
-    def rollouts(self) -> list[tuple[VQAExample, GenerationSample]]:
-        """Steps 1-2 in the training loop: the step's prompts, then one ``generate`` per distinct count."""
-        temp = self.cfg.generation.temperature
-        chosen, counts = self.choose_prompts(self.cfg.allocation.prompts_per_step)
-        pairs = []
-        for n in sorted(set(counts)):
-            pairs.extend(
-                self.generate([self.by_id[p] for p, c in zip(chosen, counts, strict=True) if c == n], n, temp)
-            )
-        return pairs
+    def plan(self, step: int, num_prompts: int, exclude: frozenset[str] = frozenset()) -> StepRequest:
+        """Step 1 for a rollout source: :meth:`choose_prompts`, with each prompt's chat input and ground truth."""
+        chosen, counts = self.choose_prompts(num_prompts, exclude)
+        examples = [self.by_id[pid] for pid in chosen]
+        return StepRequest(
+            step,
+            chosen,
+            [self._prompt(ex) for ex in examples],
+            counts,
+            metadata=[{"ground_truth": ex.answer} for ex in examples],
+        )
 
-    def collect(self) -> tuple[list[tuple[VQAExample, GenerationSample]], torch.Tensor, torch.Tensor]:
-        """Steps 1-3: ``(pairs, sequence advantages [N], row mask [N] of samples that enter the loss)``."""
+    def _generate_ids(self, prompt_ids: list[str], n: int) -> VLMPairs:
+        """``n`` training samples of each prompt of ``prompt_ids`` (the loop source's generation)."""
+        examples = [self.by_id[pid] for pid in prompt_ids]
+        return [(ex.prompt_id, s) for ex, s in self.generate(examples, n, self.cfg.generation.temperature)]
+
+    def collect(
+        self,
+    ) -> tuple[list[tuple[VQAExample, GenerationSample]], torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Steps 1-3: ``(pairs, sequence advantages [N], row mask [N] of samples that enter the loss, weight
+        lags [N] of the samples)``."""
         t = self.cfg.trainer
-        # the pool's samples for this step (mmrl/vlm/pooled.py), or generated here
-        pairs = self.rollout_pool.collect() if self.rollout_pool is not None else self.rollouts()
+        source = self.rollout_source.collect(self.step)
+        pairs = [(self.by_id[pid], sample) for pid, sample in source.output]
         total, raw = self.verify(pairs)
         pids = [ex.prompt_id for ex, _ in pairs]
         group_ids = torch.tensor(_group_index(pids))
@@ -402,13 +445,45 @@ class VLMRLVRTrainer(TrainerBase):
         )
         self.metrics.add("adv/mean", adv.mean())
         self.metrics.add("adv/std", adv.std(correction=0))
-        if self.rollout_pool is not None:
-            self.rollout_pool.submit_ahead()  # the next steps' requests, chosen with this step's statistics
-        return pairs, adv, keep
+        self.rollout_source.prefetch(self.step)  # later steps' requests, chosen with this step's statistics
+        return pairs, adv, keep, source.sample_lags
+
+    def loss_weights(
+        self, old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, lags: torch.Tensor
+    ) -> torch.Tensor | None:
+        """``[B, T]`` weights of the per-token loss terms, or ``None`` when no token is weighted: on samples with
+        ``lags [B] > 0`` the truncated importance weight against their behaviour log-probs with cap
+        ``pool.tis_cap`` (:func:`mmrl.core.losses.stale_sample_weights`), on lag-0 samples the engine TIS
+        (``trainer.tis``: the rollout engine is not the trainer) or 1; per token or per sequence as
+        ``trainer.tis_mode`` says."""
+        t = self.cfg.trainer
+        engine = None
+        if self.uses_tis:
+            engine = loss_lib.truncated_is_weights(
+                old_logp, behaviour_logp, cap=t.tis_cap, mode=t.tis_mode, mask=mask
+            )
+        if not bool((lags > 0).any()):
+            return engine
+        cap = self.cfg.pool.tis_cap
+        weights = loss_lib.stale_sample_weights(
+            old_logp, behaviour_logp, lags, cap, mode=t.tis_mode, mask=mask, fresh=engine
+        )
+        tokens = mask.bool() & (lags > 0).to(mask.device)[:, None]
+        self.metrics.add(
+            "tis/clipped_frac", ((weights >= cap) & tokens).sum() / tokens.sum(), count=int(tokens.sum())
+        )
+        return weights
 
     def update(
-        self, pairs: list[tuple[VQAExample, GenerationSample]], adv: torch.Tensor, keep: torch.Tensor
+        self,
+        pairs: list[tuple[VQAExample, GenerationSample]],
+        adv: torch.Tensor,
+        keep: torch.Tensor,
+        lags: torch.Tensor | None = None,
     ) -> None:
+        """One update on the step's samples; ``lags [N]`` (default 0) are their weight lags."""
+        if lags is None:
+            lags = torch.zeros(len(pairs), dtype=torch.long)
         t = self.cfg.trainer
         temp = self.cfg.generation.temperature
         rows = torch.nonzero(keep).flatten()
@@ -452,13 +527,7 @@ class VLMRLVRTrainer(TrainerBase):
                 )
                 behaviour = _pad_logprobs([s.logprobs for _, s in mb], mask.shape[1]).to(mask.device)
                 self.metrics.add("tis/logprob_mismatch", _masked_mean((o.logprobs - behaviour).abs(), mask))
-                w = None
-                if self.rollout_pool is not None:  # stale samples (lag > 0) are always weighted
-                    w = self.rollout_pool.tis_weights(o.logprobs, behaviour, mask, idx)
-                elif self.uses_tis:
-                    w = loss_lib.truncated_is_weights(
-                        o.logprobs, behaviour, cap=t.tis_cap, mode=t.tis_mode, mask=mask
-                    )
+                w = self.loss_weights(o.logprobs, behaviour, mask, lags[idx])
                 if w is not None:
                     per_token = per_token * w
                     self.metrics.add("tis/weight_mean", _masked_mean(w, mask))
@@ -487,10 +556,10 @@ class VLMRLVRTrainer(TrainerBase):
 
     def train_step(self) -> dict[str, float]:
         start = time.perf_counter()
-        pairs, adv, keep = self.collect()
+        pairs, adv, keep, lags = self.collect()
         self.metrics.add("time/rollout_s", time.perf_counter() - start)
         start = time.perf_counter()
-        self.update(pairs, adv, keep)
+        self.update(pairs, adv, keep, lags)
         self.metrics.add("time/train_s", time.perf_counter() - start)
         if self.run is not None and (self.step + 1) % self.cfg.trainer.sample_every == 0:
             shown = pairs[:8]

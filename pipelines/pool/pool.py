@@ -184,6 +184,7 @@ class RolloutPool:
         self._ids: set[str] = set()
         self._errors: list[PoolError] = []
         self._version = 0
+        self._planned: int | None = None  # next step whose requests submit_through makes
         self._last_update: WeightUpdate | None = None
         self._closed = False
         self._broken: PoolError | None = None  # the dispatcher died: nothing will progress any more
@@ -296,6 +297,33 @@ class RolloutPool:
         self.submit(requests)
         return self.collect(timeout=timeout)
 
+    def submit_through(
+        self,
+        step: int,
+        make_requests: Callable[[int], Sequence[RolloutRequest]],
+        last_step: int | None = None,
+    ) -> None:
+        """Make sure the requests of every step up to ``step`` (at most ``last_step``) are queued: calls
+        ``make_requests(s)`` and submits its requests for each step ``s`` not requested before, in order,
+        starting from the version at the first call."""
+        if self._planned is None:
+            self._planned = self._version
+        through = step if last_step is None else min(step, last_step)
+        while self._planned <= through:
+            self.submit(make_requests(self._planned), step=self._planned)
+            self._planned += 1
+
+    def submit_ahead(
+        self,
+        step: int,
+        make_requests: Callable[[int], Sequence[RolloutRequest]],
+        last_step: int | None = None,
+    ) -> None:
+        """The staleness window: queue the requests of the steps up to ``step + max_staleness`` (at most
+        ``last_step``), so that workers generate them while step ``step`` trains. Called once per step, after
+        the trainer has used step ``step``'s samples to update what ``make_requests`` reads."""
+        self.submit_through(step + self.max_staleness, make_requests, last_step)
+
     def stream(
         self,
         make_requests: Callable[[int], Sequence[RolloutRequest]],
@@ -309,11 +337,9 @@ class RolloutPool:
         between iterations: step ``k`` is collected at version ``k`` (starting from the current version).
         """
         first = self._version
-        submitted = first
+        last = first + num_steps - 1
         for step in range(first, first + num_steps):
-            while submitted <= min(step + self.max_staleness, first + num_steps - 1):
-                self.submit(make_requests(submitted), step=submitted)
-                submitted += 1
+            self.submit_ahead(step, make_requests, last)
             yield self.collect(step, min_samples=min_samples)
 
     def broadcast(self, update: WeightUpdate) -> None:

@@ -117,6 +117,40 @@ def test_tis_hand_values_and_mask_policy():
     torch.testing.assert_close(seq, torch.tensor([[2.0, 2.0, 0.0]]))
 
 
+def test_stale_sample_weights_per_token_with_engine_weights_at_lag_zero():
+    current = torch.log(torch.tensor([[0.5, 0.9, 0.3], [0.4, 0.2, 0.8]]))
+    behaviour = torch.log(torch.tensor([[0.25, 0.9, 0.6], [0.2, 0.2, 0.8]]))
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    engine = torch.full((2, 3), 0.7)
+    # row 0 is stale: its TIS weights; row 1 is fresh: the engine's
+    w = L.stale_sample_weights(current, behaviour, torch.tensor([2, 0]), cap=1.5, mask=mask, fresh=engine)
+    torch.testing.assert_close(w, torch.tensor([[1.5, 1.0, 0.5], [0.7, 0.7, 0.7]]))
+    # without engine weights a fresh sample weighs exactly 1 on its tokens, 0 on padding
+    w = L.stale_sample_weights(current, behaviour, torch.tensor([2, 0]), cap=1.5, mask=mask)
+    assert torch.equal(w[1], torch.tensor([1.0, 1.0, 0.0]))
+    seq = L.stale_sample_weights(
+        current, behaviour, torch.tensor([1, 1]), cap=5.0, mode="sequence", mask=mask
+    )
+    torch.testing.assert_close(seq, torch.tensor([[1.0, 1.0, 1.0], [2.0, 2.0, 0.0]]))
+    with pytest.raises(ValueError, match="lags must be"):
+        L.stale_sample_weights(current, behaviour, torch.tensor([0, 1, 2]), cap=1.5)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(st.floats(-2, 2), st.floats(-3, 3), st.floats(0.01, 4.0)), min_size=1, max_size=16),
+    st.floats(0.05, 0.5),
+)
+def test_weighting_the_loss_term_equals_weighting_the_advantage(rows, eps):
+    # the clipped surrogate is positively homogeneous in A: w * L(r, A) = L(r, w * A) for w > 0, so the one
+    # convention (weight the per-sample loss term) is what folding the weight into the advantage computed
+    log_ratio, adv, w = (torch.tensor(col, dtype=torch.float64) for col in zip(*rows, strict=True))
+    old = torch.zeros_like(log_ratio)
+    torch.testing.assert_close(
+        w * L.clipped_surrogate(log_ratio, old, adv, eps), L.clipped_surrogate(log_ratio, old, w * adv, eps)
+    )
+
+
 def test_gspo_token_logp_gives_sequence_ratio_and_token_gradient():
     logp = torch.tensor([[-1.0, -2.0, -3.0]], requires_grad=True)
     old = torch.tensor([[-1.5, -2.0, -2.0]])

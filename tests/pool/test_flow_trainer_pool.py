@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from mmrl.config import load_config
-from mmrl.core.losses import clipped_surrogate
+from mmrl.core.losses import clipped_surrogate, stale_sample_weights
+from mmrl.flow import rollouts as loop_rollouts
 from mmrl.flow import trainer as trainer_module
 from mmrl.flow.config import FlowGRPOConfig
-from mmrl.flow.pooled import concat_rollouts, importance_weights
+from mmrl.flow.pooled import concat_rollouts
 from mmrl.flow.trainer import FlowGRPOTrainer
 from mmrl.seeding import request_seed
 from pipelines.flow.rollout import rollout
@@ -64,7 +65,7 @@ def steps(trainer: FlowGRPOTrainer, n: int) -> list[dict[str, float]]:
 def test_synchronous_pool_equals_in_loop_rollouts(monkeypatch):
     cfg = make_cfg()
     plain = started(cfg)
-    real_rollout = trainer_module.rollout
+    real_rollout = loop_rollouts.rollout
 
     def request_seeded(adapter, prompts, counts, config, generator=None, noise=None):
         # the in-loop path with the noise of the pool's single request of this step
@@ -72,15 +73,15 @@ def test_synchronous_pool_equals_in_loop_rollouts(monkeypatch):
         seed = request_seed(cfg.run.seed, 0, plain.step, 0)
         return real_rollout(adapter, prompts, counts, config, torch.Generator().manual_seed(seed))
 
-    monkeypatch.setattr(trainer_module, "rollout", request_seeded)
+    monkeypatch.setattr(loop_rollouts, "rollout", request_seeded)
     expected = steps(plain, 2)
-    monkeypatch.setattr(trainer_module, "rollout", real_rollout)
+    monkeypatch.setattr(loop_rollouts, "rollout", real_rollout)
 
     pooled = started(make_cfg("pool.enabled=true", "pool.max_staleness=0"))
     initial = [p.detach().clone() for p in pooled.trainable]
     try:
         got = steps(pooled, 2)
-        assert pooled.rollout_pool.last.request_seeds == [request_seed(cfg.run.seed, 0, 1, 0)]
+        assert pooled.rollout_source.last.info["request_seeds"] == [request_seed(cfg.run.seed, 0, 1, 0)]
     finally:
         pooled.cleanup()
     for want, have in zip(expected, got, strict=True):
@@ -96,13 +97,19 @@ def test_synchronous_pool_equals_in_loop_rollouts(monkeypatch):
 def test_async_lag_is_bounded_and_stale_samples_are_reweighted():
     trainer = started(make_cfg("pool.enabled=true", "pool.max_staleness=1", "trainer.steps=3"))
     lags, weights, metrics = [], [], []
+    collect = trainer.collect
+
+    def recorded():
+        batch = collect()
+        lags.append(batch.sample_lags)
+        weights.append((batch.sample_lags[batch.transitions.sample_index], batch.weights))
+        return batch
+
+    trainer.collect = recorded
     try:
         for _ in range(3):
             metrics.append(trainer.train_step())
             trainer.step += 1
-            info = trainer.rollout_pool.last
-            lags.append(info.sample_lags)
-            weights.append((info.transition_lags, info.weights))
     finally:
         trainer.cleanup()
     # step 0 is on-policy; steps 1 and 2 were generated while the previous step trained
@@ -123,13 +130,13 @@ def test_importance_weights_and_advantage_folding():
     current = torch.tensor([0.3, -0.2, 5.0, 0.1])
     behaviour = torch.tensor([0.1, 0.0, 0.0, 0.4])
     lags = torch.tensor([0, 1, 2, 1])
-    w = importance_weights(current, behaviour, lags, cap=2.0)
+    w = stale_sample_weights(current, behaviour, lags, cap=2.0)
     torch.testing.assert_close(
         w,
         torch.tensor([1.0, torch.exp(torch.tensor(-0.2)).item(), 2.0, torch.exp(torch.tensor(-0.3)).item()]),
     )
     assert w[0] == 1.0  # lag 0: exactly 1 whatever the log-probs
-    # w * L(r, A) = L(r, w * A): the pooled trainer folds the weight into the advantage
+    # w * L(r, A) = L(r, w * A): weighting the loss term equals folding the weight into the advantage
     logp, old, adv = (
         torch.tensor([0.2, -0.1, 0.05, 0.0]),
         torch.zeros(4),
@@ -185,8 +192,9 @@ def test_requests_split_over_workers_and_merge():
     trainer = started(make_cfg("pool.enabled=true", "pool.num_workers=2", "trainer.steps=1"))
     try:
         metrics = trainer.train_step()
-        assert len(trainer.rollout_pool.last.request_seeds) == 2  # 2 prompts, 2 workers: a request each
-        assert metrics["rollouts/per_prompt_min"] == 3 and trainer.rollout_pool.last.sample_lags.numel() == 6
+        last = trainer.rollout_source.last
+        assert len(last.info["request_seeds"]) == 2  # 2 prompts, 2 workers: a request each
+        assert metrics["rollouts/per_prompt_min"] == 3 and last.sample_lags.numel() == 6
         config = trainer.sampling_config()
         parts = [
             rollout(trainer.adapter, [prompt], [n], config, torch.Generator().manual_seed(seed))

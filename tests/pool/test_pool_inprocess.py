@@ -155,6 +155,26 @@ def test_async_staleness_bound(flow_factory, trainer_adapter, requests_factory):
             assert max(lags) > 0
 
 
+def test_submit_window_requests_each_step_once_in_order(flow_factory, requests_factory):
+    made = []
+
+    def make(step):
+        made.append(step)
+        return requests_factory(f"w{step}-", 1, seed0=step)
+
+    with RolloutPool(flow_factory, max_staleness=2) as pool:
+        pool.submit_through(0, make, last_step=3)
+        assert made == [0]
+        pool.submit_ahead(0, make, last_step=3)  # the window: up to 0 + max_staleness
+        assert made == [0, 1, 2]
+        pool.submit_through(1, make, last_step=3)  # already requested: nothing is made twice
+        assert made == [0, 1, 2]
+        assert [r.request_id for r in pool.collect(0).results] == ["w0-0"]
+        pool.submit_ahead(2, make, last_step=3)  # never beyond the last step
+        assert made == [0, 1, 2, 3]
+        assert pool.pending(3) > 0
+
+
 def test_partial_rollouts_carry_unfinished_requests(flow_factory, requests_factory):
     requests = requests_factory("a", 8, counts=(4,))
     with RolloutPool(flow_factory, max_staleness=1) as pool:

@@ -93,7 +93,7 @@ def test_synchronous_pool_equals_in_loop_rollouts():
     initial = lora(pooled)
     try:
         got = steps(pooled, 2)
-        assert pooled.rollout_pool.last.request_ids == ["step1-0"]
+        assert pooled.rollout_source.last.info["request_ids"] == ["step1-0"]
     finally:
         pooled.cleanup()
     for want, have in zip(expected, got, strict=True):
@@ -121,19 +121,19 @@ def test_async_group_lag_is_bounded_and_stale_samples_are_weighted():
         )
     )
     seen = []
-    original = trainer.rollout_pool.tis_weights
+    original = trainer.loss_weights
 
-    def record(old, behaviour, mask, rows):
-        w = original(old, behaviour, mask, rows)
-        seen.append((trainer.step, trainer.rollout_pool.lags[rows].clone(), w, mask))
+    def record(old, behaviour, mask, row_lags):
+        w = original(old, behaviour, mask, row_lags)
+        seen.append((trainer.step, row_lags.clone(), w, mask))
         return w
 
-    trainer.rollout_pool.tis_weights = record
+    trainer.loss_weights = record
     metrics, lags = [], []
     try:
         for _ in range(3):
             metrics.append(trainer.train_step())
-            lags.append(trainer.rollout_pool.last.sample_lags)
+            lags.append(trainer.rollout_source.last.sample_lags)
             trainer.step += 1
     finally:
         trainer.cleanup()
@@ -175,7 +175,7 @@ def test_overprovisioned_partial_rollouts_are_carried_and_consumed_once(monkeypa
         )
     )
     submitted, delivered, infos, metrics = [], [], [], []
-    pool = trainer.rollout_pool
+    pool = trainer.rollout_source
     original_submit = pool.pool.submit
 
     def record_submit(requests, step=None):
@@ -186,9 +186,9 @@ def test_overprovisioned_partial_rollouts_are_carried_and_consumed_once(monkeypa
     try:
         for _ in range(4):
             metrics.append(trainer.train_step())
-            info = pool.last
+            info = pool.last.info
             infos.append(info)
-            delivered.extend(info.request_ids)
+            delivered.extend(info["request_ids"])
             trainer.step += 1
         left = set(pool.pending)
         # what the last step carried: delivered at the next version (also, no generation outlives the test: an
@@ -199,19 +199,24 @@ def test_overprovisioned_partial_rollouts_are_carried_and_consumed_once(monkeypa
         trainer.cleanup()
     ids = [rid for _, rid, _ in submitted]
     assert len(ids) == len(set(ids))  # every request id submitted once
-    assert sorted(drained) == sorted(left) == sorted(infos[-1].carried_ids)
+    assert sorted(drained) == sorted(left) == sorted(infos[-1]["carried_ids"])
     assert sorted(delivered + drained) == sorted(
         ids
     )  # each delivered exactly once: none lost, none duplicated
     # step 0: 4 prompts in flight for a target of 2; the 2 slow ones are carried and delivered first at step 1
     assert [rid for s, rid, _ in submitted if s == 0] == [f"step0-{i}" for i in range(4)]
-    assert infos[0].request_ids == ["step0-0", "step0-1"] and infos[0].carried_ids == ["step0-2", "step0-3"]
+    assert infos[0]["request_ids"] == ["step0-0", "step0-1"] and infos[0]["carried_ids"] == [
+        "step0-2",
+        "step0-3",
+    ]
     assert metrics[0]["pool/carried"] == 2 and metrics[0]["pool/samples"] == 2
     for prev, info in itertools.pairwise(infos):
-        assert info.request_ids[: len(prev.carried_ids)] == prev.carried_ids
+        assert info["request_ids"][: len(prev["carried_ids"])] == prev["carried_ids"]
     # a step's new requests top it up to 4 prompts in flight, never with a prompt carried into it
     for step in range(1, 4):
-        carried = {p for _, rid, prompts in submitted if rid in infos[step - 1].carried_ids for p in prompts}
+        carried = {
+            p for _, rid, prompts in submitted if rid in infos[step - 1]["carried_ids"] for p in prompts
+        }
         new = [prompts for s, _, prompts in submitted if s == step]
         assert len(carried) + sum(len(p) for p in new) == 4 and not carried & {p for ps in new for p in ps}
     assert max(m["pool/lag_max"] for m in metrics) >= 1  # carried samples were made by an older version
@@ -253,7 +258,7 @@ def test_vllm_pool_members_own_engines_and_weight_lag0_samples(fake_vllm):
         old = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -1.0, 0.0]])
         behaviour = torch.full((2, 3), -1.5)
         mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
-        weights = trainer.rollout_pool.tis_weights(old, behaviour, mask, torch.arange(2))
+        weights = trainer.loss_weights(old, behaviour, mask, torch.zeros(2, dtype=torch.long))
     finally:
         trainer.cleanup()
     # one engine, the pool member's, built with the trainer's engine arguments; the trainer evaluates with

@@ -91,7 +91,7 @@ def test_update_takes_old_policy_statistics_from_the_gradient_forward(model_dir,
     )
     trainer = VLMRLVRTrainer(cfg, None)
     trainer.setup()
-    pairs, _, keep = trainer.collect()
+    pairs, _, keep, _ = trainer.collect()
     adv = torch.arange(len(pairs), dtype=torch.float32) % 2 - 0.5
     # with dropout off, a train-mode forward with gradients gives the no-grad eval-mode statistics
     trainer.model.eval()
@@ -192,7 +192,7 @@ def test_group_mode_gdpo_normalises_each_reward_in_its_group(model_dir, tmp_path
         return raw @ trainer.reward_weights, raw
 
     trainer.verify = fake_verify
-    pairs, adv, _ = trainer.collect()
+    pairs, adv, _, _ = trainer.collect()
     _, raw = fake_verify(pairs)
     groups = torch.tensor(
         [[p for p in dict.fromkeys(ex.prompt_id for ex, _ in pairs)].index(ex.prompt_id) for ex, _ in pairs]
