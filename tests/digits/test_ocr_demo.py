@@ -63,6 +63,6 @@ def test_demo_raises_heldout_ocr_score_and_keeps_shapes(tmp_path, monkeypatch, r
     if "slow" not in (request.config.getoption("markexpr") or ""):
         pytest.skip("a run of several minutes: python -m pytest -m slow tests/digits")
     base, final = run_demo(tmp_path, monkeypatch, steps=120)
-    # seed 0 measured 0.100 -> 0.225 and shapes 0.240 -> 0.260 (BENCHMARKS.md)
+    # seed 0 measured 0.100 -> 0.225 and shapes 0.240 -> 0.260 at 120 steps (BENCHMARKS.md)
     assert final["eval/ocr/mean"] >= base["eval/ocr/mean"] + 0.08
     assert final["eval/shapes/shapes/mean"] >= base["eval/shapes/shapes/mean"] - 0.05
