@@ -24,7 +24,7 @@ def learning_rate(
     """The learning rate of optimizer step ``step`` (0-based: ``step`` steps are done).
 
     ``peak * (step + 1) / warmup_steps`` while ``step < warmup_steps``; after it, ``peak`` (constant) or
-    ``peak * (f + (1 - f) * 0.5 * (1 + cos(pi * min(step / total, 1))))`` (cosine from ``peak`` down to
+    ``peak * (f + (1 - f) * 0.5 * (1 + cos(pi * min(step, total) / total)))`` (cosine from ``peak`` down to
     ``f * peak`` at ``step = total``, ``f = final_fraction``).
     """
     if step < warmup_steps:
@@ -33,5 +33,5 @@ def learning_rate(
         return peak
     if schedule != "cosine":
         raise ValueError(f"unknown learning-rate schedule {schedule!r}; use 'constant' or 'cosine'")
-    cosine = 0.5 * (1.0 + math.cos(math.pi * min(step / total, 1.0)))
+    cosine = 0.5 * (1.0 + math.cos(math.pi * min(step, total) / total))
     return peak * (final_fraction + (1.0 - final_fraction) * cosine)

@@ -55,6 +55,7 @@ from mmrl.images import make_grid, tensor_to_pil
 from mmrl.loop import run_recipe
 from mmrl.rollouts import StepRequest
 from mmrl.run import Run, write_summary_json
+from mmrl.schedule import learning_rate
 from mmrl.trainer_base import TrainerBase
 from pipelines.flow.adapters import Conditioning, FlowAdapter, list_adapters, load_adapter
 from pipelines.flow.branch import TreeRollout, prune_transitions
@@ -618,11 +619,7 @@ class FlowGRPOTrainer(TrainerBase):
     def _optimizer_step(self) -> None:
         t = self.cfg.trainer
         # cosine: a function of the training step, so a resumed run continues it exactly
-        lr = (
-            t.lr * 0.5 * (1.0 + math.cos(math.pi * self.step / t.steps))
-            if t.lr_schedule == "cosine"
-            else None
-        )
+        lr = learning_rate(self.step, t.lr, t.steps, schedule="cosine") if t.lr_schedule == "cosine" else None
         self.optimizer_step(self.optimizer, self.trainable, t.max_grad_norm, lr=lr)
         if self.ema is not None:
             self.ema.update()

@@ -25,15 +25,22 @@ def test_hand_computed_values():
         learning_rate(5, 0.2, 10, 0, "linear")  # type: ignore[arg-type]
 
 
-def test_cosine_is_the_pretraining_scripts_formula_to_the_bit():
-    # what the shapes pretraining and SFT scripts computed before they became recipes (progress = step / total)
+def test_cosine_is_the_flow_rl_formula_to_the_bit_and_the_pretraining_scripts_to_an_ulp():
+    # the flow RL trainer computed lr * 0.5 * (1 + cos(pi * step / steps)) before it used this function: the same
+    # bits keep its committed figures repeatable; the pretraining scripts computed pi * (step / total), which
+    # rounds differently in the last bit on some steps (their committed weights came from wall-clock budgets)
+    for total in (60, 120, 300):
+        for step in range(total + 1):
+            assert learning_rate(step, 3e-4, total, schedule="cosine") == 3e-4 * 0.5 * (
+                1.0 + math.cos(math.pi * step / total)
+            )
     for step in range(300):
         progress = step / 300
-        assert learning_rate(step, 3e-3, 300, schedule="cosine") == 3e-3 * (
-            0.5 * (1.0 + math.cos(math.pi * progress))
+        assert learning_rate(step, 3e-3, 300, schedule="cosine") == pytest.approx(
+            3e-3 * (0.5 * (1.0 + math.cos(math.pi * progress))), rel=1e-14, abs=1e-18
         )
-        assert learning_rate(step, 1e-3, 300, schedule="cosine", final_fraction=0.1) == 1e-3 * (
-            0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+        assert learning_rate(step, 1e-3, 300, schedule="cosine", final_fraction=0.1) == pytest.approx(
+            1e-3 * (0.1 + 0.45 * (1 + math.cos(math.pi * progress))), rel=1e-14, abs=1e-18
         )
 
 
