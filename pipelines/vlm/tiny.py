@@ -220,17 +220,36 @@ def build_model(tokenizer: Qwen2Tokenizer, config: TinyVLMConfig) -> Qwen2_5_VLF
             "out_hidden_size": config.hidden_size,
             "fullatt_block_indexes": [config.vision_depth - 1],
         },
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
+        **qwen_vision_token_ids(ids),
         tie_word_embeddings=False,
     )
-    # Stop on the end of the assistant turn (or end of text), as Qwen-Instruct's generation_config.json does.
-    generation = GenerationConfig(
+    return random_model(
+        Qwen2_5_VLForConditionalGeneration, model_config, config.seed, qwen_generation_config(ids)
+    )
+
+
+def qwen_vision_token_ids(ids: dict[str, int]) -> dict[str, int]:
+    """The vision special-token ids a Qwen-VL model config takes, from the tokenizer's vocabulary ``ids``."""
+    return {
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+    }
+
+
+def qwen_generation_config(ids: dict[str, int]) -> GenerationConfig:
+    """Stop on the end of the assistant turn (or end of text), as Qwen-Instruct's generation_config.json does."""
+    return GenerationConfig(
         eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]], pad_token_id=ids["<|endoftext|>"]
     )
-    return random_model(Qwen2_5_VLForConditionalGeneration, model_config, config.seed, generation)
+
+
+def save_tiny(model: Any, processor: Any, out_dir: str | Path | None) -> None:
+    """``save_pretrained`` model and processor into ``out_dir`` (reload with the Auto classes); nothing when ``None``."""
+    if out_dir is not None:
+        model.save_pretrained(out_dir)
+        processor.save_pretrained(out_dir)
 
 
 def random_model(model_class: type[M], model_config: Any, seed: int, generation: GenerationConfig) -> M:
@@ -264,7 +283,5 @@ def build_tiny_vlm(
     tokenizer = train_tokenizer(corpus, vocab_size=config.vocab_size)
     processor = build_processor(tokenizer, config)
     model = build_model(tokenizer, config)
-    if out_dir is not None:
-        model.save_pretrained(out_dir)
-        processor.save_pretrained(out_dir)
+    save_tiny(model, processor, out_dir)
     return model, processor

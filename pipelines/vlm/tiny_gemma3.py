@@ -33,7 +33,7 @@ from transformers import (
     GenerationConfig,
 )
 
-from pipelines.vlm.tiny import TinyVLMConfig, random_model
+from pipelines.vlm.tiny import TinyVLMConfig, random_model, save_tiny
 
 __all__ = ["GEMMA3_CHAT_TEMPLATE", "build_tiny_gemma3", "train_gemma_tokenizer"]
 
@@ -188,7 +188,5 @@ def build_tiny_gemma3(
     tokenizer = train_gemma_tokenizer(corpus, vocab_size=config.vocab_size)
     processor = build_processor(tokenizer, config)
     model = build_model(tokenizer, config)
-    if out_dir is not None:
-        model.save_pretrained(out_dir)
-        processor.save_pretrained(out_dir)
+    save_tiny(model, processor, out_dir)
     return model, processor

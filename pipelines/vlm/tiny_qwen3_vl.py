@@ -23,7 +23,6 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from transformers import (
-    GenerationConfig,
     Qwen2Tokenizer,
     Qwen2VLImageProcessor,
     Qwen3VLConfig,
@@ -38,7 +37,10 @@ from pipelines.vlm.tiny import (
     CHAT_TEMPLATE,
     QWEN_SPECIAL_TOKENS,
     TinyVLMConfig,
+    qwen_generation_config,
+    qwen_vision_token_ids,
     random_model,
+    save_tiny,
     train_tokenizer,
 )
 
@@ -114,16 +116,10 @@ def _model(
             # the first block's features are stacked into the first LM layer (Qwen3-VL: blocks 8, 16, 24)
             "deepstack_visual_indexes": [0],
         },
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
+        **qwen_vision_token_ids(ids),
         tie_word_embeddings=False,
     )
-    generation = GenerationConfig(
-        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]], pad_token_id=ids["<|endoftext|>"]
-    )
-    return random_model(model_class, model_config, config.seed, generation)
+    return random_model(model_class, model_config, config.seed, qwen_generation_config(ids))
 
 
 def build_tiny_qwen3_vl(
@@ -149,7 +145,5 @@ def build_tiny_qwen3_vl(
     tokenizer = train_tokenizer(corpus, vocab_size=config.vocab_size)
     processor = _processor(tokenizer, config)
     model = _model(tokenizer, config, num_experts)
-    if out_dir is not None:
-        model.save_pretrained(out_dir)
-        processor.save_pretrained(out_dir)
+    save_tiny(model, processor, out_dir)
     return model, processor

@@ -220,12 +220,10 @@ def klein_latents(pipe, latents: torch.Tensor) -> torch.Tensor:
     )
 
 
-def test_flux2_klein_cfg_equals_the_pipeline_and_distilled_runs_without(load_tiny):
-    """The undistilled klein base guides with plain CFG (one batched forward of 2B); a step-distilled checkpoint
-    (``is_distilled``) ignores the scale, as ``Flux2KleinPipeline`` does."""
-    adapter = load_tiny("flux2_klein")
-    pipe, sizes = adapter.pipe, SIZES["flux2_klein"]
-    config = _config("flux2_klein", sde_window=(0, 0), guidance_scale=3.0)
+def assert_guided_sample_equals_the_pipeline(adapter, family: str) -> torch.Tensor:
+    """A noise-free rollout at guidance 3 ends on the FLUX.2 pipeline's latents from the same noise (returned)."""
+    pipe, sizes = adapter.pipe, SIZES[family]
+    config = _config(family, sde_window=(0, 0), guidance_scale=3.0)
     noise = torch.randn((1, *adapter.latent_shape(**sizes)), generator=torch.Generator().manual_seed(1))
     ours = rollout(adapter, PROMPTS[:1], 1, config, noise=noise)
     out = pipe(
@@ -239,8 +237,16 @@ def test_flux2_klein_cfg_equals_the_pipeline_and_distilled_runs_without(load_tin
         **sizes,
     )
     torch.testing.assert_close(ours.latents[:, -1], klein_latents(pipe, out.images), rtol=1e-4, atol=1e-4)
+    return noise
+
+
+def test_flux2_klein_cfg_equals_the_pipeline_and_distilled_runs_without(load_tiny):
+    """The undistilled klein base guides with plain CFG (one batched forward of 2B); a step-distilled checkpoint
+    (``is_distilled``) ignores the scale, as ``Flux2KleinPipeline`` does."""
+    adapter = load_tiny("flux2_klein")
+    assert_guided_sample_equals_the_pipeline(adapter, "flux2_klein")
     assert adapter.nfe_per_sample(3.0) == 2
-    pipe.register_to_config(is_distilled=True)
+    adapter.pipe.register_to_config(is_distilled=True)
     assert adapter.nfe_per_sample(3.0) == 1
 
 
@@ -248,21 +254,7 @@ def test_flux2_dev_embeds_guidance_and_equals_the_pipeline(load_tiny):
     """FLUX.2 [dev] is guidance-distilled: one forward per sample with the scale as an input, as
     ``Flux2Pipeline(guidance_scale=...)`` samples."""
     adapter = load_tiny("flux2")
-    pipe, sizes = adapter.pipe, SIZES["flux2"]
-    config = _config("flux2", sde_window=(0, 0), guidance_scale=3.0)
-    noise = torch.randn((1, *adapter.latent_shape(**sizes)), generator=torch.Generator().manual_seed(1))
-    ours = rollout(adapter, PROMPTS[:1], 1, config, noise=noise)
-    out = pipe(
-        prompt=PROMPTS[0],
-        guidance_scale=3.0,
-        latents=noise,
-        num_inference_steps=config.num_steps,
-        output_type="latent",
-        max_sequence_length=16,
-        text_encoder_out_layers=(1, 2, 3),
-        **sizes,
-    )
-    torch.testing.assert_close(ours.latents[:, -1], klein_latents(pipe, out.images), rtol=1e-4, atol=1e-4)
+    noise = assert_guided_sample_equals_the_pipeline(adapter, "flux2")
     cond = adapter.encode(PROMPTS[:1])
     with torch.no_grad():
         v1, v4 = adapter.velocity(noise, 0.5, cond, 1.0), adapter.velocity(noise, 0.5, cond, 4.0)
