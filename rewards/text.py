@@ -498,6 +498,9 @@ class ReasoningSteps(Reward):
     A completion without the span, or with no steps in it, scores 0 with a reason; never raises on model output.
     """
 
+    #: trainers check before the first rollout that every question has a reference solution
+    needs_reference = True
+
     def __init__(self, think_tag: str = "think"):
         self.think_tag = think_tag
 

@@ -244,7 +244,8 @@ def load_vqa(
 
 def check_answers(examples: Sequence[VQAExample], verifiers: Sequence[tuple[str, Any]], source: str) -> None:
     """Reject ground truths a verifier cannot compare against (``Reward.ground_truth_problem``), e.g. an answer
-    that is no number for ``numeric``, before any rollout is spent.
+    that is no number for ``numeric``, and rows without the reference solution a verifier reads
+    (``needs_reference``, e.g. ``reasoning_steps``), before any rollout is spent.
 
     Args:
         examples: the loaded questions, in file order (so index ``i`` is row ``i``).
@@ -255,6 +256,13 @@ def check_answers(examples: Sequence[VQAExample], verifiers: Sequence[tuple[str,
         ValueError: naming the source, the row, the prompt id, the answer and the verifier.
     """
     for key, reward in verifiers:
+        if getattr(reward, "needs_reference", False):
+            for row, example in enumerate(examples):
+                if not example.reference.strip():
+                    raise ValueError(
+                        f"{source} row {row} (id {example.prompt_id}): no reference solution, which the reward "
+                        f"{key!r} needs (data.reference_column names the column that holds them)"
+                    )
         problem_of = getattr(reward, "ground_truth_problem", None)
         if problem_of is None:
             continue

@@ -51,6 +51,13 @@ def test_vqa_reference_column_is_read_and_a_missing_reference_named(tmp_path) ->
         load_vqa(source, image_column=None, reference_column="steps")
     with pytest.raises(ValueError, match=r"missing column\(s\) \['solution'\]"):
         load_vqa(source, image_column=None, reference_column="solution")
+    # a reward that reads reference solutions refuses questions without one before any rollout
+    with pytest.raises(
+        ValueError, match=r"steps\.jsonl row 0 \(id steps-0\): no reference solution.*'steps'"
+    ):
+        check_answers(
+            load_vqa(source, image_column=None), [("steps", rewards.build("reasoning_steps"))], source
+        )
 
 
 def test_vqa_answer_that_is_no_number_for_a_numeric_verifier_is_named(tmp_path) -> None:
