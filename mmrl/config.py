@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, TypeVar, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -58,11 +58,19 @@ class RunConfig(Config):
     threads: int | None = Field(
         None,
         ge=1,
-        description="torch CPU threads of this process, set in setup (null: torch's default, one per "
-        "core). Waiting OpenMP threads spin 2,000 times, then sleep (GOMP_SPINCOUNT=2000) unless OMP_WAIT_POLICY or "
-        "GOMP_SPINCOUNT is set in the environment (pipelines/threads.py): a second busy process then slows a step "
-        "about 2x, not 4-17x, and a quiet machine keeps its speed. "
-        "Ray rollout actors: pool.ray.threads.",
+        description="torch CPU threads of this process, set in setup (null: torch's default, one per core). "
+        "See threads_policy for what happens when other processes share the CPU. Ray rollout actors: "
+        "pool.ray.threads.",
+    )
+    threads_policy: Literal["adaptive", "fixed"] = Field(
+        "adaptive",
+        description="adaptive: before each step, the CPU time other processes took during the last one decides "
+        "the step's threads; while they keep cores busy the step runs with fewer (one on 2 cores: no OpenMP "
+        "thread spins waiting for a descheduled peer), and with `threads` again once the cores are free "
+        "(pipelines/threads.py). Off when waiting threads do not spin: a process that starts on a busy machine "
+        "makes them sleep at once (OMP_WAIT_POLICY=PASSIVE) unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is set in "
+        "the environment. fixed: always `threads`; choose it for bit-for-bit repeatable runs (a different "
+        "thread count can round float sums differently).",
     )
 
 

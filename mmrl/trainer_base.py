@@ -60,11 +60,11 @@ class TrainerBase:
     # ------------------------------------------------------------------ setup
     def setup_runtime(self, device: str = "cpu") -> None:
         """Process group (one process per GPU under ``accelerate launch``), seeds (``run.seed + rank``), CPU
-        threads and the device (under data parallelism each rank's own GPU)."""
+        threads (``run.threads`` and ``run.threads_policy``) and the device (under data parallelism each rank's own GPU)."""
         self.dist = init_distributed()
         self.rank, self.world_size = self.dist.rank, self.dist.world_size
         self.generator = seed_everything(self.cfg.run.seed + self.rank)
-        set_cpu_threads(self.cfg.run.threads)
+        set_cpu_threads(self.cfg.run.threads, self.cfg.run.threads_policy)
         self.device = resolve_device(device)
         if self.dist.active and self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
