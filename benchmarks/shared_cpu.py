@@ -21,7 +21,7 @@ interleaved (quiet, loaded, next policy, ...) so drifts of the machine hit every
 * ``threads1``: one torch thread (``run.threads=1``), nothing to wait for.
 
 Reported per model and policy: the median quiet and loaded step time, the slowdown (loaded / quiet), the quiet
-time relative to the default policy's, the wait policy the process ran with and the thread counts its steps used.
+time relative to the default policy's, the wait policy the process ran with and, per step, whether the adaptive short spin was on.
 Goal: loaded <= 2.2x quiet, with no loss at quiet.
 """
 
@@ -104,22 +104,18 @@ def worker(model: str, steps: int, threads: int | None, threads_policy: str) -> 
     adapt_cpu_threads()
     trainer.train_step()
     print(json.dumps({"step": 0}), flush=True)  # warmed up
-    times, counts = [], []
+    times, short = [], []
     for step in range(1, steps + 1):
         start = time.perf_counter()
-        # the training loop's call: the thread count is part of the step it decides
-        counts.append(adapt_cpu_threads() or torch_threads())
+        # the training loop's call, timed as part of the step it decides for
+        short.append(bool(adapt_cpu_threads()))
         trainer.train_step()
         times.append(time.perf_counter() - start)
-        print(json.dumps({"step": step, "seconds": times[-1], "threads": counts[-1]}), flush=True)
+        print(json.dumps({"step": step, "seconds": times[-1], "short_spin": short[-1]}), flush=True)
     wait = {key: os.environ[key] for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if key in os.environ}
-    return {"times": times, "threads": counts, "wait": wait}
+    import torch  # loaded long ago by the trainer, after mmrl
 
-
-def torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
+    return {"times": times, "short_spin": short, "wait": wait, "threads": torch.get_num_threads()}
 
 
 def _start_competitor() -> subprocess.Popen:
@@ -198,7 +194,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                     print(
                         f"{model:5s} {policy:9s} {'loaded' if loaded else 'quiet':7s} "
                         + " ".join(f"{t:.2f}" for t in result["times"])
-                        + f"  threads {result['threads']}  ({wait})",
+                        + f"  {result['threads']} threads, short spin "
+                        + "".join("y" if short else "n" for short in result["short_spin"])
+                        + f"  ({wait})",
                         flush=True,
                     )
     report: dict[str, object] = {}

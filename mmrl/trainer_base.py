@@ -24,7 +24,7 @@ from mmrl.loop import train_loop
 from mmrl.rollouts import RolloutSource
 from mmrl.run import MetricAccumulator, Run, resume_checkpoint
 from mmrl.seeding import get_rng_state, seed_everything, set_rng_state
-from pipelines.threads import set_cpu_threads
+from pipelines.threads import set_cpu_threads, stop_adapting
 
 __all__ = ["TrainerBase"]
 
@@ -147,7 +147,8 @@ class TrainerBase:
         )
 
     def cleanup(self) -> None:
-        """Close the rollout source and the run directory."""
+        """Close the rollout source and the run directory; release the adaptive OpenMP spin."""
+        stop_adapting()
         if self.rollout_source is not None:
             self.rollout_source.close()
         if self.run is not None:

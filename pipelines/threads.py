@@ -29,7 +29,6 @@ parallel region); no single spin count does both. So mmrl decides twice, from wh
 from __future__ import annotations
 
 import logging
-import math
 import os
 import statistics
 import threading
@@ -41,16 +40,18 @@ from typing import Literal
 
 __all__ = [
     "SHARED_WAIT_ENV",
-    "AdaptiveThreads",
+    "AdaptiveSpin",
     "CpuSample",
+    "ShortSpin",
     "adapt_cpu_threads",
     "default_wait_policy",
     "machine_is_shared",
-    "next_thread_count",
+    "next_contended",
     "others_busy_cores",
     "others_running",
     "read_cpu_sample",
     "set_cpu_threads",
+    "stop_adapting",
     "threads_spin",
 ]
 
@@ -171,48 +172,103 @@ def others_busy_cores(before: CpuSample, after: CpuSample, ticks_per_second: flo
 
 
 # ------------------------------------------------------------------------------------------------- decision
-def next_thread_count(
-    current: int,
-    configured: int,
-    free_cores: float,
-    shrink_margin: float = 0.5,
-    grow_margin: float = 0.25,
-) -> int:
-    """The intra-op threads of the next step, from the cores the last step left free (``cores - others``).
+def next_contended(
+    contended: bool,
+    others: float,
+    cores: int,
+    threads: int,
+    enter_margin: float = 0.5,
+    leave_margin: float = 0.25,
+) -> bool:
+    """Whether the next step counts as contended, from the cores other processes kept busy during the last one.
 
-    * shrink when ``free < current - shrink_margin``, to ``max(1, floor(free + shrink_margin))``;
-    * grow when ``current < configured`` and ``free >= current + 1 - grow_margin``, to
-      ``min(configured, floor(free + grow_margin))``;
-    * else keep ``current``.
+    With ``spare = cores - threads`` (the cores this process's threads leave to others):
 
-    With ``grow_margin < shrink_margin`` a count just grown to is not shrunk again by the same reading, and the
-    band between the two margins holds the count where it is (on 2 cores with 2 threads configured: one thread
-    from 0.5 cores of others' work up, two again at 0.25 or less).
+    * enter when ``others > spare + enter_margin``;
+    * leave when ``others <= spare + leave_margin``;
+    * in between, stay as it was (on 2 cores with 2 threads: contended from 0.5 cores of others' work up, free
+      again at 0.25 or less), so a load near one edge does not flip it every step.
 
     Raises:
-        ValueError: ``configured < 1`` or the margins do not satisfy ``0 <= grow_margin < shrink_margin``.
+        ValueError: the margins do not satisfy ``0 <= leave_margin < enter_margin``.
     """
-    if configured < 1:
-        raise ValueError(f"configured threads must be >= 1, got {configured}")
-    if not 0 <= grow_margin < shrink_margin:
-        raise ValueError(f"need 0 <= grow_margin < shrink_margin, got {grow_margin} and {shrink_margin}")
-    if current > 1 and free_cores < current - shrink_margin:
-        return max(1, math.floor(free_cores + shrink_margin))
-    if current < configured and free_cores >= current + 1 - grow_margin:
-        return min(configured, math.floor(free_cores + grow_margin))
-    return current
+    if not 0 <= leave_margin < enter_margin:
+        raise ValueError(f"need 0 <= leave_margin < enter_margin, got {leave_margin} and {enter_margin}")
+    spare = cores - threads
+    if others > spare + enter_margin:
+        return True
+    if others <= spare + leave_margin:
+        return False
+    return contended
 
 
-class AdaptiveThreads:
-    """Chooses each step's intra-op thread count from the CPU other processes used during the last step.
+class ShortSpin:
+    """libgomp's short spin, switched on and off in a running process.
 
-    :meth:`apply` is called before every step (by the training loop and by rollout workers, in whatever thread
-    runs the step): it reads the counters when at least ``min_window_s`` passed since the last reading, moves the
-    target with :func:`next_thread_count` and sets ``torch.set_num_threads`` in the calling thread when it differs
-    (OpenMP keeps a thread count per thread).
+    libgomp makes a waiting thread spin ``GOMP_SPINCOUNT`` times (300,000 by default) before it sleeps, but only
+    100 times (1,000 under ``OMP_WAIT_POLICY=ACTIVE``, never more than ``GOMP_SPINCOUNT``) while the process has
+    more OpenMP threads than CPUs (the libgomp manual on ``GOMP_SPINCOUNT``; it checks at every wait). While
+    engaged, a parked thread holds an OpenMP pool of its own, ``cores - threads + 2`` threads that sleep: the
+    process then has more OpenMP threads than CPUs and every wait spins briefly, almost ``PASSIVE``. Released, the
+    parked thread ends, its pool with it, and waits spin fully again. Other OpenMP runtimes (LLVM's or Intel's,
+    which other torch builds use) do not count threads this way; there it changes nothing.
 
     Args:
-        configured: the count used while the cores are free (``run.threads``, else torch's default).
+        threads: the intra-op threads of the process.
+        cores: the CPUs the process may use.
+    """
+
+    def __init__(self, threads: int, cores: int) -> None:
+        self.threads = threads
+        self.pool_size = max(2, cores - threads + 2)
+        self.parked: threading.Thread | None = None
+        self.stop = threading.Event()
+
+    @property
+    def engaged(self) -> bool:
+        return self.parked is not None
+
+    def engage(self) -> None:
+        """Park the pool-holding thread (returns once its pool exists); nothing if engaged."""
+        if self.parked is not None:
+            return
+        ready, self.stop = threading.Event(), threading.Event()
+        self.parked = threading.Thread(
+            target=self._hold, args=(ready, self.stop), name="short-spin", daemon=True
+        )
+        self.parked.start()
+        ready.wait()
+
+    def release(self) -> None:
+        """End the parked thread and its pool; nothing if released."""
+        if self.parked is None:
+            return
+        self.stop.set()
+        self.parked.join()
+        self.parked = None
+
+    def _hold(self, ready: threading.Event, stop: threading.Event) -> None:
+        import torch
+
+        torch.set_num_threads(self.pool_size)
+        # one parallel region of pool_size threads (torch splits an elementwise op in 32,768-element chunks):
+        # libgomp keeps them in this thread's pool, asleep, until the thread ends
+        torch.ones(self.pool_size * 65536).mul_(2)
+        torch.set_num_threads(self.threads)  # torch's count for threads started later stays the process's
+        ready.set()
+        stop.wait()
+
+
+class AdaptiveSpin:
+    """Shortens the OpenMP spin (:class:`ShortSpin`) while other processes keep this process's cores busy.
+
+    :meth:`apply` is called before every step (by the training loop and by rollout workers): when at least
+    ``min_window_s`` passed since the last reading it measures the cores others used (:func:`others_busy_cores`),
+    decides with :func:`next_contended` and engages or releases the short spin. The thread count never changes,
+    so the numbers a step computes do not either.
+
+    Args:
+        threads: the process's intra-op threads (``run.threads``, else torch's default).
         cores: the cores this process may use (default: its CPU affinity).
         read: returns a :class:`CpuSample` (default: :func:`read_cpu_sample`; tests pass readings made by hand).
         ticks_per_second: the unit of the tick counters (default: ``SC_CLK_TCK``).
@@ -221,51 +277,65 @@ class AdaptiveThreads:
 
     def __init__(
         self,
-        configured: int,
+        threads: int,
         cores: int | None = None,
         read: Callable[[], CpuSample] | None = None,
         ticks_per_second: float | None = None,
         min_window_s: float = 0.2,
     ) -> None:
-        if configured < 1:
-            raise ValueError(f"configured threads must be >= 1, got {configured}")
-        self.configured = configured
+        self.threads = threads
         self.cores = cores or len(_usable_cpus())
         self.read = read or read_cpu_sample
         self.ticks_per_second = ticks_per_second or os.sysconf("SC_CLK_TCK")
         self.min_window_s = min_window_s
-        self.target = configured
+        self.contended = False
         self.others = 0.0  # cores others used in the last window
+        self.short_spin = ShortSpin(threads, self.cores)
         self.last = self.read()
         self.lock = threading.Lock()
 
-    def probe(self) -> int:
-        """Read the counters (when the window is long enough) and return the thread count for the next step."""
+    def probe(self) -> bool:
+        """Read the counters (when the window is long enough); returns whether the next step is contended."""
         with self.lock:
             now = self.read()
             if now.seconds - self.last.seconds >= self.min_window_s:
                 self.others = others_busy_cores(self.last, now, self.ticks_per_second)
-                self.target = next_thread_count(self.target, self.configured, self.cores - self.others)
+                self.contended = next_contended(self.contended, self.others, self.cores, self.threads)
                 self.last = now
-            return self.target
+            return self.contended
 
-    def apply(self) -> int:
-        """:meth:`probe`, then set the calling thread's torch threads to the result; returns it."""
-        import torch
+    def apply(self) -> bool:
+        """:meth:`probe`, then engage or release the short spin to match; returns whether it is engaged."""
+        contended = self.probe()
+        with self.lock:
+            if contended:
+                self.short_spin.engage()
+            else:
+                self.short_spin.release()
+        return contended
 
-        target = self.probe()
-        if torch.get_num_threads() != target:
-            torch.set_num_threads(target)
-        return target
+    def close(self) -> None:
+        """Release the short spin."""
+        with self.lock:
+            self.short_spin.release()
 
 
-_adaptive: AdaptiveThreads | None = None
+_adaptive: AdaptiveSpin | None = None
 
 
-def adapt_cpu_threads() -> int | None:
-    """Before a step: the adaptive thread count set in the calling thread, or ``None`` when the process's thread
-    count is fixed (``set_cpu_threads`` with ``policy="fixed"``, or never called)."""
+def adapt_cpu_threads() -> bool | None:
+    """Before a step: whether waiting OpenMP threads spin briefly for it (other processes keep the cores busy),
+    or ``None`` when the process's waits are fixed (``set_cpu_threads`` with ``policy="fixed"``, or never
+    called)."""
     return _adaptive.apply() if _adaptive is not None else None
+
+
+def stop_adapting() -> None:
+    """Release the process's adaptive short spin, if any (a trainer's cleanup); waits spin as they started."""
+    global _adaptive
+    if _adaptive is not None:
+        _adaptive.close()
+        _adaptive = None
 
 
 # -------------------------------------------------------------------------------------------- process setup
@@ -291,11 +361,11 @@ def threads_spin(env: dict[str, str] | os._Environ[str] = os.environ) -> bool:
 def set_cpu_threads(threads: int | None, policy: ThreadsPolicy = "fixed") -> int:
     """Cap torch's intra-op CPU threads at ``threads`` (``None``: leave torch's default, one per core).
 
-    ``policy="adaptive"`` also makes :func:`adapt_cpu_threads` lower the count while other processes keep the
-    cores busy, and raise it back to ``threads`` once they stop (:class:`AdaptiveThreads`); it is left off where
-    waiting threads do not spin (``OMP_WAIT_POLICY=PASSIVE``: more threads then cost little beside a competitor)
-    and where one thread is configured. ``"fixed"`` keeps the count (bit-for-bit reproducible float sums: a
-    different thread count can round differently).
+    ``policy="adaptive"`` also makes :func:`adapt_cpu_threads` shorten the OpenMP spin while other processes
+    keep the cores busy and restore it once they stop (:class:`AdaptiveSpin`); it is left off where waiting
+    threads do not spin anyway (``OMP_WAIT_POLICY=PASSIVE``) and where one thread is configured (no team, no
+    wait). ``"fixed"`` keeps the wait policy the process started with. Either way the thread count stays.
+    A previous adaptive setting of the process is released.
 
     Returns:
         The number of threads in force.
@@ -313,10 +383,10 @@ def set_cpu_threads(threads: int | None, policy: ThreadsPolicy = "fixed") -> int
             raise ValueError(f"threads must be >= 1 or null, got {threads}")
         torch.set_num_threads(threads)
     configured = torch.get_num_threads()
-    _adaptive = None
+    stop_adapting()
     if policy == "adaptive" and configured > 1 and threads_spin():
         try:
-            _adaptive = AdaptiveThreads(configured)
-        except OSError as err:  # no /proc (not Linux): the count stays fixed
-            logger.warning("adaptive CPU threads need /proc/stat (%s); keeping %d threads", err, configured)
+            _adaptive = AdaptiveSpin(configured)
+        except OSError as err:  # no /proc (not Linux): the spin stays as the process started
+            logger.warning("adaptive OpenMP waits need /proc/stat (%s); the spin stays as it is", err)
     return configured

@@ -1,9 +1,10 @@
 """CPU threading: the run's thread cap is applied in setup, the OpenMP wait policy follows the machine's state at
-start and yields to the user's, and adaptive threads follow other processes' CPU use with hysteresis."""
+start and yields to the user's, and the adaptive short spin follows other processes' CPU use with hysteresis."""
 
 import os
 import subprocess
 import sys
+import time
 from itertools import count
 
 import pytest
@@ -15,12 +16,13 @@ from mmrl.config import load_config
 from pipelines.pool.executors import RayOptions
 from pipelines.threads import (
     SHARED_WAIT_ENV,
-    AdaptiveThreads,
+    AdaptiveSpin,
     CpuSample,
+    ShortSpin,
     adapt_cpu_threads,
     default_wait_policy,
     machine_busy_ticks,
-    next_thread_count,
+    next_contended,
     others_busy_cores,
     others_running,
     own_ticks,
@@ -96,42 +98,29 @@ def test_others_busy_cores_is_the_machine_busy_time_less_this_process():
 
 
 # --------------------------------------------------------------------------------------------- decisions
-def test_next_thread_count_shrinks_when_others_take_cores():
-    # 2 cores, 2 threads configured: a 2-thread competitor left one core free over the last step
-    assert next_thread_count(current=2, configured=2, free_cores=1.0) == 1
-    assert next_thread_count(current=2, configured=2, free_cores=1.45) == 1  # 0.55 cores taken: beyond 0.5
-    assert next_thread_count(current=2, configured=2, free_cores=1.55) == 2  # 0.45 cores: inside the margin
-    # 16 cores: a 2-thread competitor costs two threads, not fifteen
-    assert next_thread_count(current=16, configured=16, free_cores=14.0) == 14
-    assert next_thread_count(current=16, configured=16, free_cores=0.2) == 1
+def test_next_contended_enters_when_others_take_a_core_this_process_uses():
+    # 2 cores, 2 threads: no spare core, so half a core of others' work is contention
+    assert next_contended(False, others=1.0, cores=2, threads=2)  # a 2-thread competitor took one core
+    assert next_contended(False, others=0.55, cores=2, threads=2)
+    assert not next_contended(False, others=0.45, cores=2, threads=2)  # inside the margin
+    # 16 cores, 2 threads: others may use 14 before they reach this process's cores
+    assert not next_contended(False, others=14.4, cores=16, threads=2)
+    assert next_contended(False, others=14.6, cores=16, threads=2)
 
 
-def test_next_thread_count_grows_back_only_once_the_cores_are_free():
-    # one thread beside a 2-thread competitor: it takes 4/3 cores, 2/3 are left
-    assert next_thread_count(current=1, configured=2, free_cores=2 - 4 / 3) == 1
-    assert next_thread_count(current=1, configured=2, free_cores=1.7) == 1  # 0.3 cores taken: hold
-    assert next_thread_count(current=1, configured=2, free_cores=1.8) == 2  # 0.2 cores taken: grow
-    assert next_thread_count(current=1, configured=2, free_cores=2.0) == 2
-    assert next_thread_count(current=2, configured=2, free_cores=2.0) == 2  # never above the configured count
-    assert next_thread_count(current=14, configured=16, free_cores=16.0) == 16
+def test_next_contended_leaves_only_once_the_cores_are_free_again():
+    assert next_contended(True, others=4 / 3, cores=2, threads=2)  # the competitor stays
+    assert next_contended(True, others=0.3, cores=2, threads=2)  # 0.3 cores: hold
+    assert not next_contended(True, others=0.25, cores=2, threads=2)
+    assert not next_contended(True, others=0.0, cores=2, threads=2)
 
 
-def test_next_thread_count_does_not_flap_between_the_margins():
-    # every reading in the band between the margins keeps whichever count is in force
-    for free in (1.5, 1.6, 1.7, 1.74):
-        assert next_thread_count(current=2, configured=2, free_cores=free) == 2
-        assert next_thread_count(current=1, configured=2, free_cores=free) == 1
-    # a count just grown to is not shrunk by the same reading
-    for free in (1.75, 2.3, 5.9, 7.76):
-        grown = next_thread_count(current=1, configured=8, free_cores=free)
-        assert grown > 1 and next_thread_count(grown, 8, free) == grown
-
-
-def test_next_thread_count_rejects_bad_settings():
-    with pytest.raises(ValueError, match="configured threads must be >= 1"):
-        next_thread_count(1, 0, 1.0)
-    with pytest.raises(ValueError, match="grow_margin < shrink_margin"):
-        next_thread_count(2, 2, 1.0, shrink_margin=0.25, grow_margin=0.5)
+def test_next_contended_holds_its_state_between_the_margins():
+    for others in (0.26, 0.35, 0.5):
+        assert next_contended(True, others, cores=2, threads=2)
+        assert not next_contended(False, others, cores=2, threads=2)
+    with pytest.raises(ValueError, match="leave_margin < enter_margin"):
+        next_contended(False, 1.0, 2, 2, enter_margin=0.25, leave_margin=0.5)
 
 
 def _scripted_reader(others_per_window: list[float], window_s: float = 0.5, cores: int = 2):
@@ -147,29 +136,47 @@ def _scripted_reader(others_per_window: list[float], window_s: float = 0.5, core
     return iter(samples).__next__
 
 
-def test_adaptive_threads_follow_a_competitor_that_comes_and_goes():
-    # quiet, competitor arrives (takes 1 core beside 2 threads, 4/3 beside one), stays, leaves, a short burst
+def test_adaptive_spin_follows_a_competitor_that_comes_and_goes():
+    # quiet, a competitor arrives (1 core beside full spin, 4/3 beside short waits), stays, leaves; a short burst
     others = [0.05, 1.0, 4 / 3, 4 / 3, 0.4, 0.1, 0.6, 0.3, 0.0]
-    adaptive = AdaptiveThreads(2, cores=2, read=_scripted_reader(others), ticks_per_second=100)
-    targets = [adaptive.probe() for _ in others]
-    assert targets == [2, 1, 1, 1, 1, 2, 1, 1, 2]
+    adaptive = AdaptiveSpin(2, cores=2, read=_scripted_reader(others), ticks_per_second=100)
+    assert [adaptive.probe() for _ in others] == [False, True, True, True, True, False, True, True, False]
     assert adaptive.others == pytest.approx(0.0)
 
 
-def test_adaptive_threads_wait_for_a_long_enough_window():
+def test_adaptive_spin_waits_for_a_long_enough_window():
     clock = count()
     # readings 0.1 s apart: only every second one closes a 0.2 s window
     samples = (CpuSample(20 * i, 10 * i, 0.1 * i) for i in clock)
-    adaptive = AdaptiveThreads(2, cores=2, read=samples.__next__, ticks_per_second=100)
-    assert adaptive.probe() == 2  # 0.1 s: no decision, others unknown
+    adaptive = AdaptiveSpin(2, cores=2, read=samples.__next__, ticks_per_second=100)
+    assert not adaptive.probe()  # 0.1 s: no decision, others unknown
     assert adaptive.others == 0.0
-    assert (
-        adaptive.probe() == 1
-    )  # 0.2 s in which others took 1 core (40 busy ticks, 20 of them this process's)
+    assert adaptive.probe()  # 0.2 s in which others took 1 core (40 busy ticks, 20 of them this process's)
     assert adaptive.others == pytest.approx(1.0)
 
 
-def test_the_training_loop_switches_torch_threads_between_steps(
+def _os_threads() -> int:
+    time.sleep(0.1)  # a released pool's threads end asynchronously
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_short_spin_holds_an_openmp_pool_while_engaged(restore_threads):
+    torch.set_num_threads(2)
+    torch.ones(1 << 20).mul_(2)  # this thread's own team exists before counting
+    short_spin = ShortSpin(threads=2, cores=2)
+    before = _os_threads()
+    for _ in range(2):
+        short_spin.engage()
+        short_spin.engage()  # engaged once, however often asked
+        # the parked thread and its pool's second thread: 3 OpenMP threads on 2 CPUs
+        assert short_spin.engaged and _os_threads() == before + 2
+        assert torch.get_num_threads() == 2  # the steps' thread count is untouched
+        short_spin.release()
+        assert not short_spin.engaged and _os_threads() == before
+    assert ShortSpin(threads=2, cores=16).pool_size == 16  # 2 + 16 - 1 OpenMP threads > 16 CPUs
+
+
+def test_the_training_loop_shortens_the_spin_between_steps(
     monkeypatch, spinning_wait_policy, restore_threads
 ):
     # others' load per step: quiet, a competitor for three steps, quiet again
@@ -188,27 +195,35 @@ def test_the_training_loop_switches_torch_threads_between_steps(
     assert cfg.run.threads_policy == "adaptive"
     trainer = BanditTrainer(cfg, None)
     trainer.setup()
+    torch.ones(1 << 20).mul_(2)  # the main thread's team exists before counting
+    quiet_threads = _os_threads()
     used = []
     step = trainer.train_step
 
     def recorded_step():
-        used.append(torch.get_num_threads())
+        used.append((threads_module._adaptive.short_spin.engaged, _os_threads() - quiet_threads))
         return step()
 
     trainer.train_step = recorded_step
     trainer.train()
-    assert used == [2, 2, 1, 1, 1, 2, 2]  # each step follows the window of the step before
+    # each step follows the window of the step before; engaged: two more OpenMP threads in the process
+    short = [(False, 0), (True, 2)]
+    assert used == [short[0], short[0], short[1], short[1], short[1], short[0], short[0]]
+    assert torch.get_num_threads() == 2
 
 
-def test_fixed_policy_and_sleeping_waits_keep_the_thread_count(
+def test_fixed_policy_and_sleeping_waits_leave_the_spin_alone(
     monkeypatch, spinning_wait_policy, restore_threads
 ):
     monkeypatch.setattr(threads_module, "read_cpu_sample", _scripted_reader([1.5, 1.5]))
     set_cpu_threads(2, "fixed")
-    assert adapt_cpu_threads() is None and torch.get_num_threads() == 2
+    assert adapt_cpu_threads() is None
     monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
-    set_cpu_threads(2, "adaptive")  # nothing spins: two threads beat one beside a competitor
-    assert adapt_cpu_threads() is None and torch.get_num_threads() == 2
+    set_cpu_threads(2, "adaptive")  # waits sleep at once already
+    assert adapt_cpu_threads() is None
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    set_cpu_threads(1, "adaptive")  # one thread: no team, no wait
+    assert adapt_cpu_threads() is None and torch.get_num_threads() == 1
 
 
 def test_threads_spin_under_each_wait_policy():
