@@ -13,9 +13,9 @@ notices it. Each step goes through :func:`pipelines.threads.adapt_cpu_threads`, 
 interleaved (quiet, loaded, next policy, ...) so drifts of the machine hit every policy alike. Policies:
 
 * ``default``: libgomp's own (waiting threads spin 300,000 times before they sleep), named as
-  ``GOMP_SPINCOUNT=300000`` so that mmrl does not choose its own, with fixed threads;
-* ``passive``: ``OMP_WAIT_POLICY=PASSIVE`` (waiting threads sleep at once), fixed threads;
-* ``spin=N``: ``GOMP_SPINCOUNT=N`` with fixed threads (``spin=2000``: mmrl's default before the adaptive one);
+  ``GOMP_SPINCOUNT=300000`` so that mmrl does not choose its own, ``run.threads_policy=fixed``;
+* ``passive``: ``OMP_WAIT_POLICY=PASSIVE`` (waiting threads sleep at once), ``run.threads_policy=fixed``;
+* ``spin=N``: ``GOMP_SPINCOUNT=N``, ``run.threads_policy=fixed`` (``spin=2000``: mmrl's default before the adaptive one);
 * ``adaptive``: mmrl's default: the wait policy chosen from the machine's state when the process starts, and
   ``run.threads_policy=adaptive`` (pipelines/threads.py);
 * ``threads1``: one torch thread (``run.threads=1``), nothing to wait for.

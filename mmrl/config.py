@@ -64,13 +64,12 @@ class RunConfig(Config):
     )
     threads_policy: Literal["adaptive", "fixed"] = Field(
         "adaptive",
-        description="adaptive: before each step, the CPU time other processes took during the last one decides "
-        "the step's threads; while they keep cores busy the step runs with fewer (one on 2 cores: no OpenMP "
-        "thread spins waiting for a descheduled peer), and with `threads` again once the cores are free "
-        "(pipelines/threads.py). Off when waiting threads do not spin: a process that starts on a busy machine "
-        "makes them sleep at once (OMP_WAIT_POLICY=PASSIVE) unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is set in "
-        "the environment. fixed: always `threads`; choose it for bit-for-bit repeatable runs (a different "
-        "thread count can round float sums differently).",
+        description="adaptive: where waiting OpenMP threads spin, the CPU time other processes took during the "
+        "last step decides the next: while they use the cores this process's threads need, every wait spins only "
+        "briefly (libgomp's short spin, as with more threads than CPUs), and fully again once the cores are free "
+        "(pipelines/threads.py); the thread count never changes. Besides, a process that starts on a busy machine "
+        "makes waiting threads sleep at once (OMP_WAIT_POLICY=PASSIVE) unless OMP_WAIT_POLICY or GOMP_SPINCOUNT "
+        "is set in the environment. fixed: the waits stay as the process started.",
     )
 
 

@@ -72,7 +72,7 @@ def train_loop(
         total, start=trainer.step, show=show, enabled=run_cfg.progress and main_process
     ) as bar:
         while trainer.step < total:
-            adapt_cpu_threads()  # fewer threads while other processes keep the cores busy (run.threads_policy)
+            adapt_cpu_threads()  # short OpenMP spin while other processes keep the cores busy (run.threads_policy)
             metrics = trainer.train_step()
             trainer.step += 1
             scores = None

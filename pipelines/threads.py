@@ -2,28 +2,29 @@
 
 Two settings decide how a torch process behaves on a CPU it shares with other busy processes:
 
-* the number of intra-op threads (``torch.set_num_threads``), which a run may cap, and which is the one lever a
-  running process can still move;
+* the number of intra-op threads (``torch.set_num_threads``), which a run may cap;
 * what an OpenMP thread does while it waits for its peers at the end of a parallel region. libgomp (the OpenMP
   runtime of the torch wheels on Linux) spins 300,000 times before it sleeps. On a machine with idle cores that
   saves a wake-up; on a shared CPU a peer thread that the kernel descheduled makes the others spin through their
-  whole time slice. This setting is read once, when the runtime loads (``import torch``).
+  whole time slice. The policy (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``) is read once, when the runtime loads.
 
 Measured on a 2-core machine beside another 2-thread torch process (``benchmarks/shared_cpu.py``, BENCHMARKS.md):
-with libgomp's spin a flow demo step took 4.3x its quiet time and a VLM step 17.5x; sleeping at once
-(``OMP_WAIT_POLICY=PASSIVE``) kept them at 1.5x and 1.2x but costs 25-31% on a quiet machine (a wake-up per
-parallel region); no single spin count does both. So mmrl decides twice, from what the machine is doing:
+with libgomp's spin a flow demo step took 3.9x its quiet time and a VLM step 39x; sleeping at once
+(``OMP_WAIT_POLICY=PASSIVE``) kept them at 1.7x and 1.25x but cost 20-24% on the quiet machine (a wake-up per
+parallel region); no single setting does both. So mmrl decides from what the machine is doing, twice:
 
 1. **At process start** (:func:`default_wait_policy`, run by ``import mmrl`` / ``import pipelines`` before torch
-   loads): when other processes keep cores busy (:func:`machine_is_shared`: the median number of runnable tasks of
-   other processes over a few milliseconds reaches half the cores), waiting threads sleep at once
-   (``OMP_WAIT_POLICY=PASSIVE``); on an idle machine libgomp's own spin stays, the fastest there. An explicit
+   loads): when other processes keep cores busy (:func:`machine_is_shared`: the median number of runnable tasks
+   of other processes over about 40 ms reaches half the cores), waiting threads sleep at once
+   (``OMP_WAIT_POLICY=PASSIVE``) for the whole process; on an idle machine libgomp's own spin stays. An explicit
    ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` in the environment always wins; Ray actors inherit what is in force.
-2. **Between steps** (:class:`AdaptiveThreads`, ``run.threads_policy: adaptive``): where threads spin, the CPU
-   time other processes took during the last step (``/proc/stat`` minus this process's share) says how many cores
-   are free; when fewer than the configured threads are, the next step runs with fewer (on 2 cores: one thread,
-   no OpenMP team, nothing spins), and it returns to the configured count once the cores are free again. The
-   margins of :func:`next_thread_count` keep it from flapping.
+2. **Between steps**, where waits spin (:class:`AdaptiveSpin`, ``run.threads_policy: adaptive``): the CPU time
+   other processes took during the last step (``/proc/stat`` less this process's share) says whether they now use
+   the cores this process's threads need; while they do, :class:`ShortSpin` makes every wait spin only briefly
+   (libgomp's documented short spin for processes with more OpenMP threads than CPUs, brought about by a parked,
+   sleeping OpenMP pool), and full spinning returns once the cores are free. The thread count never changes.
+   The margins of :func:`next_contended` keep it from flapping. Measured with a competitor that starts during
+   a run: noticed after one step; from then on flow 2.2x, VLM 1.6x the quiet step time.
 """
 
 from __future__ import annotations

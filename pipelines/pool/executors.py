@@ -146,8 +146,8 @@ class RayOptions:
             ``env_vars`` unless they set it.
         threads: torch CPU threads of each actor (``None``: torch's default; Ray itself sets ``OMP_NUM_THREADS``
             to the actor's ``num_cpus``).
-        threads_policy: ``"adaptive"``: an actor lowers its threads while other processes keep its cores busy
-            (``pipelines.threads.set_cpu_threads``); ``"fixed"``: always ``threads``.
+        threads_policy: ``"adaptive"``: an actor's waiting OpenMP threads spin only briefly while other processes
+            keep its cores busy (``pipelines.threads.set_cpu_threads``); ``"fixed"``: the waits stay as they start.
     """
 
     address: str | None = None

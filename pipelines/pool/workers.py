@@ -79,7 +79,7 @@ class RolloutWorker:
                 f"request {request.request_id!r} expects weight version {request.weight_version}, "
                 f"this worker holds {self.version}"
             )
-        adapt_cpu_threads()  # this thread follows the process's adaptive thread count, if it has one
+        adapt_cpu_threads()  # a Ray actor adapts its own waits; in-process, the trainer already did
         start = time.perf_counter()
         output = self.generate(request)
         return RolloutResult(
