@@ -15,13 +15,15 @@ interleaved (quiet, loaded, next policy, ...) so drifts of the machine hit every
 * ``default``: libgomp's own (waiting threads spin 300,000 times before they sleep), named as
   ``GOMP_SPINCOUNT=300000`` so that mmrl does not choose its own, ``run.threads_policy=fixed``;
 * ``passive``: ``OMP_WAIT_POLICY=PASSIVE`` (waiting threads sleep at once), ``run.threads_policy=fixed``;
-* ``spin=N``: ``GOMP_SPINCOUNT=N``, ``run.threads_policy=fixed`` (``spin=2000``: mmrl's default before the adaptive one);
+* ``spin=N``: ``GOMP_SPINCOUNT=N``, ``run.threads_policy=fixed`` (``spin=2000``: mmrl's default before the
+  adaptive one);
 * ``adaptive``: mmrl's default: the wait policy chosen from the machine's state when the process starts, and
   ``run.threads_policy=adaptive`` (pipelines/threads.py);
 * ``threads1``: one torch thread (``run.threads=1``), nothing to wait for.
 
 Reported per model and policy: the median quiet and loaded step time, the slowdown (loaded / quiet), the quiet
-time relative to the default policy's, the wait policy the process ran with and, per step, whether the adaptive short spin was on.
+time relative to the default policy's, the wait policy the process ran with and, per step, whether the adaptive
+short spin was on.
 Goal: loaded <= 2.2x quiet, with no loss at quiet.
 """
 
