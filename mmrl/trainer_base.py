@@ -60,7 +60,8 @@ class TrainerBase:
     # ------------------------------------------------------------------ setup
     def setup_runtime(self, device: str = "cpu") -> None:
         """Process group (one process per GPU under ``accelerate launch``), seeds (``run.seed + rank``), CPU
-        threads (``run.threads`` and ``run.threads_policy``) and the device (under data parallelism each rank's own GPU)."""
+        threads (``run.threads``, ``run.threads_policy``) and the device (under data parallelism each rank's own
+        GPU)."""
         self.dist = init_distributed()
         self.rank, self.world_size = self.dist.rank, self.dist.world_size
         self.generator = seed_everything(self.cfg.run.seed + self.rank)

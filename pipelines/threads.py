@@ -44,6 +44,7 @@ __all__ = [
     "AdaptiveSpin",
     "CpuSample",
     "ShortSpin",
+    "ThreadsPolicy",
     "adapt_cpu_threads",
     "default_wait_policy",
     "machine_is_shared",

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipelines.threads import set_cpu_threads
+from pipelines.threads import ThreadsPolicy, set_cpu_threads
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class RayOptions:
     resources: dict[str, float] | None = None
     runtime_env: dict[str, Any] | None = None
     threads: int | None = None
-    threads_policy: str = "adaptive"
+    threads_policy: ThreadsPolicy = "adaptive"
 
     def actor_runtime_env(self) -> dict[str, Any]:
         """``runtime_env`` with this process's OpenMP wait policy among its ``env_vars`` (theirs win)."""
@@ -212,7 +212,10 @@ class _Host:
     """The body of a Ray actor: builds its member from the factory and forwards calls to it."""
 
     def __init__(
-        self, factory: Callable[[], Any], threads: int | None = None, threads_policy: str = "adaptive"
+        self,
+        factory: Callable[[], Any],
+        threads: int | None = None,
+        threads_policy: ThreadsPolicy = "adaptive",
     ) -> None:
         import ray
 

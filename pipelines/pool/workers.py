@@ -79,7 +79,7 @@ class RolloutWorker:
                 f"request {request.request_id!r} expects weight version {request.weight_version}, "
                 f"this worker holds {self.version}"
             )
-        adapt_cpu_threads()  # a Ray actor adapts its own waits; in-process, the trainer already did
+        adapt_cpu_threads()  # the process's adaptive spin: a Ray actor's own; in-process, the trainer's
         start = time.perf_counter()
         output = self.generate(request)
         return RolloutResult(
