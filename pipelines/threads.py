@@ -9,8 +9,8 @@ Two settings decide how a torch process behaves on a CPU it shares with other bu
   whole time slice. The policy (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``) is read once, when the runtime loads.
 
 Measured on a 2-core machine beside another 2-thread torch process (``benchmarks/shared_cpu.py``, BENCHMARKS.md):
-with libgomp's spin a flow demo step took 3.9x its quiet time and a VLM step 39x; sleeping at once
-(``OMP_WAIT_POLICY=PASSIVE``) kept them at 1.7x and 1.25x but cost 20-24% on the quiet machine (a wake-up per
+with libgomp's spin a flow demo step took 3.8x its quiet time and a VLM step 23-39x; sleeping at once
+(``OMP_WAIT_POLICY=PASSIVE``) kept them at 1.9x and 1.3x but cost 14-28% on the quiet machine (a wake-up per
 parallel region); no single setting does both. So mmrl decides from what the machine is doing, twice:
 
 1. **At process start** (:func:`default_wait_policy`, run by ``import mmrl`` / ``import pipelines`` before torch
