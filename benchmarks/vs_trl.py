@@ -472,7 +472,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.summarize:
         return summarize([json.loads(line) for line in Path(args.summarize).read_text().splitlines() if line])
     mark_steps(args.marks)  # refuse bad marks before any run starts
-    default_wait_policy()  # before any torch import: the workers inherit one OpenMP wait policy
+    default_wait_policy()  # before any torch import: on a busy machine the workers inherit PASSIVE
     if args.worker is not None:
         work = Path(args.work_dir)
         if args.worker == "eval":

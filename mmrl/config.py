@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, TypeVar, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -58,11 +58,18 @@ class RunConfig(Config):
     threads: int | None = Field(
         None,
         ge=1,
-        description="torch CPU threads of this process, set in setup (null: torch's default, one per "
-        "core). Waiting OpenMP threads spin 2,000 times, then sleep (GOMP_SPINCOUNT=2000) unless OMP_WAIT_POLICY or "
-        "GOMP_SPINCOUNT is set in the environment (pipelines/threads.py): a second busy process then slows a step "
-        "about 2x, not 4-17x, and a quiet machine keeps its speed. "
-        "Ray rollout actors: pool.ray.threads.",
+        description="torch CPU threads of this process, set in setup (null: torch's default, one per core). "
+        "See threads_policy for what happens when other processes share the CPU. Ray rollout actors: "
+        "pool.ray.threads.",
+    )
+    threads_policy: Literal["adaptive", "fixed"] = Field(
+        "adaptive",
+        description="adaptive: where waiting OpenMP threads spin, the CPU time other processes took during the "
+        "last step decides the next: while they use the cores this process's threads need, every wait spins only "
+        "briefly (libgomp's short spin, as with more threads than CPUs), and fully again once the cores are free "
+        "(pipelines/threads.py); the thread count never changes. Besides, a process that starts on a busy machine "
+        "makes waiting threads sleep at once (OMP_WAIT_POLICY=PASSIVE) unless OMP_WAIT_POLICY or GOMP_SPINCOUNT "
+        "is set in the environment. fixed: the waits stay as the process started.",
     )
 
 

@@ -16,6 +16,7 @@ from mmrl.config import Config, RunConfig
 from mmrl.distributed import init_distributed
 from mmrl.progress import TrainProgress
 from mmrl.run import Run
+from pipelines.threads import adapt_cpu_threads
 
 __all__ = ["KEY_METRICS", "Trainer", "format_metrics", "run_recipe", "train_loop"]
 
@@ -71,6 +72,7 @@ def train_loop(
         total, start=trainer.step, show=show, enabled=run_cfg.progress and main_process
     ) as bar:
         while trainer.step < total:
+            adapt_cpu_threads()  # short OpenMP spin while other processes keep the cores busy (run.threads_policy)
             metrics = trainer.train_step()
             trainer.step += 1
             scores = None

@@ -24,7 +24,7 @@ from mmrl.loop import train_loop
 from mmrl.rollouts import RolloutSource
 from mmrl.run import MetricAccumulator, Run, resume_checkpoint
 from mmrl.seeding import get_rng_state, seed_everything, set_rng_state
-from pipelines.threads import set_cpu_threads
+from pipelines.threads import set_cpu_threads, stop_adapting
 
 __all__ = ["TrainerBase"]
 
@@ -60,11 +60,12 @@ class TrainerBase:
     # ------------------------------------------------------------------ setup
     def setup_runtime(self, device: str = "cpu") -> None:
         """Process group (one process per GPU under ``accelerate launch``), seeds (``run.seed + rank``), CPU
-        threads and the device (under data parallelism each rank's own GPU)."""
+        threads (``run.threads``, ``run.threads_policy``) and the device (under data parallelism each rank's own
+        GPU)."""
         self.dist = init_distributed()
         self.rank, self.world_size = self.dist.rank, self.dist.world_size
         self.generator = seed_everything(self.cfg.run.seed + self.rank)
-        set_cpu_threads(self.cfg.run.threads)
+        set_cpu_threads(self.cfg.run.threads, self.cfg.run.threads_policy)
         self.device = resolve_device(device)
         if self.dist.active and self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -147,7 +148,8 @@ class TrainerBase:
         )
 
     def cleanup(self) -> None:
-        """Close the rollout source and the run directory."""
+        """Close the rollout source and the run directory; release the adaptive OpenMP spin."""
+        stop_adapting()
         if self.rollout_source is not None:
             self.rollout_source.close()
         if self.run is not None:

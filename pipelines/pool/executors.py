@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipelines.threads import set_cpu_threads
+from pipelines.threads import ThreadsPolicy, set_cpu_threads
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +146,8 @@ class RayOptions:
             ``env_vars`` unless they set it.
         threads: torch CPU threads of each actor (``None``: torch's default; Ray itself sets ``OMP_NUM_THREADS``
             to the actor's ``num_cpus``).
+        threads_policy: ``"adaptive"``: an actor's waiting OpenMP threads spin only briefly while other processes
+            keep its cores busy (``pipelines.threads.set_cpu_threads``); ``"fixed"``: the waits stay as they start.
     """
 
     address: str | None = None
@@ -154,6 +156,7 @@ class RayOptions:
     resources: dict[str, float] | None = None
     runtime_env: dict[str, Any] | None = None
     threads: int | None = None
+    threads_policy: ThreadsPolicy = "adaptive"
 
     def actor_runtime_env(self) -> dict[str, Any]:
         """``runtime_env`` with this process's OpenMP wait policy among its ``env_vars`` (theirs win)."""
@@ -208,11 +211,16 @@ def register_tensor_serializer(ray: Any) -> None:
 class _Host:
     """The body of a Ray actor: builds its member from the factory and forwards calls to it."""
 
-    def __init__(self, factory: Callable[[], Any], threads: int | None = None) -> None:
+    def __init__(
+        self,
+        factory: Callable[[], Any],
+        threads: int | None = None,
+        threads_policy: ThreadsPolicy = "adaptive",
+    ) -> None:
         import ray
 
         register_tensor_serializer(ray)
-        set_cpu_threads(threads)
+        set_cpu_threads(threads, threads_policy)
         self.member = factory()
 
     def ready(self) -> bool:
@@ -259,7 +267,9 @@ class RayExecutor(Executor):
         self.actors: list[Any] = [None] * num_members
 
     def start(self, index: int) -> Future:
-        self.actors[index] = self.actor_class.remote(self.factory, self.options.threads)
+        self.actors[index] = self.actor_class.remote(
+            self.factory, self.options.threads, self.options.threads_policy
+        )
         return self.actors[index].ready.remote().future()
 
     def call(self, index: int, method: str, *args: Any) -> Future:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from pipelines.pool.protocol import RolloutRequest, RolloutResult, WeightUpdate, WeightVersionError
+from pipelines.threads import adapt_cpu_threads
 
 
 class RolloutWorker:
@@ -78,6 +79,7 @@ class RolloutWorker:
                 f"request {request.request_id!r} expects weight version {request.weight_version}, "
                 f"this worker holds {self.version}"
             )
+        adapt_cpu_threads()  # the process's adaptive spin: a Ray actor's own; in-process, the trainer's
         start = time.perf_counter()
         output = self.generate(request)
         return RolloutResult(
