@@ -460,3 +460,103 @@ class Format(TextVerifier):
         if not match.groups()[-1].strip():
             return 0.0, f"empty <{self.answer_tag}> block"
         return 1.0, None
+
+
+#: a step boundary of a worked solution: a full stop followed by whitespace or the end, a semicolon, or a line break
+_STEP_BOUNDARY = re.compile(r"\.(?=\s|$)|;|\n")
+
+
+def solution_steps(text: str) -> list[str]:
+    """The steps of a worked solution, normalised: split at :data:`_STEP_BOUNDARY` (so ``3.5`` stays one
+    number), case-folded, whitespace collapsed and removed around ``= + - * / ×``, empty steps dropped.
+
+    ``"shapes 4. Red 2. 4 - 2 = 2"`` -> ``["shapes 4", "red 2", "4-2=2"]``.
+    """
+    steps = []
+    for part in _STEP_BOUNDARY.split(text):
+        step = re.sub(r"\s*([=+\-*/×])\s*", r"\1", " ".join(part.split()).casefold())
+        if step:
+            steps.append(step)
+    return steps
+
+
+@register("reasoning_steps")
+class ReasoningSteps(Reward):
+    """How well a completion's worked steps match a reference solution's: the F1 of the two step multisets,
+
+        F1 = 2 |S_pred ∩ S_ref| / (|S_pred| + |S_ref|)        (∩ of multisets; steps by :func:`solution_steps`)
+
+    read from the completion's ``<think>`` span (the tag is configurable) and the sample's reference solution
+    (``references``, one per completion; the trainer passes each question's ``VQAExample.reference``). Recall
+    pays each reference step the trace states, precision keeps a trace from listing guesses: ``"red 1. red 2"``
+    against ``"red 2"`` scores 2/3. A process reward checked against the data, where ``numeric`` pays the final
+    answer only: with ``shapes_math`` it pays every count the answer needs, so the trace stays faithful.
+
+    Args:
+        think_tag: the tag of the worked steps; ``""`` reads the whole completion.
+
+    A completion without the span, or with no steps in it, scores 0 with a reason; never raises on model output.
+    """
+
+    #: trainers check before the first rollout that every question has a reference solution
+    needs_reference = True
+
+    def __init__(self, think_tag: str = "think"):
+        self.think_tag = think_tag
+
+    def score(
+        self, *, completions: Sequence[Any], references: Sequence[str] | None = None, **_: Any
+    ) -> RewardOutput:
+        """Score each completion against its reference solution; other batch fields are ignored.
+
+        Raises:
+            ValueError: ``references`` missing, not one per completion, or an empty one (a data error: the
+                questions carry no reference solutions; set ``data.reference_column``).
+        """
+        if isinstance(completions, str):
+            raise ValueError("completions must be a list (one entry per sample), got a single string")
+        if references is None or isinstance(references, str) or len(references) != len(completions):
+            got = (
+                "none"
+                if references is None
+                else "a string"
+                if isinstance(references, str)
+                else len(references)
+            )
+            raise ValueError(
+                f"reward {self.name!r} needs references (reference solutions), one per completion: "
+                f"{len(completions)} completions, got {got}"
+            )
+        scores, reasons = [], []
+        for index, (completion, reference) in enumerate(zip(completions, references, strict=True)):
+            expected = solution_steps(str(reference or ""))
+            if not expected:
+                raise ValueError(
+                    f"reward {self.name!r}: sample {index} has no reference solution ({reference!r}); the questions "
+                    "need one each (data.reference_column, or a generated source that carries them)"
+                )
+            value, reason = self._check(completion, expected)
+            scores.append(value)
+            reasons.append(reason)
+        return RewardOutput(scores=torch.tensor(scores, dtype=torch.float32), reasons=reasons)
+
+    def _check(self, completion: Any, expected: list[str]) -> tuple[float, str | None]:
+        text = completion_text(completion)
+        if text is None:
+            return 0.0, f"completion is not text ({type(completion).__name__})"
+        span = extract_tag(text, self.think_tag) if self.think_tag else text
+        if span is None:
+            return 0.0, f"no <{self.think_tag}>...</{self.think_tag}> span"
+        stated = solution_steps(span)
+        if not stated:
+            return 0.0, "no steps in the worked solution"
+        unmatched = list(expected)
+        shared = 0
+        for step in stated:
+            if step in unmatched:
+                unmatched.remove(step)
+                shared += 1
+        f1 = 2 * shared / (len(stated) + len(expected))
+        return f1, None if shared == len(expected) == len(
+            stated
+        ) else f"{shared} of {len(expected)} reference steps"

@@ -22,13 +22,18 @@ _LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 @dataclass
 class VQAExample:
-    """One question with its ground-truth answer; ``prompt_id`` keys the trainer's statistics store."""
+    """One question with its ground-truth answer; ``prompt_id`` keys the trainer's statistics store.
+
+    ``reference`` is an optional reference solution (e.g. the steps of a worked answer), which rewards that score
+    the reasoning, not only the answer, compare against (``reasoning_steps``); empty when the data has none.
+    """
 
     prompt_id: str
     question: str
     answer: str
     images: list[Image.Image] = field(default_factory=list)
     kind: str = ""
+    reference: str = ""
 
 
 def _shapes(split: str, n: int, seed: int, size: int) -> list[VQAExample]:
@@ -42,12 +47,17 @@ def _shapes(split: str, n: int, seed: int, size: int) -> list[VQAExample]:
 
 
 def _shapes_math(split: str, n: int, seed: int, size: int) -> list[VQAExample]:
-    from mmrl.data.shapes_math import make_math_items
+    from mmrl.data.shapes_math import format_trace, make_math_items
 
     items = make_math_items(n, seed, size=size, split=split)  # type: ignore[arg-type]
     return [
         VQAExample(
-            f"shapes_math-{split}-{seed}-{i}", item.prompt, str(item.answer), [item.image], item.template
+            f"shapes_math-{split}-{seed}-{i}",
+            item.prompt,
+            str(item.answer),
+            [item.image],
+            item.template,
+            reference=format_trace(item.steps),
         )
         for i, item in enumerate(items)
     ]
@@ -140,6 +150,7 @@ def load_vqa(
     answer_column: str = "answer",
     image_column: str | None = "image",
     id_column: str | None = None,
+    reference_column: str | None = None,
     image_root: str | None = None,
     question_template: str = "{question}",
 ) -> list[VQAExample]:
@@ -155,6 +166,8 @@ def load_vqa(
         seed: seed of the generated shapes items.
         image_size: side of the generated shapes images.
         question_column, answer_column, image_column, id_column: column names (``image_column=None``: no image).
+        reference_column: a column of reference solutions (:attr:`VQAExample.reference`; ``None``: none). The
+            generated ``shapes_math`` items carry their reference trace, ``"shapes 4. red 2. 4-2=2"``.
         image_root: folder that relative image paths are resolved against (default: the data file's folder).
         question_template: formats the question, e.g. ``"{question} Put the answer in <answer></answer>."``.
 
@@ -187,7 +200,7 @@ def load_vqa(
     else:
         ds = _load_dataset(source, source, split=split)
         root = Path(image_root) if image_root else Path(".")
-    needed = [c for c in (question_column, answer_column, image_column, id_column) if c]
+    needed = [c for c in (question_column, answer_column, image_column, id_column, reference_column) if c]
     missing = [c for c in needed if c not in ds.column_names]
     if missing:
         raise ValueError(f"{source}: missing column(s) {missing}; columns present: {ds.column_names}")
@@ -215,7 +228,15 @@ def load_vqa(
         answer = row[answer_column]
         answer = answer if isinstance(answer, str) else str(answer)
         pid = str(row[id_column]) if id_column else f"{path.stem or source}-{i}"
-        examples.append(VQAExample(pid, question, answer, images))
+        reference = ""
+        if reference_column:
+            if row[reference_column] is None or not str(row[reference_column]).strip():
+                raise ValueError(
+                    f"{where}: no {reference_column!r} (the value is {row[reference_column]!r}); "
+                    "data.reference_column asks every row for a reference solution"
+                )
+            reference = str(row[reference_column])
+        examples.append(VQAExample(pid, question, answer, images, reference=reference))
     if not examples:
         raise ValueError(f"{source}: no examples")
     return examples
@@ -223,7 +244,8 @@ def load_vqa(
 
 def check_answers(examples: Sequence[VQAExample], verifiers: Sequence[tuple[str, Any]], source: str) -> None:
     """Reject ground truths a verifier cannot compare against (``Reward.ground_truth_problem``), e.g. an answer
-    that is no number for ``numeric``, before any rollout is spent.
+    that is no number for ``numeric``, and rows without the reference solution a verifier reads
+    (``needs_reference``, e.g. ``reasoning_steps``), before any rollout is spent.
 
     Args:
         examples: the loaded questions, in file order (so index ``i`` is row ``i``).
@@ -234,6 +256,13 @@ def check_answers(examples: Sequence[VQAExample], verifiers: Sequence[tuple[str,
         ValueError: naming the source, the row, the prompt id, the answer and the verifier.
     """
     for key, reward in verifiers:
+        if getattr(reward, "needs_reference", False):
+            for row, example in enumerate(examples):
+                if not example.reference.strip():
+                    raise ValueError(
+                        f"{source} row {row} (id {example.prompt_id}): no reference solution, which the reward "
+                        f"{key!r} needs (data.reference_column names the column that holds them)"
+                    )
         problem_of = getattr(reward, "ground_truth_problem", None)
         if problem_of is None:
             continue

@@ -66,6 +66,11 @@ class VLMDataConfig(Config):
     answer_column: str = "answer"
     image_column: str | None = "image"
     id_column: str | None = None
+    reference_column: str | None = Field(
+        None,
+        description="Column of reference solutions (worked steps), which the reasoning_steps reward compares a "
+        "completion's <think> steps against; generated shapes_math items carry theirs.",
+    )
     image_root: str | None = None
     question_template: str = Field("{question}", description="Formats the question text.")
     system_prompt: str | None = Field(None, description="Optional system message.")
@@ -118,6 +123,10 @@ class VLMTrainerConfig(Config):
     )
     steps: int = Field(100, ge=1, description="Training steps.")
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant",
+        description="cosine: decay from lr to 0 over trainer.steps (late steps then add little drift).",
+    )
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     advantage: str | None = Field(

@@ -56,6 +56,7 @@ from mmrl.distributed import (
 from mmrl.loop import run_recipe
 from mmrl.rollouts import StepRequest
 from mmrl.run import write_summary_json
+from mmrl.schedule import learning_rate
 from mmrl.trainer_base import TrainerBase
 from mmrl.vlm.config import VLMRLVRConfig
 from mmrl.vlm.pooled import PooledVLMSource, pooled_worker_factory
@@ -337,14 +338,22 @@ class VLMRLVRTrainer(TrainerBase):
     def verify(self, pairs: list[tuple[VQAExample, GenerationSample]]) -> tuple[torch.Tensor, torch.Tensor]:
         """``([N] weighted reward, [N, K] per verifier)``; a verifier that raises or returns a non-finite score
         stops the run with its name (:class:`rewards.base.RewardCheckError`)."""
-        completions = [s.text for _, s in pairs]
-        truths = [ex.answer for ex, _ in pairs]
+        batch = self._reward_batch(pairs)
         columns = []
         for spec, reward in zip(self.cfg.rewards, self.rewards, strict=True):
-            out = checked_score(reward, spec.key, len(pairs), completions=completions, ground_truths=truths)
+            out = checked_score(reward, spec.key, len(pairs), **batch)
             columns.append(out.scores.detach().float().cpu())
         raw = torch.stack(columns, dim=1)
         return raw @ self.reward_weights, raw
+
+    @staticmethod
+    def _reward_batch(pairs: list[tuple[VQAExample, GenerationSample]]) -> dict[str, list[str]]:
+        """What a verifier reads of each sample: its completion, the ground truth and the reference solution."""
+        return {
+            "completions": [s.text for _, s in pairs],
+            "ground_truths": [ex.answer for ex, _ in pairs],
+            "references": [ex.reference for ex, _ in pairs],
+        }
 
     def token_stats(
         self,
@@ -551,7 +560,13 @@ class VLMRLVRTrainer(TrainerBase):
                         new.logprobs, o.logprobs, a_tok, t.epsilon_low, t.epsilon_high, mask=mask
                     )
                 )
-            self.optimizer_step(self.optimizer, self.trainable, t.max_grad_norm)
+            # cosine: a function of the training step, so a resumed run continues it exactly
+            lr = (
+                learning_rate(self.step, t.lr, t.steps, schedule="cosine")
+                if t.lr_schedule == "cosine"
+                else None
+            )
+            self.optimizer_step(self.optimizer, self.trainable, t.max_grad_norm, lr=lr)
         self.backend.sync_weights(self.model)
 
     def train_step(self) -> dict[str, float]:
@@ -613,15 +628,9 @@ class VLMRLVRTrainer(TrainerBase):
     def _evaluate_set(self, examples: list[VQAExample], prefix: str) -> dict[str, float]:
         pairs = self.generate(examples, 1, temperature=0.0)
         total, raw = self.verify(pairs)
-        completions = [s.text for _, s in pairs]
-        truths = [ex.answer for ex, _ in pairs]
+        batch = self._reward_batch(pairs)
         extra = {
-            spec.key: checked_score(
-                reward, spec.key, len(pairs), completions=completions, ground_truths=truths
-            )
-            .scores.detach()
-            .float()
-            .cpu()
+            spec.key: checked_score(reward, spec.key, len(pairs), **batch).scores.detach().float().cpu()
             for spec, reward in zip(self.cfg.eval_rewards, self.eval_rewards, strict=True)
         }
         out = {f"{prefix}/accuracy": float(total.mean())}
@@ -701,6 +710,7 @@ def load_examples(
         answer_column=d.answer_column,
         image_column=d.image_column,
         id_column=d.id_column,
+        reference_column=d.reference_column,
         image_root=d.image_root,
         question_template=d.question_template,
         image_size=d.image_size,

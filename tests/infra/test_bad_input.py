@@ -39,6 +39,27 @@ def test_vqa_rows_load_when_complete(tmp_path) -> None:
     assert (example.question, example.answer, example.prompt_id) == ("Q: how many?", "2", "vqa-0")
 
 
+def test_vqa_reference_column_is_read_and_a_missing_reference_named(tmp_path) -> None:
+    rows = [
+        {"question": "2+2?", "answer": "4", "steps": "2+2=4"},
+        {"question": "3-1?", "answer": "2", "steps": ""},
+    ]
+    source = write_jsonl(tmp_path / "steps.jsonl", rows)
+    assert load_vqa(source, image_column=None)[0].reference == ""
+    assert load_vqa(source, image_column=None, reference_column="steps", limit=1)[0].reference == "2+2=4"
+    with pytest.raises(ValueError, match=r"steps\.jsonl row 1: no 'steps'.*reference solution"):
+        load_vqa(source, image_column=None, reference_column="steps")
+    with pytest.raises(ValueError, match=r"missing column\(s\) \['solution'\]"):
+        load_vqa(source, image_column=None, reference_column="solution")
+    # a reward that reads reference solutions refuses questions without one before any rollout
+    with pytest.raises(
+        ValueError, match=r"steps\.jsonl row 0 \(id steps-0\): no reference solution.*'steps'"
+    ):
+        check_answers(
+            load_vqa(source, image_column=None), [("steps", rewards.build("reasoning_steps"))], source
+        )
+
+
 def test_vqa_answer_that_is_no_number_for_a_numeric_verifier_is_named(tmp_path) -> None:
     rows = [{"question": "how many?", "answer": "2"}, {"question": "how many?", "answer": "two"}]
     rows.append({"question": "how many?", "answer": "many"})

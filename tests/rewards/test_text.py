@@ -204,3 +204,42 @@ def test_math_verify_in_a_worker_thread() -> None:
             ground_truths=["0.5", "2"],
         ).result()
     torch.testing.assert_close(scores, torch.tensor([1.0, 0.0]))
+
+
+def test_solution_steps_split_and_normalise() -> None:
+    from rewards.text import solution_steps
+
+    assert solution_steps("shapes 4. Red 2. 4 - 2 = 2.") == ["shapes 4", "red 2", "4-2=2"]
+    assert solution_steps("x = 3.5; y=1.5\n x+y = 5") == ["x=3.5", "y=1.5", "x+y=5"]
+    assert solution_steps(" .  ; \n") == []
+
+
+def test_reasoning_steps_is_the_f1_of_the_step_multisets() -> None:
+    reference = "shapes 4. red 2. 4-2=2"
+    completions = [
+        "<think>shapes 4. red 2. 4-2=2</think><answer>2</answer>",  # every step: 1
+        "<think>red 2. 4-2=2</think><answer>2</answer>",  # 2 of 3, nothing extra: 2*2/(2+3)
+        "<think>shapes 4. red 1. 4-1=3</think><answer>3</answer>",  # 1 of 3 in 3 stated: 2*1/(3+3)
+        "<think>red 1. red 2. red 3. shapes 4. 4-2=2</think>",  # guesses cost precision: 2*3/(5+3)
+        "<think>shapes 4. shapes 4. red 2. 4-2=2</think>",  # a repeated step counts once: 2*3/(4+3)
+        "<answer>2</answer>",  # no think span
+        "<think> </think><answer>2</answer>",  # no steps
+        None,
+    ]
+    out = rewards.build("reasoning_steps").score(completions=completions, references=[reference] * 8)
+    expected = [1.0, 4 / 5, 2 / 6, 6 / 8, 6 / 7, 0.0, 0.0, 0.0]
+    assert out.scores.tolist() == pytest.approx(expected, abs=1e-6)
+    assert out.reasons[0] is None and out.reasons[1] == "2 of 3 reference steps"
+    assert "no <think>" in out.reasons[5] and "no steps" in out.reasons[6] and "not text" in out.reasons[7]
+    whole = rewards.build("reasoning_steps", think_tag="")
+    assert whole(completions=["red 2. 4-2=2"], references=["red 2. 4-2=2"]).tolist() == [1.0]
+
+
+def test_reasoning_steps_needs_one_reference_per_completion() -> None:
+    steps = rewards.build("reasoning_steps")
+    with pytest.raises(ValueError, match=r"needs references.*2 completions, got none"):
+        steps.score(completions=["a", "b"], ground_truths=["1", "2"])
+    with pytest.raises(ValueError, match="2 completions, got 1"):
+        steps.score(completions=["a", "b"], references=["red 2"])
+    with pytest.raises(ValueError, match=r"sample 1 has no reference solution.*data.reference_column"):
+        steps.score(completions=["a", "b"], references=["red 2", "  "])

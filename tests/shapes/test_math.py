@@ -15,6 +15,7 @@ from mmrl.data.shapes_math import (
     TEMPLATES,
     Step,
     format_completion,
+    format_trace,
     make_math_items,
     perception_accuracy,
     read_trace,
@@ -176,6 +177,8 @@ def test_load_vqa_resolves_shapes_math():
     assert [e.answer for e in examples] == [str(i.answer) for i in items]
     assert [e.kind for e in examples] == [i.template for i in items]
     assert examples[0].question == items[0].prompt and "<think>" in examples[0].question
+    # each question carries its reference trace, which the reasoning_steps reward scores a trace against
+    assert [e.reference for e in examples] == [format_trace(i.steps) for i in items]
     assert len({e.prompt_id for e in load_vqa("shapes_math:train", limit=50)}) == 50
     with pytest.raises(ValueError, match=r"unknown shapes_math split 'test'.*shapes_math:heldout_templates"):
         load_vqa("shapes_math:test")

@@ -1,12 +1,15 @@
 """The VLM RLVR trainer on a tiny random Qwen2.5-VL: single and group modes, LoRA-only updates, checkpoints."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from mmrl.config import load_config
+from mmrl.data.shapes_math import Step, format_completion, format_trace, make_math_items
 from mmrl.data.shapes_vqa import make_vqa_items
 from mmrl.vlm.config import VLMRLVRConfig
-from mmrl.vlm.trainer import VLMRLVRTrainer, evaluate, main
+from mmrl.vlm.trainer import VLMRLVRTrainer, evaluate, load_examples, main
 from pipelines.vlm.tiny import build_tiny_vlm
 
 
@@ -224,6 +227,46 @@ def test_a_verifier_used_twice_needs_labels_and_logs_under_each(model_dir, tmp_p
     out = trainer.evaluate()
     assert {"eval/exact_match", "eval/read"} <= set(out)
     assert out["eval/read"] >= out["eval/exact_match"]
+
+
+def test_cosine_learning_rate_follows_the_training_step(model_dir, tmp_path):
+    cfg = make_cfg(model_dir, tmp_path, "cos", "trainer.steps=4", "trainer.lr_schedule=cosine")
+    trainer = VLMRLVRTrainer(cfg, None)
+    trainer.setup()
+    seen = []
+    for step in range(3):
+        trainer.step = step
+        trainer.train_step()
+        seen.append(trainer.optimizer.param_groups[0]["lr"])
+    # lr * (1 + cos(pi * step / steps)) / 2 at steps 0, 1, 2 of 4
+    assert seen == pytest.approx([1e-2, 1e-2 * (1 + 2**-0.5) / 2, 1e-2 / 2], rel=1e-12)
+
+
+def test_reasoning_steps_reward_reads_each_questions_reference_trace(tmp_path):
+    """The generated shapes-math questions carry their reference traces to the rewards: the reference completion
+    scores 1 on reasoning_steps, a trace with one wrong count less, one without a think span 0."""
+    cfg = load_config(
+        VLMRLVRConfig,
+        "configs/demo/vlm_shapes_reason.yaml",
+        [
+            "run.progress=false",
+            f"run.output_dir={tmp_path}",
+            "data.train_limit=4",
+            "data.eval_limit=4",
+            "rewards=[{name: reasoning_steps}]",
+        ],
+    )
+    trainer = VLMRLVRTrainer(cfg, None)
+    trainer.setup(for_training=False)
+    item = make_math_items(1, cfg.run.seed, cfg.data.image_size, "train")[0]
+    example = load_examples(cfg, "train")[0]
+    assert example.reference == format_trace(item.steps) and example.answer == str(item.answer)
+    first = item.steps[0]
+    miscounted = format_completion((Step(first.label, first.value + 1), *item.steps[1:]), item.answer)
+    texts = [item.completion, miscounted, f"<answer>{item.answer}</answer>"]
+    pairs = [(example, SimpleNamespace(text=text)) for text in texts]  # verify reads a sample's text only
+    _, raw = trainer.verify(pairs)
+    assert raw[0, 0] == 1.0 and 0.0 < raw[1, 0] < 1.0 and raw[2, 0] == 0.0
 
 
 def test_reasoning_rl_from_the_committed_checkpoint_raises_lenient_heldout_accuracy():
