@@ -19,8 +19,8 @@ Three variants train with 64 completions per step on the same questions:
 * ``mmrl_single``: the recipe as it is, one rollout for each of 64 prompts (store baseline, entropy shaping);
 * ``mmrl_group``: ``trainer.mode=group``, 8 prompts x G=8, GRPO advantages, no entropy shaping;
 * ``trl``: ``trl.GRPOTrainer``, 8 prompts x G=8 (``per_device_train_batch_size=64``, one optimizer step per
-  generation batch), the recipe's loss aggregation (``token_mean`` = TRL's ``"dapo"``), clip range, beta, lr
-  (constant), no gradient checkpointing, fp32, the same trainable parameters (the LoRA, or every weight outside
+  generation batch), the recipe's loss aggregation (``token_mean`` = TRL's ``"dapo"``), clip range, beta, lr and its
+  schedule over the run, no gradient checkpointing, fp32, the same trainable parameters (the LoRA, or every weight outside
   the vision tower), one reward function per verifier with TRL's ``reward_weights`` = the recipe's weights,
   sampling with the vision special tokens suppressed and the same stop tokens as mmrl.
 
@@ -124,9 +124,11 @@ class StepTimes:
         self.cpu.append(time.process_time() - self._cpu)
 
 
-def config_overrides(variant: str, seed: int, threads: int) -> list[str]:
-    """Overrides of the demo recipe for an mmrl variant (``trl`` takes the shared ones: seed, threads)."""
+def config_overrides(variant: str, seed: int, threads: int, steps: int | None = None) -> list[str]:
+    """Overrides of the demo recipe for an mmrl variant (``trl`` takes the shared ones: seed, threads, and
+    ``steps``, the run's length, which a decaying lr schedule spans)."""
     common = [
+        *([f"trainer.steps={steps}"] if steps is not None else []),
         f"run.seed={seed}",
         f"run.threads={threads}",
         "run.progress=false",
@@ -148,11 +150,11 @@ def config_overrides(variant: str, seed: int, threads: int) -> list[str]:
     raise ValueError(f"unknown variant {variant!r}; available: {list(VARIANTS)}")
 
 
-def _config(config: str, variant: str, seed: int, threads: int) -> Any:
+def _config(config: str, variant: str, seed: int, threads: int, steps: int | None = None) -> Any:
     from mmrl.config import load_config
     from mmrl.vlm.config import VLMRLVRConfig
 
-    return load_config(VLMRLVRConfig, config, config_overrides(variant, seed, threads))
+    return load_config(VLMRLVRConfig, config, config_overrides(variant, seed, threads, steps))
 
 
 def _trainable_state(model: Any) -> dict[str, Any]:
@@ -165,7 +167,7 @@ def _trainable_state(model: Any) -> dict[str, Any]:
 def trl_rows(examples: Sequence[Any], system: str | None = None) -> list[dict[str, Any]]:
     """TRL dataset rows from mmrl's VQA examples: a conversational ``prompt`` (TRL inserts the ``image`` before the
     first user message's text, as :meth:`pipelines.vlm.inputs.VLMPrompt.from_question` places it), the ``answer``
-    column the reward reads, and the prompt id."""
+    and ``reference`` (solution) columns the rewards read, and the prompt id."""
     rows = []
     for ex in examples:
         if len(ex.images) != 1:
@@ -175,25 +177,31 @@ def trl_rows(examples: Sequence[Any], system: str | None = None) -> list[dict[st
         messages = [{"role": "system", "content": system}] if system is not None else []
         messages.append({"role": "user", "content": ex.question})
         rows.append(
-            {"prompt": messages, "image": ex.images[0], "answer": ex.answer, "prompt_id": ex.prompt_id}
+            {
+                "prompt": messages,
+                "image": ex.images[0],
+                "answer": ex.answer,
+                "reference": ex.reference,
+                "prompt_id": ex.prompt_id,
+            }
         )
     return rows
 
 
 def trl_rewards(cfg: Any) -> tuple[list[Callable[..., list[float]]], list[float]]:
     """The run's verifiers (built from the registry as the trainer builds them), each in TRL's reward signature
-    (its scores of each completion's text against its row's ``answer``; named by the reward's metric key), and
+    (its scores of each completion's text against its row's ``answer`` and ``reference``, as the trainer's
+    ``verify`` passes them; named by the reward's metric key), and
     their weights for TRL's ``reward_weights``. TRL's default ``sum_then_normalize`` then forms the weighted sum
     before the group advantage, as mmrl's ``weighted_sum`` does, and logs each reward on its own."""
     import rewards as reward_registry
 
     def wrap(verifier: Any, key: str) -> Callable[..., list[float]]:
-        def reward(completions: list[Any], answer: list[str], **_: Any) -> list[float]:
+        def reward(completions: list[Any], answer: list[str], reference: list[str], **_: Any) -> list[float]:
             # conversational prompts: each completion is [{"role": "assistant", "content": text}]
             texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-            return (
-                verifier.score(completions=texts, ground_truths=list(answer)).scores.detach().float().tolist()
-            )
+            out = verifier.score(completions=texts, ground_truths=list(answer), references=list(reference))
+            return out.scores.detach().float().tolist()
 
         reward.__name__ = key
         return reward
@@ -235,7 +243,9 @@ def trl_config(cfg: Any, steps: int, output_dir: str, suppressed_token_ids: list
         top_p=g.top_p,
         top_k=0,
         learning_rate=t.lr,
-        lr_scheduler_type="constant",
+        # both decay over the run's steps (train_worker sets trainer.steps to them); HF's cosine without
+        # warm-up is mmrl's lr * 0.5 * (1 + cos(pi * step / steps))
+        lr_scheduler_type=t.lr_schedule,
         warmup_steps=0,
         weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm,
@@ -356,8 +366,8 @@ def train_worker(
     import torch
 
     torch.set_num_threads(threads)
-    cfg = _config(config, variant, seed, threads)
     steps = mark_steps(marks)
+    cfg = _config(config, variant, seed, threads, max(steps))
 
     def save(step: int, state: dict[str, Any]) -> None:
         torch.save(state, out_dir / f"{variant}_seed{seed}_r{steps[step]}.pt")

@@ -111,46 +111,84 @@ def test_trl_rows_carry_mmrl_prompt_tokens_and_image(task):
 def test_trl_reward_is_the_registry_verifier():
     funcs, weights = vs_trl.trl_rewards(_cfg("trl"))
     completions = [[{"role": "assistant", "content": c}] for c in ("3", "three", " 3.", "4")]
-    assert [f(completions=completions, answer=["3"] * 4, prompts=None) for f in funcs] == [
-        [1.0, 0.0, 1.0, 0.0]
-    ]
+    columns = {"answer": ["3"] * 4, "reference": [""] * 4}  # VQA rows have no reference solution
+    assert [f(completions=completions, prompts=None, **columns) for f in funcs] == [[1.0, 0.0, 1.0, 0.0]]
     assert [f.__name__ for f in funcs] == ["exact_match"] and weights == [1.0]
 
 
-def test_reason_trl_rewards_equal_mmrl_verify():
-    """On real shapes-math rows, TRL's reward functions weighted by its reward_weights (TRL's sum_then_normalize
-    sum) give the trainer's own ``verify`` values: per verifier and in total, hand-checked."""
+@pytest.mark.parametrize("with_steps", [False, True])
+def test_reason_trl_rewards_equal_mmrl_verify(with_steps):
+    """On real shapes-math rows, TRL's reward functions, fed the row columns as TRL feeds them and weighted by its
+    reward_weights (TRL's sum_then_normalize sum), give the trainer's own ``verify`` values: per verifier and in
+    total, hand-checked for the demo's 0.8 x answer + 0.2 x format; with a ``reasoning_steps`` reward added to
+    the recipe, TRL's rows carry the reference solutions it reads."""
+    from mmrl.sections import RewardSpec
     from pipelines.vlm.backend import GenerationSample
 
     cfg = _cfg("trl", seed=1, train_limit=4, task="reason")
+    if with_steps:
+        cfg = cfg.model_copy(
+            update={"rewards": [*cfg.rewards, RewardSpec(name="reasoning_steps", weight=0.5)]}
+        )
     trainer = VLMRLVRTrainer(cfg)
     trainer.setup(for_training=False)
     examples = load_examples(cfg, "train")
-    texts, answers, expected = [], [], []
+    by_id = {row["prompt_id"]: row for row in vs_trl.trl_rows(examples)}
+    samples, expected = [], []
     for ex in examples:
         right, wrong = ex.answer, str(int(ex.answer) + 1)
         for text, value in (
-            (f"<think>shapes 3. 3-1=2</think><answer>{right}</answer>", 1.0),  # right, well formed
+            (f"<think>{ex.reference}</think><answer>{right}</answer>", 1.0),  # the reference completion
             (f"<think>shapes 3</think><answer>{wrong}</answer>", 0.2),  # wrong, well formed
             (f"<answer>{right}</answer>", 0.8),  # right, no think block
             (f"<think>x</think> {right}", 0.0),  # no answer span: the numeric check needs one
         ):
-            texts.append(text)
-            answers.append(ex.answer)
+            samples.append((ex, text))
             expected.append(value)
     pairs = [
         (ex, GenerationSample(0, ex.prompt_id, 0, [], [], torch.zeros(0), "stop", text, weight_version=0))
-        for ex, text in zip([ex for ex in examples for _ in range(4)], texts, strict=True)
+        for ex, text in samples
     ]
     total, raw = trainer.verify(pairs)
+    # TRL passes every dataset column but the prompt to each reward function, one value per completion
+    rows = [by_id[ex.prompt_id] for ex, _ in samples]
+    columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+    completions = [[{"role": "assistant", "content": text}] for _, text in samples]
     funcs, weights = vs_trl.trl_rewards(cfg)
-    completions = [[{"role": "assistant", "content": t}] for t in texts]
-    per_func = torch.tensor([f(completions=completions, answer=answers, prompts=None) for f in funcs]).T
+    per_func = torch.tensor([f(completions=completions, prompts=None, **columns) for f in funcs]).T
     torch.testing.assert_close(per_func, raw)
     theirs = (per_func * torch.tensor(weights)).sum(dim=1)
     torch.testing.assert_close(theirs, total)
-    torch.testing.assert_close(theirs, torch.tensor(expected))
-    assert [f.__name__ for f in funcs] == ["answer", "format"]
+    if with_steps:
+        assert [f.__name__ for f in funcs] == ["answer", "format", "reasoning_steps"]
+        assert per_func[::4, 2].tolist() == [1.0] * len(examples)  # the reference trace matches itself
+        torch.testing.assert_close(theirs - 0.5 * per_func[:, 2], torch.tensor(expected))
+    else:
+        assert [f.__name__ for f in funcs] == ["answer", "format"]
+        torch.testing.assert_close(theirs, torch.tensor(expected))
+
+
+def test_a_cosine_recipe_decays_both_sides_alike():
+    """With ``trainer.lr_schedule: cosine`` TRL's scheduler gives the lr mmrl's schedule gives at every step of
+    the run (train_worker sets trainer.steps to the run's steps)."""
+    from transformers import get_scheduler
+
+    from mmrl.schedule import learning_rate
+
+    cfg = vs_trl._config(vs_trl.TASKS["reason"].config, "trl", 0, threads=1, steps=16)
+    assert cfg.trainer.steps == 16
+    cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"lr_schedule": "cosine"})})
+    args = vs_trl.trl_config(cfg, steps=16, output_dir="unused", suppressed_token_ids=[])
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=args.learning_rate)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps)
+    theirs = []
+    for _ in range(16):
+        theirs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    mine = [learning_rate(k, cfg.trainer.lr, cfg.trainer.steps, schedule="cosine") for k in range(16)]
+    assert theirs == pytest.approx(mine, rel=1e-9)
+    assert mine[0] == cfg.trainer.lr and mine[8] == pytest.approx(cfg.trainer.lr / 2)
 
 
 def test_reason_trl_trainer_trains_and_samples_as_mmrl():
