@@ -19,10 +19,10 @@ Three variants train with 64 completions per step on the same questions:
 * ``mmrl_single``: the recipe as it is, one rollout for each of 64 prompts (store baseline, entropy shaping);
 * ``mmrl_group``: ``trainer.mode=group``, 8 prompts x G=8, GRPO advantages, no entropy shaping;
 * ``trl``: ``trl.GRPOTrainer``, 8 prompts x G=8 (``per_device_train_batch_size=64``, one optimizer step per
-  generation batch), the recipe's loss aggregation (``token_mean`` = TRL's ``"dapo"``), clip range, beta, lr and its
-  schedule over the run, no gradient checkpointing, fp32, the same trainable parameters (the LoRA, or every weight outside
-  the vision tower), one reward function per verifier with TRL's ``reward_weights`` = the recipe's weights,
-  sampling with the vision special tokens suppressed and the same stop tokens as mmrl.
+  generation batch), the recipe's loss aggregation (``token_mean`` = TRL's ``"dapo"``), clip range, beta, lr
+  and its schedule over the run, no gradient checkpointing, fp32, the same trainable parameters (the LoRA, or
+  every weight outside the vision tower), one reward function per verifier with TRL's ``reward_weights`` = the
+  recipe's weights, sampling with the vision special tokens suppressed and the same stop tokens as mmrl.
 
 Each seed's three runs go one after the other (interleaved: a drift of the machine hits every variant alike), each
 in a fresh process, so that its peak resident memory (``VmHWM``) is its own. A run saves its trainable weights at
