@@ -1,29 +1,39 @@
-"""mmrl single, mmrl group (G=8) and TRL's GRPOTrainer (G=8) side by side on the shapes VQA task.
+"""mmrl single, mmrl group (G=8) and TRL's GRPOTrainer (G=8) side by side on the embedded VLM worlds.
 
     pip install -e ".[bench]"        # TRL
-    python -m benchmarks.vs_trl [--seeds 3] [--marks 1024 2048 3072 6144] [--threads 1] [--out FILE]
+    python -m benchmarks.vs_trl [--task vqa|reason] [--seeds 3] [--marks ...] [--threads 1] [--out FILE]
     python -m benchmarks.vs_trl --summarize FILE      # the tables again, from a (possibly partial) results file
 
-From the committed SFT checkpoint and the demo recipe (``configs/demo/vlm_shapes_single.yaml``: LoRA r16/a32 on
-the language model, lr 1e-3, temperature 1, 8 new tokens, ``exact_match``, beta 0), three variants train with
-64 completions per step on the same questions:
+Two tasks, each from its committed SFT checkpoint and its demo recipe, read at run time (so a change of the demo
+carries over to all three variants):
+
+* ``vqa`` (default): ``configs/demo/vlm_shapes_single.yaml``, shapes VQA, LoRA r16/a32 on the language model,
+  lr 1e-3, temperature 1, 8 new tokens, ``exact_match``; held-out ``eval/accuracy``.
+* ``reason``: ``configs/demo/vlm_shapes_reason.yaml``, shapes-math with a ``<think>`` trace, full fine-tuning with
+  the vision tower frozen, 48 new tokens, reward 0.8 x ``numeric`` on the answer span + 0.2 x ``format``;
+  held-out ``eval/lenient_accuracy`` (held-out scenes) and ``eval/templates/lenient_accuracy`` (held-out
+  templates).
+
+Three variants train with 64 completions per step on the same questions:
 
 * ``mmrl_single``: the recipe as it is, one rollout for each of 64 prompts (store baseline, entropy shaping);
 * ``mmrl_group``: ``trainer.mode=group``, 8 prompts x G=8, GRPO advantages, no entropy shaping;
 * ``trl``: ``trl.GRPOTrainer``, 8 prompts x G=8 (``per_device_train_batch_size=64``, one optimizer step per
-  generation batch), ``loss_type="dapo"`` (mmrl's ``token_mean``), clip 0.2 / 0.28, beta 0, constant lr, no
-  gradient checkpointing, fp32, sampling with the vision special tokens suppressed as mmrl does.
+  generation batch), the recipe's loss aggregation (``token_mean`` = TRL's ``"dapo"``), clip range, beta, lr
+  and its schedule over the run, no gradient checkpointing, fp32, the same trainable parameters (the LoRA, or
+  every weight outside the vision tower), one reward function per verifier with TRL's ``reward_weights`` = the
+  recipe's weights, sampling with the vision special tokens suppressed and the same stop tokens as mmrl.
 
 Each seed's three runs go one after the other (interleaved: a drift of the machine hits every variant alike), each
-in a fresh process, so that its peak resident memory (``VmHWM``) is its own. A run saves its LoRA weights at every
-mark (rollouts consumed; marks are multiples of 64); one evaluation process per seed then scores the start and
-every saved adapter with mmrl's own greedy evaluation on the run's held-out questions, the same code for all
+in a fresh process, so that its peak resident memory (``VmHWM``) is its own. A run saves its trainable weights at
+every mark (rollouts consumed; marks are multiples of 64); one evaluation process per seed then scores the start
+and every saved state with mmrl's own greedy evaluation on the run's held-out questions, the same code for all
 three. Timing counts training steps only (rollouts, rewards, update), from the first step to the last, never the
-evaluation or the saving of adapters: wall seconds, and the process's CPU seconds (steadier on a shared CPU).
+evaluation or the saving of weights: wall seconds, and the process's CPU seconds (steadier on a shared CPU).
 
 Both sides get the same examples: the TRL dataset is built from the trainer's own ``load_examples`` (the seed's
-2000 train questions), the rows' chat prompt is the one mmrl builds (the image before the question), and the
-reward is the registry's verifier object, wrapped in TRL's reward-function signature.
+train questions), the rows' chat prompt is the one mmrl builds (the image before the question), and the rewards
+are the registry's verifier objects, wrapped in TRL's reward-function signature.
 """
 
 from __future__ import annotations
@@ -43,11 +53,36 @@ from typing import Any
 
 from pipelines.threads import default_wait_policy
 
-CONFIG = "configs/demo/vlm_shapes_single.yaml"
 G = 8
 ROLLOUTS_PER_STEP = 64
 VARIANTS = ("mmrl_single", "mmrl_group", "trl")
-MARKS = (1024, 2048, 3072, 6144)
+
+
+@dataclass(frozen=True)
+class Task:
+    """One embedded world: the demo recipe every variant starts from, the default marks (rollouts at which the
+    weights are saved and scored), and the held-out scores recorded at each mark (``{column: metric key of
+    VLMRLVRTrainer.evaluate}``; the first is the accuracy the goals are judged on)."""
+
+    config: str
+    marks: tuple[int, ...]
+    scores: dict[str, str]
+
+    @property
+    def accuracy_key(self) -> str:
+        return next(iter(self.scores.values()))
+
+
+TASKS = {
+    "vqa": Task(
+        "configs/demo/vlm_shapes_single.yaml", (1024, 2048, 3072, 6144), {"accuracy": "eval/accuracy"}
+    ),
+    "reason": Task(
+        "configs/demo/vlm_shapes_reason.yaml",
+        (1024, 2048, 4096),
+        {"lenient": "eval/lenient_accuracy", "templates": "eval/templates/lenient_accuracy"},
+    ),
+}
 
 # --------------------------------------------------------------------------------------------- bookkeeping
 
@@ -89,9 +124,11 @@ class StepTimes:
         self.cpu.append(time.process_time() - self._cpu)
 
 
-def config_overrides(variant: str, seed: int, threads: int) -> list[str]:
-    """Overrides of the demo recipe for an mmrl variant (``trl`` takes the shared ones: seed, threads)."""
+def config_overrides(variant: str, seed: int, threads: int, steps: int | None = None) -> list[str]:
+    """Overrides of the demo recipe for an mmrl variant (``trl`` takes the shared ones: seed, threads, and
+    ``steps``, the run's length, which a decaying lr schedule spans)."""
     common = [
+        *([f"trainer.steps={steps}"] if steps is not None else []),
         f"run.seed={seed}",
         f"run.threads={threads}",
         "run.progress=false",
@@ -113,11 +150,11 @@ def config_overrides(variant: str, seed: int, threads: int) -> list[str]:
     raise ValueError(f"unknown variant {variant!r}; available: {list(VARIANTS)}")
 
 
-def _config(config: str, variant: str, seed: int, threads: int) -> Any:
+def _config(config: str, variant: str, seed: int, threads: int, steps: int | None = None) -> Any:
     from mmrl.config import load_config
     from mmrl.vlm.config import VLMRLVRConfig
 
-    return load_config(VLMRLVRConfig, config, config_overrides(variant, seed, threads))
+    return load_config(VLMRLVRConfig, config, config_overrides(variant, seed, threads, steps))
 
 
 def _trainable_state(model: Any) -> dict[str, Any]:
@@ -130,7 +167,7 @@ def _trainable_state(model: Any) -> dict[str, Any]:
 def trl_rows(examples: Sequence[Any], system: str | None = None) -> list[dict[str, Any]]:
     """TRL dataset rows from mmrl's VQA examples: a conversational ``prompt`` (TRL inserts the ``image`` before the
     first user message's text, as :meth:`pipelines.vlm.inputs.VLMPrompt.from_question` places it), the ``answer``
-    column the reward reads, and the prompt id."""
+    and ``reference`` (solution) columns the rewards read, and the prompt id."""
     rows = []
     for ex in examples:
         if len(ex.images) != 1:
@@ -140,42 +177,61 @@ def trl_rows(examples: Sequence[Any], system: str | None = None) -> list[dict[st
         messages = [{"role": "system", "content": system}] if system is not None else []
         messages.append({"role": "user", "content": ex.question})
         rows.append(
-            {"prompt": messages, "image": ex.images[0], "answer": ex.answer, "prompt_id": ex.prompt_id}
+            {
+                "prompt": messages,
+                "image": ex.images[0],
+                "answer": ex.answer,
+                "reference": ex.reference,
+                "prompt_id": ex.prompt_id,
+            }
         )
     return rows
 
 
-def trl_reward(cfg: Any) -> Callable[..., list[float]]:
-    """The run's verifiers (built from the registry as the trainer builds them) in TRL's reward signature: the
-    weighted sum of their scores of each completion's text against its row's ``answer``."""
-    import torch
-
+def trl_rewards(cfg: Any) -> tuple[list[Callable[..., list[float]]], list[float]]:
+    """The run's verifiers (built from the registry as the trainer builds them), each in TRL's reward signature
+    (its scores of each completion's text against its row's ``answer`` and ``reference``, as the trainer's
+    ``verify`` passes them; named by the reward's metric key), and
+    their weights for TRL's ``reward_weights``. TRL's default ``sum_then_normalize`` then forms the weighted sum
+    before the group advantage, as mmrl's ``weighted_sum`` does, and logs each reward on its own."""
     import rewards as reward_registry
 
-    verifiers = [(spec.weight, reward_registry.build(spec.name, **spec.options)) for spec in cfg.rewards]
+    def wrap(verifier: Any, key: str) -> Callable[..., list[float]]:
+        def reward(completions: list[Any], answer: list[str], reference: list[str], **_: Any) -> list[float]:
+            # conversational prompts: each completion is [{"role": "assistant", "content": text}]
+            texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+            out = verifier.score(completions=texts, ground_truths=list(answer), references=list(reference))
+            return out.scores.detach().float().tolist()
 
-    def reward(completions: list[Any], answer: list[str], **_: Any) -> list[float]:
-        # conversational prompts: each completion is [{"role": "assistant", "content": text}]
-        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        total = torch.zeros(len(texts))
-        for weight, verifier in verifiers:
-            total += (
-                weight
-                * verifier.score(completions=texts, ground_truths=list(answer)).scores.detach().float().cpu()
-            )
-        return total.tolist()
+        reward.__name__ = key
+        return reward
 
-    reward.__name__ = "+".join(spec.key for spec in cfg.rewards)
-    return reward
+    funcs = [wrap(reward_registry.build(spec.name, **spec.options), spec.key) for spec in cfg.rewards]
+    return funcs, [spec.weight for spec in cfg.rewards]
+
+
+#: mmrl's ``trainer.loss_agg`` -> TRL's ``loss_type`` of the same normalisation
+TRL_LOSS_TYPES = {"token_mean": "dapo", "seq_mean_token_mean": "grpo"}
+#: mmrl's ``trainer.multi_reward`` -> TRL's ``multi_objective_aggregation``
+TRL_MULTI_REWARD = {"weighted_sum": "sum_then_normalize", "gdpo": "normalize_then_sum"}
 
 
 def trl_config(cfg: Any, steps: int, output_dir: str, suppressed_token_ids: list[int]) -> Any:
     """``trl.GRPOConfig`` at the mmrl run's settings (64 completions = 8 prompts x G per optimizer step); sampling
     suppresses ``suppressed_token_ids`` (mmrl suppresses every vision special token, TRL only ``<|image_pad|>``
-    unless told)."""
+    unless told).
+
+    Raises:
+        ValueError: a ``trainer.loss_agg`` without a TRL ``loss_type`` of the same normalisation.
+    """
     from trl import GRPOConfig
 
     t, g = cfg.trainer, cfg.generation
+    if t.loss_agg not in TRL_LOSS_TYPES:
+        raise ValueError(
+            f"trainer.loss_agg={t.loss_agg!r} has no TRL loss_type of the same normalisation; "
+            f"comparable: {sorted(TRL_LOSS_TYPES)}"
+        )
     return GRPOConfig(
         output_dir=output_dir,
         max_steps=steps,
@@ -187,7 +243,9 @@ def trl_config(cfg: Any, steps: int, output_dir: str, suppressed_token_ids: list
         top_p=g.top_p,
         top_k=0,
         learning_rate=t.lr,
-        lr_scheduler_type="constant",
+        # both decay over the run's steps (train_worker sets trainer.steps to them); HF's cosine without
+        # warm-up is mmrl's lr * 0.5 * (1 + cos(pi * step / steps))
+        lr_scheduler_type=t.lr_schedule,
         warmup_steps=0,
         weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm,
@@ -195,8 +253,10 @@ def trl_config(cfg: Any, steps: int, output_dir: str, suppressed_token_ids: list
         beta=t.beta,
         epsilon=t.epsilon_low,
         epsilon_high=t.epsilon_high,
-        loss_type="dapo",
+        loss_type=TRL_LOSS_TYPES[t.loss_agg],
         scale_rewards="group",
+        reward_weights=[spec.weight for spec in cfg.rewards],
+        multi_objective_aggregation=TRL_MULTI_REWARD[t.multi_reward],
         num_iterations=t.ppo_epochs,
         gradient_checkpointing=False,
         bf16=False,
@@ -212,12 +272,12 @@ def trl_config(cfg: Any, steps: int, output_dir: str, suppressed_token_ids: list
     )
 
 
-def run_trl(cfg: Any, marks: dict[int, int], save: Callable[[int, dict[str, Any]], None]) -> StepTimes:
-    """Train TRL's GRPOTrainer for ``max(marks)`` steps; returns the time of each step (between consecutive
-    ``on_step_end`` callbacks, without the callback's own saving)."""
+def trl_trainer(cfg: Any, steps: int, callbacks: Sequence[Any] = ()) -> Any:
+    """``trl.GRPOTrainer`` for ``steps`` optimizer steps on the run's train questions, training what mmrl trains:
+    the recipe's LoRA (peft, the same target modules), or with ``model.lora: null`` every weight outside the
+    vision tower (and the tower too with ``model.train_vision``)."""
     import datasets
-    from peft import LoraConfig
-    from transformers import AutoModelForImageTextToText, AutoProcessor, TrainerCallback
+    from transformers import AutoModelForImageTextToText, AutoProcessor
     from trl import GRPOTrainer
 
     from mmrl.device import DTYPES
@@ -226,18 +286,46 @@ def run_trl(cfg: Any, marks: dict[int, int], save: Callable[[int, dict[str, Any]
 
     m = cfg.model
     processor = AutoProcessor.from_pretrained(m.path)
+    # TRL pads the prompt ids on the left itself but takes mm_token_type_ids (which tokens are image tokens, for
+    # mRoPE) from a processor call padded on the tokenizer's side: with right padding every prompt shorter than
+    # the longest of its batch gets shifted image positions in the loss forward (or a shape error)
+    processor.tokenizer.padding_side = "left"
     model = AutoModelForImageTextToText.from_pretrained(m.path, dtype=DTYPES[m.dtype])
     family = family_for_model_type(model.config.model_type)
-    lora = LoraConfig(
-        r=m.lora.rank,
-        lora_alpha=m.lora.alpha,
-        lora_dropout=m.lora.dropout,
-        target_modules=family.lora_target_pattern(m.lora.target_modules, m.train_vision),
-    )
+    peft_config = None
+    if m.lora is not None:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(
+            r=m.lora.rank,
+            lora_alpha=m.lora.alpha,
+            lora_dropout=m.lora.dropout,
+            target_modules=family.lora_target_pattern(m.lora.target_modules, m.train_vision),
+        )
+    else:  # full fine-tuning: the Trainer's optimizer takes the parameters that require grad
+        for name, param in model.named_parameters():
+            param.requires_grad_(m.train_vision or not family.is_vision_parameter(name))
     dataset = datasets.Dataset.from_list(trl_rows(load_examples(cfg, "train"), cfg.data.system_prompt))
+    reward_funcs, _ = trl_rewards(cfg)
     args = trl_config(
-        cfg, max(marks), tempfile.mkdtemp(prefix="vs_trl_"), family.suppressed_token_ids(processor.tokenizer)
+        cfg, steps, tempfile.mkdtemp(prefix="vs_trl_"), family.suppressed_token_ids(processor.tokenizer)
     )
+    return GRPOTrainer(
+        model=model,
+        reward_funcs=reward_funcs,
+        args=args,
+        train_dataset=dataset,
+        processing_class=processor,
+        peft_config=peft_config,
+        callbacks=list(callbacks),
+    )
+
+
+def run_trl(cfg: Any, marks: dict[int, int], save: Callable[[int, dict[str, Any]], None]) -> StepTimes:
+    """Train TRL's GRPOTrainer for ``max(marks)`` steps; returns the time of each step (between consecutive
+    ``on_step_end`` callbacks, without the callback's own saving)."""
+    from transformers import TrainerCallback
+
     times = StepTimes()
 
     class Marks(TrainerCallback):
@@ -250,16 +338,7 @@ def run_trl(cfg: Any, marks: dict[int, int], save: Callable[[int, dict[str, Any]
                 save(state.global_step, _trainable_state(model))
             times.start()
 
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=trl_reward(cfg),
-        args=args,
-        train_dataset=dataset,
-        processing_class=processor,
-        peft_config=lora,
-        callbacks=[Marks()],
-    )
-    trainer.train()
+    trl_trainer(cfg, max(marks), [Marks()]).train()
     return times
 
 
@@ -283,12 +362,12 @@ def run_mmrl(cfg: Any, marks: dict[int, int], save: Callable[[int, dict[str, Any
 def train_worker(
     variant: str, seed: int, threads: int, marks: Sequence[int], out_dir: Path, config: str
 ) -> dict:
-    """One training run (in its own process): adapters at the marks, step times, peak RSS."""
+    """One training run (in its own process): trained weights at the marks, step times, peak RSS."""
     import torch
 
     torch.set_num_threads(threads)
-    cfg = _config(config, variant, seed, threads)
     steps = mark_steps(marks)
+    cfg = _config(config, variant, seed, threads, max(steps))
 
     def save(step: int, state: dict[str, Any]) -> None:
         torch.save(state, out_dir / f"{variant}_seed{seed}_r{steps[step]}.pt")
@@ -307,9 +386,12 @@ def train_worker(
     }
 
 
-def eval_worker(seed: int, threads: int, marks: Sequence[int], out_dir: Path, config: str) -> dict:
+def eval_worker(
+    seed: int, threads: int, marks: Sequence[int], out_dir: Path, config: str, scores: dict[str, str]
+) -> dict:
     """mmrl's greedy evaluation (``VLMRLVRTrainer.evaluate``, the seed's held-out questions) of the start and of
-    every saved adapter of the seed's runs."""
+    every saved state of the seed's runs: ``scores`` (``{column: metric key}``) of each, ``accuracy`` = the
+    first of them."""
     import torch
 
     from mmrl.checkpoint import load_trainable
@@ -319,17 +401,28 @@ def eval_worker(seed: int, threads: int, marks: Sequence[int], out_dir: Path, co
     trainer = VLMRLVRTrainer(_config(config, "mmrl_single", seed, threads), None)
     trainer.setup(for_training=False)
     start = _trainable_state(trainer.model)
-    accuracy: dict[str, dict[int, float]] = {}
-    base = trainer.evaluate()["eval/accuracy"]
+
+    def evaluate() -> dict[str, float]:
+        metrics = trainer.evaluate()
+        missing = sorted(set(scores.values()) - metrics.keys())
+        if missing:
+            raise KeyError(f"{config}: the evaluation logs no {missing}; it logs {sorted(metrics)}")
+        return {column: metrics[key] for column, key in scores.items()}
+
+    base = evaluate()
+    table: dict[str, dict[str, dict[int, float]]] = {column: {} for column in scores}
     for variant in VARIANTS:
-        accuracy[variant] = {0: base}
+        curve = {0: base}
         for mark in sorted(marks):
             path = out_dir / f"{variant}_seed{seed}_r{mark}.pt"
             if path.is_file():
                 load_trainable(trainer.model, torch.load(path))
-                accuracy[variant][mark] = trainer.evaluate()["eval/accuracy"]
+                curve[mark] = evaluate()
+        for column in scores:
+            table[column][variant] = {m: values[column] for m, values in curve.items()}
         load_trainable(trainer.model, start)
-    return {"seed": seed, "questions": len(trainer.eval_set), "accuracy": accuracy}
+    first = next(iter(scores))
+    return {"seed": seed, "questions": len(trainer.eval_set), "accuracy": table[first], "scores": table}
 
 
 # --------------------------------------------------------------------------------------------- driver
@@ -359,7 +452,11 @@ def first_reach(curve: dict[int, float], target: float) -> int | None:
 def summarize(records: list[dict]) -> dict[str, Any]:
     """Tables (per seed, and mean [min-max] over seeds) and the goals, from the results file's records."""
     runs = {(r["variant"], r["seed"]): r for r in records if r.get("kind") == "train"}
-    evals = {r["seed"]: r["accuracy"] for r in records if r.get("kind") == "eval"}
+    # {seed: {column: {variant: {mark: score}}}}; a file without "scores" has the accuracy alone
+    evals = {
+        r["seed"]: r.get("scores", {"accuracy": r["accuracy"]}) for r in records if r.get("kind") == "eval"
+    }
+    columns = list(next(iter(evals.values()))) if evals else []
     seeds = sorted({s for _, s in runs})
     per_1k = {(v, s): 1000 * sum(r["step_s"]) / r["rollouts"] for (v, s), r in runs.items()}
     # process CPU seconds (all threads), where the results file has them
@@ -376,16 +473,24 @@ def summarize(records: list[dict]) -> dict[str, Any]:
             if (v, s) in runs
         ]
         print(f"  {v:12s} " + " | ".join(cells))
-    marks = sorted({int(m) for acc in evals.values() for curve in acc.values() for m in curve})
-    print("held-out accuracy (mmrl greedy evaluation) at rollouts, per seed")
-    curves: dict[str, dict[int, list[float]]] = {v: {} for v in VARIANTS}
-    for s in sorted(evals):
-        for v in VARIANTS:
-            curve = {int(m): a for m, a in evals[s][v].items()}
-            for m, a in curve.items():
-                curves[v].setdefault(m, []).append(a)
-            print(f"  seed {s} {v:12s} " + " ".join(f"{m}:{curve[m]:.3f}" for m in marks if m in curve))
-    summary: dict[str, Any] = {"seeds": seeds, "per_1k_s": {}, "peak_rss_mib": {}, "accuracy": {}}
+    # curves[column][variant][mark] = the seeds' scores
+    curves: dict[str, dict[str, dict[int, list[float]]]] = {c: {v: {} for v in VARIANTS} for c in columns}
+    for column in columns:
+        marks = sorted({int(m) for e in evals.values() for curve in e[column].values() for m in curve})
+        print(f"held-out {column} (mmrl greedy evaluation) at rollouts, per seed")
+        for s in sorted(evals):
+            for v in VARIANTS:
+                curve = {int(m): a for m, a in evals[s][column][v].items()}
+                for m, a in curve.items():
+                    curves[column][v].setdefault(m, []).append(a)
+                print(f"  seed {s} {v:12s} " + " ".join(f"{m}:{curve[m]:.3f}" for m in marks if m in curve))
+    summary: dict[str, Any] = {
+        "seeds": seeds,
+        "per_1k_s": {},
+        "peak_rss_mib": {},
+        "accuracy": {},
+        "scores": {},
+    }
     print("mean [min-max] over seeds")
     for v in VARIANTS:
         t = [per_1k[(v, s)] for s in seeds if (v, s) in runs]
@@ -394,11 +499,14 @@ def summarize(records: list[dict]) -> dict[str, Any]:
             continue
         summary["per_1k_s"][v] = statistics.fmean(t)
         summary["peak_rss_mib"][v] = statistics.fmean(rss)
-        summary["accuracy"][v] = {m: statistics.fmean(a) for m, a in sorted(curves[v].items())}
-        acc = " ".join(f"{m}:{_spread(a, '.3f')}" for m, a in sorted(curves[v].items()))
-        print(
-            f"  {v:12s} {_spread(t, '.1f')} s/1k rollouts, peak RSS {_spread(rss, '.0f')} MiB; accuracy {acc}"
-        )
+        print(f"  {v:12s} {_spread(t, '.1f')} s/1k rollouts, peak RSS {_spread(rss, '.0f')} MiB")
+        for column in columns:
+            curve = sorted(curves[column][v].items())
+            summary["scores"].setdefault(column, {})[v] = {m: statistics.fmean(a) for m, a in curve}
+            print(f"  {'':12s} {column} " + " ".join(f"{m}:{_spread(a, '.3f')}" for m, a in curve))
+    if columns:
+        summary["accuracy"] = summary["scores"][columns[0]]
+    evals = {s: e[columns[0]] for s, e in evals.items()}  # the goals are judged on the first score
     if {"mmrl_group", "trl"} <= summary["per_1k_s"].keys():
         ratio = summary["per_1k_s"]["mmrl_group"] / summary["per_1k_s"]["trl"]
         summary["group_time_ratio"] = ratio
@@ -450,25 +558,32 @@ def summarize(records: list[dict]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default=CONFIG)
+    parser.add_argument("--task", choices=sorted(TASKS), default="vqa", help="the embedded world")
+    parser.add_argument(
+        "--config", default=None, help="the recipe all variants start from (default: the task's)"
+    )
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument(
         "--marks",
         type=int,
         nargs="+",
-        default=list(MARKS),
-        help="rollouts at which adapters are saved and evaluated; the last is the run's length",
+        default=None,
+        help="rollouts at which the trained weights are saved and evaluated; the last is the run's length "
+        "(default: vqa 1024 2048 3072 6144, reason 1024 2048 4096)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every run and evaluation")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--out", default=None, help="results file (JSON lines), appended run by run")
     parser.add_argument(
-        "--work-dir", default=None, help="folder for the saved adapters (default: a temp folder)"
+        "--work-dir", default=None, help="folder for the saved weights (default: a temp folder)"
     )
     parser.add_argument("--summarize", default=None, help="only print the tables of this results file")
     parser.add_argument("--worker", choices=[*VARIANTS, "eval"], help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    task = TASKS[args.task]
+    args.config = args.config or task.config
+    args.marks = args.marks or list(task.marks)
     if args.summarize:
         return summarize([json.loads(line) for line in Path(args.summarize).read_text().splitlines() if line])
     mark_steps(args.marks)  # refuse bad marks before any run starts
@@ -476,7 +591,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.worker is not None:
         work = Path(args.work_dir)
         if args.worker == "eval":
-            result = eval_worker(args.seed, args.threads, args.marks, work, args.config)
+            result = eval_worker(args.seed, args.threads, args.marks, work, args.config, task.scores)
         else:
             result = train_worker(args.worker, args.seed, args.threads, args.marks, work, args.config)
         print(json.dumps(result))
@@ -485,6 +600,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     out = Path(args.out or work / "results.jsonl")
     common = [
+        "--task",
+        args.task,
         "--threads",
         str(args.threads),
         "--marks",
@@ -495,7 +612,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.config,
     ]
     records = []
-    print(f"results: {out}; adapters: {work}; threads {args.threads}", flush=True)
+    print(
+        f"task {args.task} ({args.config}); results: {out}; weights: {work}; threads {args.threads}",
+        flush=True,
+    )
     for seed in range(args.seeds):
         for variant in args.variants:
             record = {
@@ -514,7 +634,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         records.append(record)
         with open(out, "a") as f:
             f.write(json.dumps(record) + "\n")
-        print(f"seed {seed} accuracy: {json.dumps(record['accuracy'])}", flush=True)
+        print(f"seed {seed} held-out: {json.dumps(record['scores'])}", flush=True)
     return summarize(records)
 
 
