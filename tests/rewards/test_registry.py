@@ -92,6 +92,8 @@ def case(name: str, request: pytest.FixtureRequest) -> tuple[dict[str, Any], dic
         return {}, {"images": images, "prompts": shapes_prompts}
     if name in ("exact_match", "numeric", "math_verify", "multiple_choice", "format"):
         return {}, TEXT_BATCH
+    if name == "reasoning_steps":  # the reference solution of each question
+        return {}, {**TEXT_BATCH, "references": ["2+2=4", "1/2=0.5. x=1", "b", "7"]}
     raise AssertionError(f"no test case for reward {name!r}: add one here")
 
 

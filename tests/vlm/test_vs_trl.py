@@ -49,15 +49,15 @@ def test_variants_put_64_completions_in_each_step():
 
 def test_reason_variants_take_the_reasoning_demo_recipe():
     """The reason task reads configs/demo/vlm_shapes_reason.yaml: every variant trains the full model (no LoRA) at
-    its lr, samples 48 tokens at T = 1, and TRL weighs the two rewards 0.8 / 0.2 in one sum before its group
-    advantage (mmrl's weighted_sum)."""
+    its lr, samples 48 tokens at T = 1, and TRL weighs the three rewards 0.6 / 0.3 / 0.1 in one sum before its
+    group advantage (mmrl's weighted_sum)."""
     single, group, trl_cfg = (_cfg(v, task="reason") for v in vs_trl.VARIANTS)
-    assert [spec.key for spec in single.rewards] == ["answer", "format"]
+    assert [spec.key for spec in single.rewards] == ["answer", "steps", "format"]
     assert single.data.train == "shapes_math:train" and single.model.lora is None
     assert (single.trainer.mode, single.rollouts_per_step) == ("single", 64)
     assert (group.trainer.mode, group.rollouts_per_step, group.trainer.num_generations) == ("group", 64, 8)
     args = vs_trl.trl_config(trl_cfg, steps=3, output_dir="unused", suppressed_token_ids=[7])
-    assert args.reward_weights == [0.8, 0.2]
+    assert args.reward_weights == [0.6, 0.3, 0.1]
     assert args.multi_objective_aggregation == "sum_then_normalize"
     assert (args.temperature, args.max_completion_length, args.top_p, args.top_k) == (1.0, 48, 1.0, 0)
     assert (args.learning_rate, args.loss_type, args.beta) == (
@@ -120,16 +120,13 @@ def test_trl_reward_is_the_registry_verifier():
 def test_reason_trl_rewards_equal_mmrl_verify(with_steps):
     """On real shapes-math rows, TRL's reward functions, fed the row columns as TRL feeds them and weighted by its
     reward_weights (TRL's sum_then_normalize sum), give the trainer's own ``verify`` values: per verifier and in
-    total, hand-checked for the demo's 0.8 x answer + 0.2 x format; with a ``reasoning_steps`` reward added to
-    the recipe, TRL's rows carry the reference solutions it reads."""
-    from mmrl.sections import RewardSpec
+    total, hand-checked for the demo's 0.6 x answer + 0.3 x reasoning_steps + 0.1 x format (TRL's rows carry the
+    reference solutions reasoning_steps reads) and for the recipe without reasoning_steps."""
     from pipelines.vlm.backend import GenerationSample
 
     cfg = _cfg("trl", seed=1, train_limit=4, task="reason")
-    if with_steps:
-        cfg = cfg.model_copy(
-            update={"rewards": [*cfg.rewards, RewardSpec(name="reasoning_steps", weight=0.5)]}
-        )
+    if not with_steps:
+        cfg = cfg.model_copy(update={"rewards": [r for r in cfg.rewards if r.name != "reasoning_steps"]})
     trainer = VLMRLVRTrainer(cfg)
     trainer.setup(for_training=False)
     examples = load_examples(cfg, "train")
@@ -138,9 +135,10 @@ def test_reason_trl_rewards_equal_mmrl_verify(with_steps):
     for ex in examples:
         right, wrong = ex.answer, str(int(ex.answer) + 1)
         for text, value in (
-            (f"<think>{ex.reference}</think><answer>{right}</answer>", 1.0),  # the reference completion
-            (f"<think>shapes 3</think><answer>{wrong}</answer>", 0.2),  # wrong, well formed
-            (f"<answer>{right}</answer>", 0.8),  # right, no think block
+            # answer and format terms (0.6 and 0.1); the steps term is checked on its own below
+            (f"<think>{ex.reference}</think><answer>{right}</answer>", 0.7),  # the reference completion
+            (f"<think>shapes 3</think><answer>{wrong}</answer>", 0.1),  # wrong, well formed
+            (f"<answer>{right}</answer>", 0.6),  # right, no think block
             (f"<think>x</think> {right}", 0.0),  # no answer span: the numeric check needs one
         ):
             samples.append((ex, text))
@@ -160,9 +158,10 @@ def test_reason_trl_rewards_equal_mmrl_verify(with_steps):
     theirs = (per_func * torch.tensor(weights)).sum(dim=1)
     torch.testing.assert_close(theirs, total)
     if with_steps:
-        assert [f.__name__ for f in funcs] == ["answer", "format", "reasoning_steps"]
-        assert per_func[::4, 2].tolist() == [1.0] * len(examples)  # the reference trace matches itself
-        torch.testing.assert_close(theirs - 0.5 * per_func[:, 2], torch.tensor(expected))
+        assert [f.__name__ for f in funcs] == ["answer", "steps", "format"]
+        assert per_func[::4, 1].tolist() == [1.0] * len(examples)  # the reference trace matches itself
+        assert per_func[2::4, 1].tolist() == [0.0] * len(examples)  # no think block, no steps
+        torch.testing.assert_close(theirs - 0.3 * per_func[:, 1], torch.tensor(expected))
     else:
         assert [f.__name__ for f in funcs] == ["answer", "format"]
         torch.testing.assert_close(theirs, torch.tensor(expected))
