@@ -89,16 +89,17 @@ def others_running(proc_stat: str, own_task_states: list[str]) -> int:
     raise ValueError("/proc/stat has no procs_running line")
 
 
-def _task_state(stat_line: str) -> str:
-    # the command name (field 2) may hold spaces and parentheses: the state follows the last ')'
-    return stat_line[stat_line.rindex(")") + 2]
+def _fields_from_state(stat_line: str) -> list[str]:
+    """The fields of a ``/proc/.../stat`` line from field 3 (the state) on: the command name (field 2) may hold
+    spaces and parentheses, so they follow the last ``)``."""
+    return stat_line[stat_line.rindex(")") + 2 :].split()
 
 
 def _own_task_states(proc: Path = _PROC) -> list[str]:
     states = []
     for task in (proc / "self" / "task").iterdir():
         try:
-            states.append(_task_state((task / "stat").read_text()))
+            states.append(_fields_from_state((task / "stat").read_text())[0])
         except (FileNotFoundError, ProcessLookupError):  # the thread ended between listing and reading
             continue
     return states
@@ -149,7 +150,7 @@ def machine_busy_ticks(proc_stat: str, cpus: set[int]) -> int:
 
 def own_ticks(self_stat: str) -> int:
     """utime + stime of ``/proc/self/stat`` (fields 14 and 15), in ticks."""
-    fields = self_stat[self_stat.rindex(")") + 2 :].split()  # fields from 3 (state) on
+    fields = _fields_from_state(self_stat)
     return int(fields[11]) + int(fields[12])
 
 

@@ -91,6 +91,26 @@ def as_answers(ground_truth: Any) -> list[Any]:
     return [ground_truth]
 
 
+def check_per_completion(
+    reward: str, completions: Sequence[Any], field: str, values: Sequence[Any] | None
+) -> None:
+    """Refuse a batch whose ``completions`` is a single string, or whose ``field`` is not one value per
+    completion (``values=()``: the reward does not read ``field``); a caller error, not model output.
+
+    Raises:
+        ValueError: naming the reward, the field and the sizes.
+    """
+    if isinstance(completions, str):
+        raise ValueError("completions must be a list (one entry per sample), got a single string")
+    if isinstance(values, tuple) and not values:
+        return
+    if values is None or isinstance(values, str) or len(values) != len(completions):
+        got = "none" if values is None else "a string" if isinstance(values, str) else str(len(values))
+        raise ValueError(
+            f"reward {reward!r} needs {field}, one per completion: {len(completions)} completions, got {got}"
+        )
+
+
 class TextVerifier(Reward):
     """Base of the verifiers: batch plumbing, answer extraction, never-raise policy.
 
@@ -129,18 +149,9 @@ class TextVerifier(Reward):
         Raises:
             ValueError: ``ground_truths`` missing or not one per completion (a caller error, not model output).
         """
-        if isinstance(completions, str):
-            raise ValueError("completions must be a list (one entry per sample), got a single string")
-        if self.needs_ground_truth and (
-            ground_truths is None or isinstance(ground_truths, str) or len(ground_truths) != len(completions)
-        ):
-            got = "none" if ground_truths is None else "a string"
-            if ground_truths is not None and not isinstance(ground_truths, str):
-                got = str(len(ground_truths))
-            raise ValueError(
-                f"reward {self.name!r} needs ground_truths, one per completion: "
-                f"{len(completions)} completions, got {got}"
-            )
+        check_per_completion(
+            self.name, completions, "ground_truths", ground_truths if self.needs_ground_truth else ()
+        )
         truths = ground_truths if self.needs_ground_truth else [None] * len(completions)
         scores, reasons = [], []
         for completion, truth in zip(completions, truths or [], strict=True):
@@ -513,20 +524,7 @@ class ReasoningSteps(Reward):
             ValueError: ``references`` missing, not one per completion, or an empty one (a data error: the
                 questions carry no reference solutions; set ``data.reference_column``).
         """
-        if isinstance(completions, str):
-            raise ValueError("completions must be a list (one entry per sample), got a single string")
-        if references is None or isinstance(references, str) or len(references) != len(completions):
-            got = (
-                "none"
-                if references is None
-                else "a string"
-                if isinstance(references, str)
-                else len(references)
-            )
-            raise ValueError(
-                f"reward {self.name!r} needs references (reference solutions), one per completion: "
-                f"{len(completions)} completions, got {got}"
-            )
+        check_per_completion(self.name, completions, "references", references)
         scores, reasons = [], []
         for index, (completion, reference) in enumerate(zip(completions, references, strict=True)):
             expected = solution_steps(str(reference or ""))

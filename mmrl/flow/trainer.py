@@ -618,8 +618,8 @@ class FlowGRPOTrainer(TrainerBase):
 
     def _optimizer_step(self) -> None:
         t = self.cfg.trainer
-        # cosine: a function of the training step, so a resumed run continues it exactly
-        lr = learning_rate(self.step, t.lr, t.steps, schedule="cosine") if t.lr_schedule == "cosine" else None
+        # a function of the training step, so a resumed run continues a cosine exactly
+        lr = learning_rate(self.step, t.lr, t.steps, schedule=t.lr_schedule)
         self.optimizer_step(self.optimizer, self.trainable, t.max_grad_norm, lr=lr)
         if self.ema is not None:
             self.ema.update()

@@ -560,12 +560,8 @@ class VLMRLVRTrainer(TrainerBase):
                         new.logprobs, o.logprobs, a_tok, t.epsilon_low, t.epsilon_high, mask=mask
                     )
                 )
-            # cosine: a function of the training step, so a resumed run continues it exactly
-            lr = (
-                learning_rate(self.step, t.lr, t.steps, schedule="cosine")
-                if t.lr_schedule == "cosine"
-                else None
-            )
+            # a function of the training step, so a resumed run continues a cosine exactly
+            lr = learning_rate(self.step, t.lr, t.steps, schedule=t.lr_schedule)
             self.optimizer_step(self.optimizer, self.trainable, t.max_grad_norm, lr=lr)
         self.backend.sync_weights(self.model)
 
