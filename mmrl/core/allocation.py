@@ -299,7 +299,9 @@ class PromptPasses:
         self.drawn.update(chosen)
         if len(chosen) < k:  # the pass is over: a new one, among the prompts this step has not taken
             taken = set(chosen)
-            rest = _random_subset([prompt for prompt in pool if prompt not in taken], k - len(chosen), generator)
+            rest = _random_subset(
+                [prompt for prompt in pool if prompt not in taken], k - len(chosen), generator
+            )
             self.drawn = set(rest)
             self.passes += 1
             chosen += rest
