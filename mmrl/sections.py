@@ -65,8 +65,11 @@ class AllocationConfig(Config):
     """Which prompts get rollouts each step and how many each (mmrl/core/allocation.py), from one statistics
     store. The same section in every recipe; a recipe's subclass only changes defaults."""
 
-    selection: Literal["uniform", "thompson", "priority"] = Field(
-        "uniform", description="How prompts are picked each step (MoPPS Thompson, SPO priority)."
+    selection: Literal["uniform", "shuffled", "thompson", "priority"] = Field(
+        "uniform",
+        description="How prompts are picked each step: uniform (a fresh random draw each step, so prompts repeat "
+        "across steps), shuffled (passes over the pool without replacement, a shuffled data loader's order as in "
+        "TRL and verl), thompson (MoPPS), priority (SPO).",
     )
     method: Literal["uniform", "knapsack", "sqrt"] = Field(
         "uniform", description="How the rollout budget is split over the picked prompts."

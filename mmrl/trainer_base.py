@@ -9,7 +9,7 @@ lifecycle stays the one every trainer shows (torchtune's recipes): ``__init__`` 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,8 @@ import torch
 
 from mmrl.checkpoint import load_checkpoint, save_checkpoint
 from mmrl.config import Config
+from mmrl.core import allocation as alloc_lib
+from mmrl.core.allocation import PromptPasses
 from mmrl.core.stats import PromptStats
 from mmrl.device import resolve_device
 from mmrl.distributed import all_reduce_grads, full_tensor, init_distributed
@@ -56,6 +58,7 @@ class TrainerBase:
         self.step = 0
         self.metrics = MetricAccumulator()
         self.rollout_source: RolloutSource | None = None
+        self.prompt_passes = PromptPasses()
 
     # ------------------------------------------------------------------ setup
     def setup_runtime(self, device: str = "cpu") -> None:
@@ -80,6 +83,19 @@ class TrainerBase:
         if self.run is not None:
             self.run.truncate_metrics(self.step)
         logger.info("resumed from %s at step %d", ckpt, self.step)
+
+    # ------------------------------------------------------------------ prompts
+    def select_prompts(self, pool: Sequence[Hashable], k: int) -> list[Hashable]:
+        """``k`` distinct prompts of ``pool`` by ``allocation.selection`` (:func:`mmrl.core.allocation.sample_prompts`
+        on the statistics store, this rank's generator, and the pass walked by ``shuffled``)."""
+        return alloc_lib.sample_prompts(
+            self.stats,
+            pool,
+            k,
+            method=self.cfg.allocation.selection,
+            generator=self.generator,
+            passes=self.prompt_passes,
+        )
 
     # ------------------------------------------------------------------ update
     def optimizer_step(
@@ -117,13 +133,17 @@ class TrainerBase:
 
     # ------------------------------------------------------------------ state
     def base_state(self) -> dict[str, Any]:
-        """What every checkpoint holds: the step, the statistics store, the RNG states (every rank's)."""
+        """What every checkpoint holds: the step, the statistics store, the RNG states and the prompt passes
+        (every rank's)."""
         rng = get_rng_state({"train": self.generator})
+        passes = self.prompt_passes.state_dict()
         return {
             "step": self.step,
             "stats": self.stats.state_dict() if self.stats is not None else None,
             "rng": rng,
             "rng_per_rank": self.dist.gather(rng) if self.dist.active else None,
+            "prompt_passes": passes,
+            "prompt_passes_per_rank": self.dist.gather(passes) if self.dist.active else None,
         }
 
     def load_base_state(self, state: dict[str, Any]) -> None:
@@ -132,6 +152,9 @@ class TrainerBase:
         if self.stats is not None:
             self.stats.load_state_dict(state["stats"])
         set_rng_state(self.dist.own(state.get("rng_per_rank"), state["rng"]), {"train": self.generator})
+        if "prompt_passes" in state:  # checkpoints written before the shuffled selection have none
+            passes = self.dist.own(state.get("prompt_passes_per_rank"), state["prompt_passes"])
+            self.prompt_passes.load_state_dict(passes)
 
     def checkpoint_wanted(self) -> bool:
         """Whether this process takes part in saving: rank 0 writes, and under data parallelism every rank computes

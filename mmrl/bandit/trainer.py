@@ -121,9 +121,7 @@ class BanditTrainer(TrainerBase):
     def rollout(self) -> dict[str, torch.Tensor]:
         """Select prompts, allocate the budget, sample and score; returns the flat batch."""
         a = self.cfg.allocation
-        prompts = alloc_lib.sample_prompts(
-            self.stats, self.world.train_ids, a.prompts_per_step, method=a.selection, generator=self.generator
-        )
+        prompts = self.select_prompts(self.world.train_ids, a.prompts_per_step)
         counts = alloc_lib.allocate(
             self.stats, prompts, a.rollouts_per_step, method=a.method, n_min=a.n_min, n_max=a.n_max
         )

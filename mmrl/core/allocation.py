@@ -2,6 +2,7 @@
 
 Allocators return an int64 tensor of rollouts per prompt that sums to ``budget`` exactly and respects
 ``n_min <= N_i <= n_max``; selectors return ``k`` distinct prompt indices. All are vectorised over prompts.
+:class:`PromptPasses` is the one stateful selector: it walks the pool in passes without replacement.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from mmrl.core._checks import check_1d, check_probabilities
 from mmrl.core.stats import PromptStats
 
 __all__ = [
+    "PromptPasses",
     "allocate",
     "knapsack",
     "knapsack_gain",
@@ -271,22 +273,76 @@ def priority_select(
     return torch.multinomial(weights, k, replacement=False, generator=generator)
 
 
+class PromptPasses:
+    """Prompts in passes over the pool without replacement: every prompt once per pass, each pass in a fresh random
+    order (what a shuffled data loader does over a dataset; TRL's and verl's default order).
+
+    The state is the set of prompts already drawn in the current pass, so the walk survives a pool that changes
+    between steps (prompts still in flight excluded by a rollout pool): a step draws uniformly among the pool's
+    prompts not yet drawn in this pass; when fewer than ``k`` remain it takes them all, starts a new pass and
+    draws the rest among the others. Over ``m`` full passes every prompt is drawn ``m`` times; with replacement
+    (``uniform``) the count of a prompt is Binomial and a share ``e^-m`` of the pool is never drawn.
+    """
+
+    def __init__(self) -> None:
+        self.drawn: set[Hashable] = set()
+        self.passes = 0
+
+    def select(
+        self, pool: Sequence[Hashable], k: int, generator: torch.Generator | None = None
+    ) -> list[Hashable]:
+        """``k`` distinct prompts of ``pool``, the ones not yet drawn in this pass first."""
+        if not 0 < k <= len(pool):
+            raise ValueError(f"k must be in [1, {len(pool)}] (pool size), got {k}")
+        fresh = [prompt for prompt in pool if prompt not in self.drawn]
+        chosen = _random_subset(fresh, min(k, len(fresh)), generator)
+        self.drawn.update(chosen)
+        if len(chosen) < k:  # the pass is over: a new one, among the prompts this step has not taken
+            taken = set(chosen)
+            rest = _random_subset(
+                [prompt for prompt in pool if prompt not in taken], k - len(chosen), generator
+            )
+            self.drawn = set(rest)
+            self.passes += 1
+            chosen += rest
+        return chosen
+
+    def state_dict(self) -> dict[str, object]:
+        return {"drawn": sorted(self.drawn, key=repr), "passes": self.passes}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.drawn = set(state["drawn"])  # type: ignore[call-overload]
+        self.passes = int(state["passes"])  # type: ignore[call-overload]
+
+
+def _random_subset(items: Sequence[Hashable], k: int, generator: torch.Generator | None) -> list[Hashable]:
+    """``k`` distinct items of ``items`` in a uniformly random order."""
+    return [items[i] for i in torch.randperm(len(items), generator=generator)[:k].tolist()]
+
+
 def sample_prompts(
     store: PromptStats,
     pool: Sequence[Hashable],
     k: int,
-    method: Literal["uniform", "thompson", "priority"] = "uniform",
+    method: Literal["uniform", "shuffled", "thompson", "priority"] = "uniform",
     generator: torch.Generator | None = None,
     eps: float = 0.05,
+    passes: PromptPasses | None = None,
 ) -> list[Hashable]:
     """Pick ``k`` distinct prompts from ``pool`` using the store's statistics.
 
-    ``uniform`` ignores the store (a random permutation); ``thompson`` is :func:`thompson_select` on the Beta
-    posteriors; ``priority`` is :func:`priority_select` on the posterior means. Unseen prompts get the store's
-    shrinkage prior, so no evaluation pass over the pool is needed first.
+    ``uniform`` ignores the store (a random permutation each step: prompts are drawn again across steps);
+    ``shuffled`` walks the pool in passes without replacement (``passes`` holds the walk, see
+    :class:`PromptPasses`); ``thompson`` is :func:`thompson_select` on the Beta posteriors; ``priority`` is
+    :func:`priority_select` on the posterior means. Unseen prompts get the store's shrinkage prior, so no
+    evaluation pass over the pool is needed first.
     """
     if not 0 < k <= len(pool):
         raise ValueError(f"k must be in [1, {len(pool)}] (pool size), got {k}")
+    if method == "shuffled":
+        if passes is None:
+            raise ValueError("method 'shuffled' needs the PromptPasses that hold the walk (passes=...)")
+        return passes.select(pool, k, generator=generator)
     if method == "uniform":
         chosen = torch.randperm(len(pool), generator=generator)[:k]
     elif method == "thompson":
@@ -295,7 +351,7 @@ def sample_prompts(
     elif method == "priority":
         chosen = priority_select(store.success_prob(pool), k, eps=eps, generator=generator)
     else:
-        raise ValueError(f"method must be 'uniform', 'thompson' or 'priority', got {method!r}")
+        raise ValueError(f"method must be 'uniform', 'shuffled', 'thompson' or 'priority', got {method!r}")
     return [pool[i] for i in chosen.tolist()]
 
 

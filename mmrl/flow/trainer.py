@@ -423,9 +423,7 @@ class FlowGRPOTrainer(TrainerBase):
         own sizes: one per prompt then."""
         a = self.cfg.allocation
         candidates = [p for p in self.train_pool if p not in exclude] if exclude else self.train_pool
-        prompts = alloc_lib.sample_prompts(
-            self.stats, candidates, num_prompts, method=a.selection, generator=self.generator
-        )
+        prompts = self.select_prompts(candidates, num_prompts)
         if self.cfg.sampling.rollout == "flat" and not self.cfg.explore.enabled:
             counts = alloc_lib.allocate(
                 self.stats, prompts, a.rollouts_per_step, method=a.method, n_min=a.n_min, n_max=a.n_max

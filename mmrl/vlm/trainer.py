@@ -398,7 +398,7 @@ class VLMRLVRTrainer(TrainerBase):
         split of ``k`` prompts' share of the step budget)."""
         a = self.cfg.allocation
         ids = [ex.prompt_id for ex in self.train_set if ex.prompt_id not in exclude]
-        chosen = alloc_lib.sample_prompts(self.stats, ids, k, method=a.selection, generator=self.generator)
+        chosen = self.select_prompts(ids, k)
         if self.cfg.trainer.mode == "single":
             return chosen, [1] * len(chosen)
         budget = self.cfg.rollouts_per_step * len(chosen) // a.prompts_per_step

@@ -142,3 +142,57 @@ def test_sample_prompts_and_allocate_with_store():
     assert int(counts.sum()) == 40
     with pytest.raises(ValueError, match="method"):
         A.allocate(store, pool, 40, method="greedy")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 12), st.integers(1, 12), st.integers(1, 4), st.integers(0, 2**16))
+def test_prompt_passes_draw_every_prompt_once_per_pass(pool_size, k, passes, seed):
+    """Over ``passes`` full passes (``passes * pool_size`` draws) every prompt is drawn exactly ``passes`` times,
+    each step's prompts are distinct, and a step that crosses a pass boundary takes the old pass's rest first."""
+    k = min(k, pool_size)
+    pool = list(range(pool_size))
+    walk = A.PromptPasses()
+    generator = torch.Generator().manual_seed(seed)
+    draws: list[int] = []
+    while len(draws) < passes * pool_size:
+        before = set(pool) - walk.drawn
+        step = A.sample_prompts(PromptStats(), pool, k, method="shuffled", generator=generator, passes=walk)
+        assert len(set(step)) == k
+        assert set(step[: min(k, len(before))]) == set(step) & before
+        draws += step
+    counts = torch.bincount(torch.tensor(draws[: passes * pool_size]), minlength=pool_size)
+    assert counts.tolist() == [passes] * pool_size
+
+
+def test_prompt_passes_by_hand_across_a_boundary_and_an_excluded_prompt():
+    walk = A.PromptPasses()
+    generator = torch.Generator().manual_seed(0)
+    first = walk.select(list("abcde"), 3, generator)
+    # "e" is in flight and left out of the next step's pool: the pass ends with the fresh prompts of a-d
+    pool = list("abcd")
+    left = set(pool) - set(first)
+    assert 1 <= len(left) <= 2
+    second = walk.select(pool, 3, generator)
+    assert set(second[: len(left)]) == left and len(set(second)) == 3 and set(second) <= set(pool)
+    assert walk.passes == 1 and walk.drawn == set(second[len(left) :])
+
+
+def test_prompt_passes_resume_exactly_and_differ_from_uniform():
+    pool = [f"q{i}" for i in range(20)]
+    walk, generator = A.PromptPasses(), torch.Generator().manual_seed(3)
+    for _ in range(3):
+        walk.select(pool, 8, generator)
+    saved, rng = walk.state_dict(), generator.get_state()
+    expected = [walk.select(pool, 8, generator) for _ in range(4)]
+    resumed, generator = A.PromptPasses(), torch.Generator()
+    resumed.load_state_dict(saved)
+    generator.set_state(rng)
+    assert [resumed.select(pool, 8, generator) for _ in range(4)] == expected
+    # with replacement, 5 steps of 8 of 20 prompts leave some unseen (e^-2 of the pool on average); a pass never
+    uniform = torch.Generator().manual_seed(3)
+    seen = {p for _ in range(5) for p in A.sample_prompts(PromptStats(), pool, 8, generator=uniform)}
+    walked = A.PromptPasses()
+    passes_seen = {p for _ in range(5) for p in walked.select(pool, 8, torch.Generator().manual_seed(3))}
+    assert len(passes_seen) == 20 and len(seen) < 20
+    with pytest.raises(ValueError, match="PromptPasses"):
+        A.sample_prompts(PromptStats(), pool, 8, method="shuffled")

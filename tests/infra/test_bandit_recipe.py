@@ -36,10 +36,19 @@ def test_heldout_success_goes_up(tmp_path):
     assert final["eval/heldout_success"] > first["eval/heldout_success"] + 0.2
 
 
-def test_resume_reproduces_uninterrupted_run(tmp_path, interrupted_then_resumed):
+@pytest.mark.parametrize(
+    "selection",
+    [
+        ("allocation.selection=thompson",),
+        # a pool of a few dozen training prompts: the walk crosses passes between the checkpoint and the end
+        ("allocation.selection=shuffled", "world.num_prompts=60"),
+    ],
+    ids=["thompson", "shuffled"],
+)
+def test_resume_reproduces_uninterrupted_run(tmp_path, interrupted_then_resumed, selection):
     args = (
         "trainer.steps=12",
-        "allocation.selection=thompson",
+        *selection,
         "allocation.method=knapsack",
         "run.save_every=4",
     )
@@ -62,6 +71,9 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, interrupted_then_resumed)
     sa = torch.load(tmp_path / "straight/checkpoints/step_00000012/state.pt", weights_only=False)
     sb = torch.load(tmp_path / "split/checkpoints/step_00000012/state.pt", weights_only=False)
     assert torch.equal(sa["policy"]["weight"], sb["policy"]["weight"])
+    assert sa["prompt_passes"] == sb["prompt_passes"]
+    if "shuffled" in selection[0]:
+        assert sa["prompt_passes"]["passes"] >= 2
 
 
 def test_existing_run_directory_is_never_clobbered(tmp_path):
