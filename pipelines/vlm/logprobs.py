@@ -27,6 +27,7 @@ the transformers backend's behaviour log-probs (to ~1e-5 in fp32).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -308,8 +309,10 @@ def prompt_shared_hidden(
     prompts = {k: inputs[k][rows, :P] for k in sequence_keys}
     vision = {k: v.to(device) for k, v in batch.prompt_vision.items()}
     cache = DynamicCache(config=backbone.config)
+    # transformers renamed the forward's past_key_values to cache; pass the name this version takes
+    cache_kwarg = "cache" if "cache" in inspect.signature(backbone.forward).parameters else "past_key_values"
     prompt_hidden = backbone(
-        **prompts, **vision, position_ids=position_ids[..., rows, :P], cache=cache, use_cache=True
+        **prompts, **vision, position_ids=position_ids[..., rows, :P], use_cache=True, **{cache_kwarg: cache}
     ).last_hidden_state  # [U, P, H]
     if cache.get_seq_length() != P:
         raise RuntimeError(
@@ -324,8 +327,8 @@ def prompt_shared_hidden(
         input_ids=inputs["input_ids"][:, P:],
         attention_mask=inputs["attention_mask"],
         position_ids=position_ids[..., P:],
-        cache=cache,
         use_cache=True,
+        **{cache_kwarg: cache},
     ).last_hidden_state  # [B, T, H]
     return torch.cat([last_prompt, completion_hidden[:, : T - 1]], dim=1)
 
