@@ -383,6 +383,8 @@ class VLMRLVRTrainer(TrainerBase):
             chunk_size=chunk_size,
             suppressed_token_ids=suppressed,
             min_chunks=min_chunks,
+            share_prompts=not self.dist.fsdp,
+            family=self.family,
         )
 
     def reference_context(self):

@@ -6,6 +6,12 @@ a time, so the ``[B, T, V]`` logits tensor never exists: peak memory is ``B x ch
 long the completions or large the vocabulary (Qwen's is 151,936). With gradients enabled each chunk is
 activation-checkpointed, so the backward pass also holds one chunk of logits at a time.
 
+Rows that share a prompt (a group's completions) share its forward: the distinct prompts run once, with their
+images through the vision tower once, and the completions run on their prompt's key/value states
+(:func:`prompt_shared_hidden`). Causal attention makes a prompt's states independent of what follows it, so
+this is the same computation as scoring every row whole (equal to float rounding, ~1e-6 in fp32), with the
+prompt's work done once instead of once per completion; gradients reach the prompt through the shared states.
+
 Per completion token t with tempered, vision-token-suppressed distribution
 ``pi_t = softmax(logits_t / temperature)`` this returns:
 
@@ -21,15 +27,16 @@ the transformers backend's behaviour log-probs (to ~1e-5 in fp32).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from PIL import Image
 from torch.utils.checkpoint import checkpoint
 
-from pipelines.vlm.families import DEFAULT_FAMILY, VLMFamily, get_vlm_family
+from pipelines.vlm.families import DEFAULT_FAMILY, VLMFamily, family_for_model_type, get_vlm_family
 
 
 @dataclass
@@ -45,12 +52,19 @@ class ScoringBatch:
         completion_ids: ``[B, T]`` completion token ids (pad where the completion is shorter).
         completion_mask: ``[B, T]`` bool, True on real completion tokens.
         prompt_width: ``P``, the padded prompt width.
+        prompt_rows: ``[U]`` one row per distinct prompt (the first holding it; the same token ids and the same
+            image objects), or ``None`` when no two rows share a prompt.
+        prompt_of_row: ``[B]`` the index into ``prompt_rows`` of each row's prompt (with ``prompt_rows``).
+        prompt_vision: the vision tensors of the ``prompt_rows``' images alone, in order (with ``prompt_rows``).
     """
 
     model_inputs: dict[str, torch.Tensor]
     completion_ids: torch.Tensor
     completion_mask: torch.Tensor
     prompt_width: int
+    prompt_rows: torch.Tensor | None = None
+    prompt_of_row: torch.Tensor | None = None
+    prompt_vision: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -145,11 +159,26 @@ def build_scoring_batch(
                 f"{expected}; pass each prompt's images in order, and suppress vision tokens when generating"
             )
     completion_mask = attention_mask[:, P:].bool()
+    distinct: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
+    prompt_of_row = [
+        distinct.setdefault((tuple(ids), tuple(map(id, row_images))), len(distinct))
+        for ids, row_images in zip(prompt_token_ids, images, strict=True)
+    ]
+    shared: dict[str, Any] = {}
+    if len(distinct) < B:
+        rows = [prompt_of_row.index(k) for k in range(len(distinct))]
+        shared_images = [image for row in rows for image in images[row]]
+        shared = {
+            "prompt_rows": torch.tensor(rows),
+            "prompt_of_row": torch.tensor(prompt_of_row),
+            "prompt_vision": family.image_inputs(processor, shared_images)[0] if shared_images else {},
+        }
     return ScoringBatch(
         model_inputs=model_inputs,
         completion_ids=input_ids[:, P:].clone(),
         completion_mask=completion_mask,
         prompt_width=P,
+        **shared,
     )
 
 
@@ -245,6 +274,65 @@ def backbone_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn
     return backbone, head
 
 
+def prompt_shared_hidden(
+    backbone: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
+    position_ids: torch.Tensor,
+    batch: ScoringBatch,
+    family: VLMFamily,
+) -> torch.Tensor:
+    """The hidden states ``[B, T, H]`` that predict the completion tokens, each distinct prompt run once.
+
+    Two forwards: the ``U`` distinct prompts ``[U, P]`` (their images through the vision tower once), keeping their
+    key/value states, which are then gathered to the ``B`` rows (``prompt_of_row``: gradients of a prompt's states
+    sum over its completions); then the completions ``[B, T]`` attend to them under the full attention mask
+    ``[B, P + T]``. Both take their columns of ``position_ids`` (``[..., B, P + T]``, the positions of the whole
+    rows), so every token sits where the whole-row forward puts it. Position ``P - 1`` (the prompt's last token)
+    predicts completion token 0, completion position ``j`` predicts token ``j + 1``.
+
+    Args:
+        backbone: the model's backbone (:func:`backbone_and_head`).
+        inputs: ``batch.model_inputs`` on the backbone's device.
+        position_ids: the positions of the whole rows (``family.position_ids``, or the attention-mask positions
+            of text-only rows).
+        batch: a batch with ``prompt_rows`` set.
+        family: the model's family (which input carries the token types).
+    """
+    from transformers import DynamicCache
+
+    device = inputs["input_ids"].device
+    P = batch.prompt_width
+    T = batch.completion_ids.shape[1]
+    rows = batch.prompt_rows.to(device)
+    of_row = batch.prompt_of_row.to(device)
+    sequence_keys = [k for k in ("input_ids", "attention_mask", family.token_type_key) if k in inputs]
+    prompts = {k: inputs[k][rows, :P] for k in sequence_keys}
+    vision = {k: v.to(device) for k, v in batch.prompt_vision.items()}
+    cache = DynamicCache(config=backbone.config)
+    # transformers renamed the forward's past_key_values to cache; pass the name this version takes
+    cache_kwarg = "cache" if "cache" in inspect.signature(backbone.forward).parameters else "past_key_values"
+    prompt_hidden = backbone(
+        **prompts, **vision, position_ids=position_ids[..., rows, :P], use_cache=True, **{cache_kwarg: cache}
+    ).last_hidden_state  # [U, P, H]
+    if cache.get_seq_length() != P:
+        raise RuntimeError(
+            f"the prompt forward kept {cache.get_seq_length()} of {P} positions in its key/value cache; "
+            "score every row whole (share_prompts=False) with this model"
+        )
+    last_prompt = prompt_hidden[of_row, P - 1 : P]  # [B, 1, H]
+    if T == 1:  # the only completion token is predicted from the prompt
+        return last_prompt
+    cache.batch_select_indices(of_row)
+    completion_hidden = backbone(
+        input_ids=inputs["input_ids"][:, P:],
+        attention_mask=inputs["attention_mask"],
+        position_ids=position_ids[..., P:],
+        use_cache=True,
+        **{cache_kwarg: cache},
+    ).last_hidden_state  # [B, T, H]
+    return torch.cat([last_prompt, completion_hidden[:, : T - 1]], dim=1)
+
+
 def completion_token_stats(
     model: torch.nn.Module,
     batch: ScoringBatch,
@@ -253,6 +341,8 @@ def completion_token_stats(
     chunk_size: int = 128,
     suppressed_token_ids: Sequence[int] = (),
     min_chunks: int = 0,
+    share_prompts: bool = True,
+    family: VLMFamily | None = None,
 ) -> TokenStats:
     """Log-probs and entropies of the completion tokens of ``batch`` under ``model``.
 
@@ -264,6 +354,12 @@ def completion_token_stats(
         suppressed_token_ids: the ids the rollout suppressed (``backend.suppressed_token_ids``), so both score
             the same distribution.
         min_chunks: call the head at least this many times (see :func:`chunked_token_stats`; FSDP ranks).
+        share_prompts: run each distinct prompt once for all its rows (:func:`prompt_shared_hidden`) when rows
+            share prompts, the family gives the positions and gradient checkpointing is off (it drops the
+            key/value cache); off: every row whole. Off under FSDP, where each forward is a collective that every
+            rank must make alike.
+        family: the model's :class:`~pipelines.vlm.families.VLMFamily`; ``None`` detects it from
+            ``model.config.model_type``.
 
     Returns:
         :class:`TokenStats` with ``[B, T]`` tensors on the model's device.
@@ -278,8 +374,21 @@ def completion_token_stats(
         inputs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
     P = batch.prompt_width
     T = batch.completion_ids.shape[1]
-    hidden = backbone(**inputs, use_cache=False).last_hidden_state  # [B, P + T, H]
-    hidden = hidden[:, P - 1 : P - 1 + T]  # [B, T, H]: the state before token j predicts token j
+    family = family if family is not None else family_for_model_type(model.config.model_type)
+    hidden = None
+    if (
+        share_prompts
+        and batch.prompt_rows is not None
+        and not any(getattr(module, "gradient_checkpointing", False) for module in backbone.modules())
+    ):
+        positions = inputs.get("position_ids")
+        if positions is None:
+            positions = family.position_ids(backbone, inputs)
+        if positions is not None:
+            hidden = prompt_shared_hidden(backbone, inputs, positions, batch, family)
+    if hidden is None:
+        hidden = backbone(**inputs, use_cache=False).last_hidden_state  # [B, P + T, H]
+        hidden = hidden[:, P - 1 : P - 1 + T]  # [B, T, H]: the state before token j predicts token j
     targets = batch.completion_ids.to(device)
     logprobs, entropy, sampled_entropy = chunked_token_stats(
         hidden,

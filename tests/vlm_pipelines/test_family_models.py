@@ -136,6 +136,59 @@ def test_recomputed_logprobs_match_generate_with_multi_image_prompts(saved, mixe
         torch.testing.assert_close(stats.logprobs[row, :T], sample.logprobs, rtol=0, atol=1e-5)
 
 
+def test_a_shared_prompt_scores_as_the_whole_rows_with_its_vision_work_done_once(saved, mixed_prompts):
+    # Three completions per prompt (two images, one image, none): scoring each distinct prompt once and the
+    # completions on its key/value states gives the whole rows' log-probs, entropies and parameter gradients (float
+    # rounding apart), with the vision tower run on each prompt's images once; a family without position ids
+    # (Gemma 3) scores the whole rows.
+    _, model, processor, _ = saved
+    family = family_for_model_type(model.config.model_type)
+    backend = HFBackend(model, processor)
+    result = backend.generate(mixed_prompts, SamplingParams(max_new_tokens=8, n=3, seed=6))
+    batch = build_scoring_batch(
+        processor,
+        [s.prompt_token_ids for s in result.samples],
+        [s.completion_token_ids for s in result.samples],
+        [mixed_prompts[s.prompt_index].images for s in result.samples],
+        family=family,
+    )
+    assert batch.prompt_rows.tolist() == [0, 3, 6]
+    assert batch.prompt_of_row.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    patches = []
+    vision = family.vision_tower(model.model)
+    hook = vision.register_forward_hook(  # rows of its first tensor input: image patches (Qwen) or images
+        lambda _m, args, kwargs, _out: patches.append(
+            next(t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)).shape[0]
+        ),
+        with_kwargs=True,
+    )
+    weights = torch.linspace(-1.0, 1.0, batch.completion_ids.numel()).view_as(batch.completion_ids)
+    runs = {}
+    try:
+        for share in (False, True):
+            model.zero_grad(set_to_none=True)
+            stats = completion_token_stats(
+                model, batch, suppressed_token_ids=backend.suppressed_token_ids, share_prompts=share
+            )
+            (stats.logprobs * weights).sum().backward()
+            grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+            runs[share] = stats, grads
+    finally:
+        hook.remove()
+        model.zero_grad(set_to_none=True)
+    (whole, whole_grads), (shared, shared_grads) = runs[False], runs[True]
+    for name in ("logprobs", "entropy", "sampled_entropy"):
+        torch.testing.assert_close(getattr(shared, name), getattr(whole, name), rtol=0, atol=1e-5)
+    assert torch.equal(shared.mask, whole.mask)
+    assert shared_grads.keys() == whole_grads.keys() and any(family.vision_module in n for n in whole_grads)
+    for name, grad in whole_grads.items():
+        assert (shared_grads[name] - grad).norm() <= 1e-4 * grad.norm() + 1e-8, name
+    if family.position_ids(model.model, batch.model_inputs) is None:
+        assert patches[0] == patches[1] and torch.equal(shared.logprobs, whole.logprobs)
+    else:
+        assert patches[1] * 3 == patches[0] > 0  # every prompt's images once instead of once per completion
+
+
 def test_token_types_matter_to_the_scoring_forward(saved, mixed_prompts):
     # Dropping the family's token types changes the log-probs or is refused (3-D positions for Qwen, bidirectional image
     # attention for Gemma 3), so the match above is not a coincidence of the tiny model.

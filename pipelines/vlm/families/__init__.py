@@ -102,6 +102,15 @@ class VLMFamily(ABC):
         """The vision tensors of ``images`` for a forward (``pixel_values``...) and the number of image tokens
         each image expands to, in order."""
 
+    def position_ids(
+        self, backbone: torch.nn.Module, model_inputs: dict[str, torch.Tensor]
+    ) -> torch.Tensor | None:
+        """The position ids ``backbone`` computes itself for the rows of ``model_inputs`` (with images), or
+        ``None`` when the family does not say. Scoring a prompt once for all its completions
+        (:func:`pipelines.vlm.logprobs.completion_token_stats`) runs prompt and completions as two forwards and
+        passes these positions to both; without them it scores every row whole."""
+        return None
+
     def vision_tower(self, backbone: torch.nn.Module) -> torch.nn.Module | None:
         """The vision tower module of the backbone (an FSDP unit of its own), or ``None``."""
         return getattr(backbone, self.vision_module, None)

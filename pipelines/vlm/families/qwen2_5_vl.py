@@ -76,3 +76,13 @@ class Qwen25VL(VLMFamily):
         vision = processor.image_processor(images=list(images), return_tensors="pt")
         tokens = (vision["image_grid_thw"].prod(-1) // processor.image_processor.merge_size**2).tolist()
         return {"pixel_values": vision["pixel_values"], "image_grid_thw": vision["image_grid_thw"]}, tokens
+
+    def position_ids(self, backbone: torch.nn.Module, model_inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The 3-D rotary positions ``[3, B, L]`` (``get_rope_index``: image tokens on their grid, text after)."""
+        positions, _ = backbone.get_rope_index(
+            model_inputs["input_ids"],
+            model_inputs["mm_token_type_ids"],
+            image_grid_thw=model_inputs.get("image_grid_thw"),
+            attention_mask=model_inputs["attention_mask"],
+        )
+        return positions
