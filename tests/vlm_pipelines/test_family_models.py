@@ -64,14 +64,19 @@ def mixed_prompts(saved, scene):
     ]
 
 
-def _stats(model, processor, family, backend, result, prompts, temperature):
-    batch = build_scoring_batch(
+def _batch(processor, family, result, prompts):
+    """The scoring batch of a generation result's samples."""
+    return build_scoring_batch(
         processor,
         [s.prompt_token_ids for s in result.samples],
         [s.completion_token_ids for s in result.samples],
         [prompts[s.prompt_index].images for s in result.samples],
         family=family,
     )
+
+
+def _stats(model, processor, family, backend, result, prompts, temperature):
+    batch = _batch(processor, family, result, prompts)
     return completion_token_stats(
         model, batch, temperature=temperature, suppressed_token_ids=backend.suppressed_token_ids
     )
@@ -145,13 +150,7 @@ def test_a_shared_prompt_scores_as_the_whole_rows_with_its_vision_work_done_once
     family = family_for_model_type(model.config.model_type)
     backend = HFBackend(model, processor)
     result = backend.generate(mixed_prompts, SamplingParams(max_new_tokens=8, n=3, seed=6))
-    batch = build_scoring_batch(
-        processor,
-        [s.prompt_token_ids for s in result.samples],
-        [s.completion_token_ids for s in result.samples],
-        [mixed_prompts[s.prompt_index].images for s in result.samples],
-        family=family,
-    )
+    batch = _batch(processor, family, result, mixed_prompts)
     assert batch.prompt_rows.tolist() == [0, 3, 6]
     assert batch.prompt_of_row.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     patches = []
