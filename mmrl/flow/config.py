@@ -14,12 +14,12 @@ __all__ = [
     "AWMSettings",
     "ExploreSettings",
     "FlowEvalSet",
-    "GuidanceDistillSettings",
     "FlowGRPOConfig",
     "FlowLora",
     "FlowModelConfig",
     "FlowSamplingConfig",
     "FlowTrainerConfig",
+    "GuidanceDistillSettings",
     "TreeSettings",
 ]
 
