@@ -116,6 +116,27 @@ RECIPES: dict[str, Recipe] = {
         ),
         "awm_tuned plus guidance distillation toward the base's CFG-3 velocity (weight 1), cosine over 120 steps",
     ),
+    "distill_only": Recipe(
+        FLAT,
+        (
+            "trainer.objective=awm",
+            "trainer.awm.timesteps=2",
+            "trainer.steps=120",
+            "trainer.guidance_distill.weight=1.0",
+            "rewards=[{name: shapes, weight: 0.0, options: {partial: true}}]",
+        ),
+        "guidance distillation alone: awm_distill with the reward weighted 0 (all advantages 0, so the AWM term "
+        "has no gradient), what the distillation adds without RL",
+    ),
+    "nft_distill_count": Recipe(
+        FLAT,
+        (
+            "trainer.steps=120",
+            "trainer.guidance_distill.weight=1.0",
+            f"rewards=[{{name: shapes, options: {{partial: true, {COUNT_WEIGHTED}}}}}]",
+        ),
+        "nft_distill trained on the count-weighted partial credit (count weighs 3)",
+    ),
     "nft_count": Recipe(
         FLAT,
         ("trainer.steps=120", f"rewards=[{{name: shapes, options: {{partial: true, {COUNT_WEIGHTED}}}}}]"),
