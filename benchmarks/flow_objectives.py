@@ -59,8 +59,13 @@ FLAT = "configs/demo/flow_shapes.yaml"
 BRANCH = "configs/demo/flow_shapes_branch.yaml"
 EXPLORE = "configs/demo/flow_shapes_explore.yaml"
 
+# the partial credit with the bottleneck criterion weighted up (rewards.shapes.ShapesReward criterion_weights)
+COUNT_WEIGHTED = "criterion_weights: {count: 3.0}"
+
 # the shapes verifier's per-criterion components, logged by the trainer's evaluation as eval/shapes/<name>
 CRITERIA = ("object", "count", "colour", "position")
+# training metrics kept for every step (the rollouts' partial-credit reward, the update's size and terms)
+TRAIN_METRICS = ("reward/mean", "train/grad_norm", "loss", "policy/guidance_gap", "policy/kl_old")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +99,48 @@ RECIPES: dict[str, Recipe] = {
     ),
     "nft_branch_short": Recipe(
         BRANCH, ("trainer.steps=150",), "branching, its cosine over 150 steps instead of 300"
+    ),
+    "nft_distill": Recipe(
+        FLAT,
+        ("trainer.steps=120", "trainer.guidance_distill.weight=1.0"),
+        "the demo plus guidance distillation toward the base's CFG-3 velocity (weight 1), cosine over 120 steps",
+    ),
+    "awm_distill": Recipe(
+        FLAT,
+        (
+            "trainer.objective=awm",
+            "trainer.awm.timesteps=2",
+            "trainer.awm.advantage_max=5.0",
+            "trainer.steps=120",
+            "trainer.guidance_distill.weight=1.0",
+        ),
+        "awm_tuned plus guidance distillation toward the base's CFG-3 velocity (weight 1), cosine over 120 steps",
+    ),
+    "distill_only": Recipe(
+        FLAT,
+        (
+            "trainer.objective=awm",
+            "trainer.awm.timesteps=2",
+            "trainer.steps=120",
+            "trainer.guidance_distill.weight=1.0",
+            "rewards=[{name: shapes, weight: 0.0, options: {partial: true}}]",
+        ),
+        "guidance distillation alone: awm_distill with the reward weighted 0 (all advantages 0, so the AWM term "
+        "has no gradient), what the distillation adds without RL",
+    ),
+    "nft_distill_count": Recipe(
+        FLAT,
+        (
+            "trainer.steps=120",
+            "trainer.guidance_distill.weight=1.0",
+            f"rewards=[{{name: shapes, options: {{partial: true, {COUNT_WEIGHTED}}}}}]",
+        ),
+        "nft_distill trained on the count-weighted partial credit (count weighs 3)",
+    ),
+    "nft_count": Recipe(
+        FLAT,
+        ("trainer.steps=120", f"rewards=[{{name: shapes, options: {{partial: true, {COUNT_WEIGHTED}}}}}]"),
+        "the demo trained on the count-weighted partial credit (count weighs 3, the rest 1), cosine over 120 steps",
     ),
 }
 
@@ -199,8 +246,9 @@ def train_run(cfg: FlowGRPOConfig, minutes: float | None, eval_every: int) -> di
     every ``eval_every`` steps and at the stop. Nothing is written to disk (no run directory).
 
     Returns:
-        ``{"curve": [{step, nfe, train_s, strict, object, count, colour, position}, ...], "steps", "train_s",
-        "eval_s", "setup_s", "stopped_by"}``.
+        ``{"curve": [{step, nfe, train_s, strict, object, count, colour, position}, ...], "train": [{step, and
+        the TRAIN_METRICS the step logged}, ...], "by_kind", "steps", "train_s", "eval_s", "setup_s",
+        "stopped_by"}``.
     """
     start = time.perf_counter()
     trainer = FlowGRPOTrainer(cfg, run=None)
@@ -218,6 +266,7 @@ def train_run(cfg: FlowGRPOConfig, minutes: float | None, eval_every: int) -> di
         return point
 
     curve = [evaluate()]
+    train_log = []
     stopped_by = "steps"
     try:
         while trainer.step < cfg.trainer.steps:
@@ -226,6 +275,7 @@ def train_run(cfg: FlowGRPOConfig, minutes: float | None, eval_every: int) -> di
             train_s += time.perf_counter() - begin
             trainer.step += 1
             nfe = metrics["nfe/total"]
+            train_log.append({"step": trainer.step, **{k: metrics[k] for k in TRAIN_METRICS if k in metrics}})
             out_of_time = train_s >= budget_s
             if trainer.step % eval_every == 0 or trainer.step == cfg.trainer.steps or out_of_time:
                 curve.append(evaluate())
@@ -237,6 +287,7 @@ def train_run(cfg: FlowGRPOConfig, minutes: float | None, eval_every: int) -> di
         trainer.cleanup()
     return {
         "curve": curve,
+        "train": train_log,
         "by_kind": final_by_kind,
         "steps": trainer.step,
         "train_s": train_s,

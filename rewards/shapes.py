@@ -514,11 +514,36 @@ class ShapesReward(Reward):
         config: parser thresholds (:class:`ParseConfig`); the defaults are the measured ones in docs/shapes.md.
         partial: score the share of the constrained criteria that hold instead of the strict product (for
             training; the components and reasons are the same in both modes).
+        criterion_weights: with ``partial``, weights of the criteria in that share (unnamed ones weigh 1):
+            ``score = sum_k w_k c_k m_k / sum_k w_k m_k`` over the criteria ``k`` the prompt constrains
+            (``m_k = 1``). Weighting a hard criterion up (``{"count": 3}``) makes it carry more of a group's
+            reward spread.
+
+    Raises:
+        ValueError: ``criterion_weights`` names an unknown criterion, has a weight <= 0, or is given without
+            ``partial``.
     """
 
-    def __init__(self, config: ParseConfig | None = None, partial: bool = False) -> None:
+    CRITERIA = ("object", "count", "colour", "position")
+
+    def __init__(
+        self,
+        config: ParseConfig | None = None,
+        partial: bool = False,
+        criterion_weights: dict[str, float] | None = None,
+    ) -> None:
         self.config = config or ParseConfig()
         self.partial = partial
+        weights = dict(criterion_weights or {})
+        unknown = sorted(set(weights) - set(self.CRITERIA))
+        if unknown:
+            raise ValueError(f"criterion_weights: unknown criteria {unknown}; known: {list(self.CRITERIA)}")
+        bad = {k: w for k, w in weights.items() if not w > 0}
+        if bad:
+            raise ValueError(f"criterion_weights must be > 0, got {bad}")
+        if weights and not partial:
+            raise ValueError("criterion_weights weigh the partial credit: set partial=True")
+        self.criterion_weights = np.array([weights.get(k, 1.0) for k in self.CRITERIA], dtype=np.float32)
 
     def check_prompt(self, prompt: str) -> None:
         """Parse ``prompt``: the verifier scores only prompts of the shapes grammar (:func:`parse_prompt`)."""
@@ -544,7 +569,7 @@ class ShapesReward(Reward):
             raise ValueError(f"got {len(images)} images but {len(prompts)} prompts")
         specs = [parse_prompt(p) for p in prompts]  # validate prompts before any image work
         detected = detect_objects(images, self.config)
-        names = ("object", "count", "colour", "position")
+        names = self.CRITERIA
         table = np.zeros((len(specs), len(names)), dtype=np.float32)
         constrained = np.ones_like(table)
         reasons: list[str | None] = []
@@ -557,7 +582,8 @@ class ShapesReward(Reward):
         components = {k: torch.from_numpy(table[:, j].copy()) for j, k in enumerate(names)}
         strict = table.prod(1)
         if self.partial:
-            scores = torch.from_numpy((table * constrained).sum(1) / constrained.sum(1))
+            weighted = constrained * self.criterion_weights  # [B, 4]
+            scores = torch.from_numpy((table * weighted).sum(1) / weighted.sum(1))
             components["strict"] = torch.from_numpy(strict)
         else:
             scores = torch.from_numpy(strict)

@@ -22,6 +22,7 @@ __all__ = [
     "diffusion_nft_loss",
     "gaussian_mean_kl",
     "gspo_token_logp",
+    "guidance_distillation_loss",
     "kl_estimate",
     "reward_weighted_fm_loss",
     "stale_sample_weights",
@@ -421,3 +422,32 @@ def awm_log_likelihood(
             f"weighting must be one of uniform, sigma, sigma_squared, huber, ghuber; got {weighting!r}"
         )
     return -weighted
+
+
+def guidance_distillation_loss(
+    v_theta: torch.Tensor, v_uncond: torch.Tensor, v_cond: torch.Tensor, guidance_scale: float
+) -> torch.Tensor:
+    """Guidance distillation, per sample: the squared distance of the (CFG-free) velocity to a teacher's guided one.
+
+        v_w = v_uncond + w (v_cond - v_uncond)            (CFG, Ho & Salimans 2207.12598)
+        L   = mean((v_theta - v_w)^2)                       over the non-batch dims
+
+    With the teacher the frozen base and the points ``x_s`` noised from the policy's own samples, this teaches
+    the CFG-free policy what guidance adds (guidance distillation, Meng et al. 2210.03142, eq. 5, without the
+    ``w`` input: one fixed scale), on the states the policy visits; it needs no reward.
+
+    Args:
+        v_theta: ``[B, ...]`` the trained velocity (carries the gradient).
+        v_uncond: ``[B, ...]`` the teacher's unconditional velocity at the same points.
+        v_cond: ``[B, ...]`` the teacher's conditional velocity at the same points.
+        guidance_scale: ``w`` (1: plain distillation of the conditional velocity).
+
+    Returns:
+        ``[B]`` losses, float32 or wider.
+    """
+    check_same_shape(v_theta=v_theta, v_uncond=v_uncond, v_cond=v_cond)
+    # float32 at least: under bfloat16 autocast small distances would round away
+    dtype = torch.promote_types(v_theta.dtype, torch.float32)
+    v_uncond, v_cond = v_uncond.detach().to(dtype), v_cond.detach().to(dtype)
+    target = v_uncond + guidance_scale * (v_cond - v_uncond)
+    return ((v_theta.to(dtype) - target) ** 2).flatten(1).mean(1)

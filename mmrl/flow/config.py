@@ -19,6 +19,7 @@ __all__ = [
     "FlowModelConfig",
     "FlowSamplingConfig",
     "FlowTrainerConfig",
+    "GuidanceDistillSettings",
     "TreeSettings",
 ]
 
@@ -176,6 +177,27 @@ class AWMSettings(Config):
     )
 
 
+class GuidanceDistillSettings(Config):
+    """Guidance distillation added to the likelihood-free objectives (nft, awm, rwr): at each regression point the
+    trained CFG-free velocity is also pulled toward the frozen base's CFG velocity,
+    ``weight * mean((v_theta - v_ref_w)^2)`` with ``v_ref_w = v_ref_uncond + w (v_ref_cond - v_ref_uncond)``
+    (mmrl.core.losses.guidance_distillation_loss). It teaches the policy what guidance adds, on its own samples,
+    without a reward; costs two reference forwards per point."""
+
+    weight: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of the distillation term (0: off). Full fine-tuning then keeps a frozen copy of the "
+        "start weights as the teacher; with LoRA the teacher is the base (adapter off).",
+    )
+    guidance_scale: float = Field(
+        3.0,
+        ge=1.0,
+        description="CFG scale w of the teacher's velocity (the scale whose samples the policy should match; "
+        "the shapes base scores 0.56 held-out strict at 3 against 0.36 CFG-free).",
+    )
+
+
 class FlowTrainerConfig(Config):
     objective: Literal["grpo", "nft", "rwr", "awm"] = Field(
         "grpo",
@@ -268,6 +290,10 @@ class FlowTrainerConfig(Config):
     )
     awm: AWMSettings = Field(
         default_factory=AWMSettings, description="Advantage Weighted Matching settings (objective=awm)."
+    )
+    guidance_distill: GuidanceDistillSettings = Field(
+        default_factory=GuidanceDistillSettings,
+        description="Guidance distillation toward the base's CFG velocity (nft, awm, rwr; weight 0: off).",
     )
     eval_every: int = Field(10, ge=1, description="Evaluate on held-out prompts every this many steps.")
     eval_prompts: int = Field(64, ge=1, description="Held-out prompts scored per evaluation.")
@@ -376,6 +402,11 @@ class FlowGRPOConfig(Config):
                     f"timestep_fraction={awm.timestep_fraction}, num_steps={self.sampling.num_steps}): lower "
                     "timesteps or raise num_steps / timestep_fraction"
                 )
+        if self.trainer.guidance_distill.weight > 0 and self.trainer.objective == "grpo":
+            raise ValueError(
+                "trainer.guidance_distill.weight applies to the regression objectives (nft, awm, rwr), not grpo: "
+                "set trainer.objective or the weight to 0"
+            )
         if self.trainer.objective == "grpo" and self.sampling.sde_kind == "cps" and w is None:
             raise ValueError(
                 "sde_kind=cps adds no noise at the last step: set sampling.sde_window < num_steps"

@@ -143,7 +143,7 @@ class FlowGRPOTrainer(TrainerBase):
                 self.adapter.load_lora(Path(cfg.model.init_lora))
         else:
             transformer.requires_grad_(True)
-            if cfg.trainer.beta > 0 and for_training:
+            if (cfg.trainer.beta > 0 or cfg.trainer.guidance_distill.weight > 0) and for_training:
                 self.reference = copy.deepcopy(transformer).requires_grad_(False).eval()
         if cfg.model.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
@@ -189,6 +189,17 @@ class FlowGRPOTrainer(TrainerBase):
                 f"allocation.prompts_per_step ({cfg.allocation.prompts_per_step}) exceeds the "
                 f"{len(self.train_pool)} train prompts of {cfg.train_prompts}"
             )
+        # the distillation teacher's unconditional input: the negative prompt, encoded once
+        self.distill_uncond: Conditioning | None = None
+        distill = cfg.trainer.guidance_distill
+        if distill.weight > 0:
+            if not self.adapter.uses_cfg(distill.guidance_scale):
+                raise ValueError(
+                    f"trainer.guidance_distill needs a teacher with an unconditional branch at guidance_scale "
+                    f"{distill.guidance_scale}; family {cfg.model.family!r} has none there (guidance-distilled, "
+                    "or a scale of 1)"
+                )
+            self.distill_uncond = self.adapter.encode([cfg.sampling.negative_prompt])
         # 4. optimizer, statistics store, EMA, explorer
         self.optimizer = self._make_optimizer()
         self.explorer = None
@@ -310,7 +321,8 @@ class FlowGRPOTrainer(TrainerBase):
         else:
             if self.reference is None:
                 raise RuntimeError(
-                    "no reference policy: full fine-tuning keeps one only when trainer.beta > 0"
+                    "no reference policy: full fine-tuning keeps one only when trainer.beta > 0 or "
+                    "trainer.guidance_distill.weight > 0"
                 )
             with self.adapter.swapped_denoiser(self.reference):
                 yield
@@ -824,10 +836,12 @@ class FlowGRPOTrainer(TrainerBase):
     ) -> None:
         """Minibatched velocity regression ``loss_fn(v [b, ...], idx [b]) -> [b]``, plus ``beta`` times the squared
         distance to the reference velocity at the same points (the KL of the Gaussian policies these velocities
-        define, up to a per-sigma constant, as GRPO's KL on the SDE means); one optimizer step per
-        ``gradient_accumulation`` minibatches (0: per call)."""
+        define, up to a per-sigma constant, as GRPO's KL on the SDE means), plus the guidance distillation term
+        (``trainer.guidance_distill``); one optimizer step per ``gradient_accumulation`` minibatches (0: per
+        call)."""
         t = self.cfg.trainer
         guidance = self._regression_guidance(cond)
+        distill = t.guidance_distill
         for idx, scale, step_after in self._minibatches(x_t.shape[0]):
             if idx is None:
                 if step_after:
@@ -839,6 +853,8 @@ class FlowGRPOTrainer(TrainerBase):
                 with torch.no_grad(), self.reference_policy():
                     v_ref = self.adapter.velocity(x, s, c, guidance)
                 self.nfe_total += len(idx)
+            if distill.weight > 0:
+                v_uncond, v_cond = self._teacher_velocities(x, s, c)
             self.adapter.transformer.train()
             v = self.adapter.velocity(x, s, c, guidance)
             loss = loss_fn(v, idx).mean()
@@ -846,11 +862,31 @@ class FlowGRPOTrainer(TrainerBase):
                 kl = ((v - v_ref) ** 2).flatten(1).mean(1).mean()
                 loss = loss + t.beta * kl
                 self.metrics.add("policy/kl", kl, count=len(idx))
+            if distill.weight > 0:
+                gap = loss_lib.guidance_distillation_loss(v, v_uncond, v_cond, distill.guidance_scale).mean()
+                loss = loss + distill.weight * gap
+                self.metrics.add("policy/guidance_gap", gap, count=len(idx))
             (loss * scale).backward()
             self.metrics.add("loss", loss, count=len(idx))
             if step_after:
                 self._optimizer_step()
         self.nfe_total += x_t.shape[0]
+
+    @torch.no_grad()
+    def _teacher_velocities(
+        self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference policy's unconditional and conditional velocities ``([b, ...], [b, ...])`` at the points
+        ``x [b, ...]``, from one forward of ``2b`` rows (the negative prompt's rows first)."""
+        assert self.distill_uncond is not None  # set in setup when the distillation is on
+        uncond = self.distill_uncond.select([0] * x.shape[0]).cond
+        pair = Conditioning(Conditioning(cond.cond, uncond).with_cfg_batch())
+        self.adapter.transformer.eval()
+        with self.reference_policy():
+            v = self.adapter.velocity(torch.cat([x, x]), torch.cat([sigma, sigma]), pair)
+        self.nfe_total += 2 * x.shape[0]
+        v_uncond, v_cond = v.chunk(2)
+        return v_uncond, v_cond
 
     def train_step(self) -> dict[str, float]:
         batch = self.collect()

@@ -272,3 +272,22 @@ def test_vlm_loss_equals_trls_with_the_same_epsilon_and_beta(loss_type, loss_agg
     ours = L.aggregate(per_token, mask, mode=loss_agg, max_len=8)
     theirs = _trl_grpo_loss(logp, old, ref, adv, mask.float(), eps_low, eps_high, beta, loss_type, 8)
     torch.testing.assert_close(ours, theirs)
+
+
+def test_guidance_distillation_loss_hand_values():
+    # teacher at w = 3: v_w = u + 3 (c - u); sample 0: u = 0, c = 1 -> v_w = 3 everywhere; v = (3, 1) -> (0 + 4) / 2
+    # sample 1: u = 1, c = 0 -> v_w = 1 - 3 = -2; v = (-2, -2) -> 0
+    v = torch.tensor([[3.0, 1.0], [-2.0, -2.0]])
+    u = torch.tensor([[0.0, 0.0], [1.0, 1.0]])
+    c = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
+    torch.testing.assert_close(L.guidance_distillation_loss(v, u, c, 3.0), torch.tensor([2.0, 0.0]))
+    # w = 1 distils the conditional velocity: (3 - 1)^2 / 2 and (-2 - 0)^2
+    torch.testing.assert_close(L.guidance_distillation_loss(v, u, c, 1.0), torch.tensor([2.0, 4.0]))
+    # the gradient reaches v only, as 2 (v - v_w) / D
+    v = v.clone().requires_grad_(True)
+    u.requires_grad_(True)
+    L.guidance_distillation_loss(v, u, c, 3.0).sum().backward()
+    torch.testing.assert_close(v.grad, torch.tensor([[0.0, -2.0], [0.0, 0.0]]))
+    assert u.grad is None
+    with pytest.raises(ValueError, match="v_cond"):
+        L.guidance_distillation_loss(v, u, c[:, :1], 3.0)

@@ -65,11 +65,22 @@ def test_summary_means_over_seeds_and_first_crossing():
 def test_tiny_benchmark_writes_json_and_table(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # the recipes name the committed checkpoint relative to the repository
     out = tmp_path / "bench"
-    argv = ["--recipes", "nft", "awm_tuned", "--seeds", "0", "--steps", "2", "--eval-every", "1"]
+    argv = [
+        "--recipes",
+        "nft",
+        "awm_tuned",
+        "nft_distill",
+        "--seeds",
+        "0",
+        "--steps",
+        "2",
+        "--eval-every",
+        "1",
+    ]
     argv += ["--eval-prompts", "8", "--threads", "2", "--out", str(out), *TINY]
     flow_objectives.main(argv)
     results = json.loads((out / "flow_objectives.json").read_text())
-    assert set(results["runs"]) == {"nft", "awm_tuned"}
+    assert set(results["runs"]) == {"nft", "awm_tuned", "nft_distill"}
     assert results["machine"]["threads"] == 2 and len(results["machine"]["load_average"]) == 3
     for name, runs in results["runs"].items():
         run = runs["0"]
@@ -79,8 +90,15 @@ def test_tiny_benchmark_writes_json_and_table(tmp_path, monkeypatch):
         # the same base, the same evaluation prompts and noise: every recipe starts from the same scores
         assert curve[0] == results["runs"]["nft"]["0"]["curve"][0]
         assert curve[0]["nfe"] == 0 and curve[0]["train_s"] == 0
-        # 16 rollouts x 10 steps + 16 images x 2 regression points x (policy + old policy) per step
-        assert [p["nfe"] for p in curve[1:]] == [224, 448], name
+        # 16 rollouts x 10 steps + 16 images x 2 regression points x (policy + old policy) per step, and with
+        # guidance distillation the teacher's unconditional and conditional forwards at each of the 32 points
+        per_step = 224 + (64 if name == "nft_distill" else 0)
+        assert [p["nfe"] for p in curve[1:]] == [per_step, 2 * per_step], name
+        # every step's training metrics: the rollouts' partial credit and the update's gradient norm
+        assert [entry["step"] for entry in run["train"]] == [1, 2]
+        for entry in run["train"]:
+            assert 0.0 <= entry["reward/mean"] <= 1.0 and entry["train/grad_norm"] >= 0.0
+            assert ("policy/guidance_gap" in entry) == (name == "nft_distill")
         assert 0 < curve[1]["train_s"] < curve[2]["train_s"] == pytest.approx(run["train_s"])
         for point in curve:
             for key in ("strict", *flow_objectives.CRITERIA):
@@ -99,9 +117,13 @@ def test_tiny_benchmark_writes_json_and_table(tmp_path, monkeypatch):
         )
         assert weighted / 8 == pytest.approx(kinds["all"]["mean"])
     table = (out / "flow_objectives.md").read_text()
-    assert "| nft | 2 | 448 |" in table and "| awm_tuned | 2 | 448 |" in table
+    assert (
+        "| nft | 2 | 448 |" in table
+        and "| awm_tuned | 2 | 448 |" in table
+        and "| nft_distill | 2 | 576 |" in table
+    )
     assert "| nft | " in table.split("per prompt kind")[1]
-    assert table.count("| step | NFE | train s | strict | object | count | colour | position |") == 2
+    assert table.count("| step | NFE | train s | strict | object | count | colour | position |") == 3
 
 
 def test_minutes_cap_stops_the_run_and_evaluates_there(monkeypatch):

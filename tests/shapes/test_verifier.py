@@ -187,6 +187,40 @@ def test_partial_credit_is_the_share_of_constrained_criteria():
     assert rewards.build("shapes", partial=True).partial
 
 
+def test_criterion_weights_weigh_the_partial_credit():
+    red_circle = SceneObject("circle", "red", 9.0, 16.0, 9.0)
+    blue_square = SceneObject("square", "blue", 23.0, 16.0, 9.0)
+    image = render(_scene(red_circle, blue_square))
+    # count weighs 3, the others 1: score = sum of the weights of the criteria that hold / of those constrained
+    cases = {
+        "a photo of a red circle left of a blue square": 6 / 6,
+        "a photo of a red circle right of a blue square": (1 + 3 + 1) / 6,  # position fails
+        "a photo of a green circle left of a blue square": (1 + 3) / 6,  # colour and position fail
+        "a photo of a red circle": (1 + 1) / 5,  # count fails; no position constraint
+        "a photo of two circles": 1 / 4,  # count fails; object and count constrained only
+    }
+    weighted = rewards.build("shapes", partial=True, criterion_weights={"count": 3.0})
+    out = weighted.score(images=[image] * len(cases), prompts=list(cases))
+    torch.testing.assert_close(out.scores, torch.tensor(list(cases.values()), dtype=torch.float32))
+    # weights of 1 are the plain partial credit
+    plain = ShapesReward(partial=True).score(images=[image] * len(cases), prompts=list(cases)).scores
+    ones = ShapesReward(partial=True, criterion_weights=dict.fromkeys(ShapesReward.CRITERIA, 1.0))
+    torch.testing.assert_close(ones.score(images=[image] * len(cases), prompts=list(cases)).scores, plain)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"partial": True, "criterion_weights": {"size": 2.0}}, "unknown criteria \\['size'\\]"),
+        ({"partial": True, "criterion_weights": {"count": 0.0}}, "must be > 0"),
+        ({"criterion_weights": {"count": 2.0}}, "set partial=True"),
+    ],
+)
+def test_criterion_weights_reject_bad_input(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ShapesReward(**kwargs)
+
+
 def test_empty_and_blob_images_score_zero(reward):
     blank = Image.new("RGB", (32, 32), (220, 220, 220))
     blob = render(
