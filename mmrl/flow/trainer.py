@@ -876,17 +876,18 @@ class FlowGRPOTrainer(TrainerBase):
     def _teacher_velocities(
         self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The reference policy's unconditional and conditional velocities ``([b, ...], [b, ...])`` at the points
-        ``x [b, ...]``, from one forward of ``2b`` rows (the negative prompt's rows first)."""
+        """The reference policy's unconditional (the negative prompt) and conditional velocities
+        ``([b, ...], [b, ...])`` at the points ``x [b, ...]``: the halves of its CFG forward
+        (:meth:`FlowAdapter.cfg_halves`)."""
         assert self.distill_uncond is not None  # set in setup when the distillation is on
         uncond = self.distill_uncond.select([0] * x.shape[0]).cond
-        pair = Conditioning(Conditioning(cond.cond, uncond).with_cfg_batch())
         self.adapter.transformer.eval()
         with self.reference_policy():
-            v = self.adapter.velocity(torch.cat([x, x]), torch.cat([sigma, sigma]), pair)
+            halves = self.adapter.cfg_halves(
+                x, sigma, Conditioning(cond.cond, uncond), self.cfg.trainer.guidance_distill.guidance_scale
+            )
         self.nfe_total += 2 * x.shape[0]
-        v_uncond, v_cond = v.chunk(2)
-        return v_uncond, v_cond
+        return halves
 
     def train_step(self) -> dict[str, float]:
         batch = self.collect()

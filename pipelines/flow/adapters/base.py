@@ -394,12 +394,23 @@ class FlowAdapter(ABC):
         if not self.uses_cfg(guidance_scale):
             with autocast:
                 return self._forward(x, sigma_b, cond.cond, guidance_scale).float()
-        with autocast:
+        return self.guide(*self.cfg_halves(x, sigma_b, cond, guidance_scale), guidance_scale)
+
+    def cfg_halves(
+        self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance_scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unconditional and conditional velocities ``([B, ...], [B, ...])`` float32 that :meth:`velocity`
+        guides, from one batched forward of ``2B`` rows (``cond`` needs its ``uncond``)."""
+        batch = x.shape[0]
+        sigma_b = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).reshape(-1).expand(batch)
+        with torch.autocast(
+            x.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
+        ):
             v = self._forward(
                 torch.cat([x, x]), torch.cat([sigma_b, sigma_b]), cond.with_cfg_batch(), guidance_scale
             )
         v_uncond, v_cond = v.float().chunk(2)
-        return self.guide(v_uncond, v_cond, guidance_scale)
+        return v_uncond, v_cond
 
     def guide(self, v_uncond: torch.Tensor, v_cond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
         """Combine the two halves of a CFG forward ``[B, ...]`` each: ``v_uncond + w (v_cond - v_uncond)``.
