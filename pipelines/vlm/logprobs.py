@@ -27,6 +27,7 @@ the transformers backend's behaviour log-probs (to ~1e-5 in fp32).
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -274,6 +275,13 @@ def backbone_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn
     return backbone, head
 
 
+@functools.cache
+def _cache_keyword(backbone_class: type) -> str:
+    """The name under which ``backbone_class.forward`` takes a key/value cache: transformers renamed
+    ``past_key_values`` to ``cache``. Read once per class, not on every scoring call."""
+    return "cache" if "cache" in inspect.signature(backbone_class.forward).parameters else "past_key_values"
+
+
 def prompt_shared_hidden(
     backbone: torch.nn.Module,
     inputs: dict[str, torch.Tensor],
@@ -309,8 +317,7 @@ def prompt_shared_hidden(
     prompts = {k: inputs[k][rows, :P] for k in sequence_keys}
     vision = {k: v.to(device) for k, v in batch.prompt_vision.items()}
     cache = DynamicCache(config=backbone.config)
-    # transformers renamed the forward's past_key_values to cache; pass the name this version takes
-    cache_kwarg = "cache" if "cache" in inspect.signature(backbone.forward).parameters else "past_key_values"
+    cache_kwarg = _cache_keyword(type(backbone))
     prompt_hidden = backbone(
         **prompts, **vision, position_ids=position_ids[..., rows, :P], use_cache=True, **{cache_kwarg: cache}
     ).last_hidden_state  # [U, P, H]
