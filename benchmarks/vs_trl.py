@@ -33,7 +33,10 @@ evaluation or the saving of weights: wall seconds, and the process's CPU seconds
 
 Both sides get the same examples: the TRL dataset is built from the trainer's own ``load_examples`` (the seed's
 train questions), the rows' chat prompt is the one mmrl builds (the image before the question), and the rewards
-are the registry's verifier objects, wrapped in TRL's reward-function signature.
+are the registry's verifier objects, wrapped in TRL's reward-function signature. Both walk the questions in passes
+without replacement, each pass in a fresh order: TRL's sampler does, and the mmrl variants take
+``allocation.selection=shuffled`` (``--order recipe`` keeps the recipe's own selection, the demos' uniform draw with
+replacement).
 """
 
 from __future__ import annotations
@@ -124,11 +127,22 @@ class StepTimes:
         self.cpu.append(time.process_time() - self._cpu)
 
 
-def config_overrides(variant: str, seed: int, threads: int, steps: int | None = None) -> list[str]:
+#: ``--order``: which questions each mmrl step takes. ``trl``: passes over the train questions without replacement,
+#: each in a fresh order (``allocation.selection=shuffled``), the order TRL's sampler walks; ``recipe``: the
+#: recipe's own selection (the demos draw uniformly with replacement each step).
+ORDERS = ("trl", "recipe")
+
+
+def config_overrides(
+    variant: str, seed: int, threads: int, steps: int | None = None, order: str = "trl"
+) -> list[str]:
     """Overrides of the demo recipe for an mmrl variant (``trl`` takes the shared ones: seed, threads, and
-    ``steps``, the run's length, which a decaying lr schedule spans)."""
+    ``steps``, the run's length, which a decaying lr schedule spans; ``order`` as :data:`ORDERS`)."""
+    if order not in ORDERS:
+        raise ValueError(f"unknown order {order!r}; available: {list(ORDERS)}")
     common = [
         *([f"trainer.steps={steps}"] if steps is not None else []),
+        *(["allocation.selection=shuffled"] if order == "trl" else []),
         f"run.seed={seed}",
         f"run.threads={threads}",
         "run.progress=false",
@@ -150,11 +164,13 @@ def config_overrides(variant: str, seed: int, threads: int, steps: int | None = 
     raise ValueError(f"unknown variant {variant!r}; available: {list(VARIANTS)}")
 
 
-def _config(config: str, variant: str, seed: int, threads: int, steps: int | None = None) -> Any:
+def _config(
+    config: str, variant: str, seed: int, threads: int, steps: int | None = None, order: str = "trl"
+) -> Any:
     from mmrl.config import load_config
     from mmrl.vlm.config import VLMRLVRConfig
 
-    return load_config(VLMRLVRConfig, config, config_overrides(variant, seed, threads, steps))
+    return load_config(VLMRLVRConfig, config, config_overrides(variant, seed, threads, steps, order))
 
 
 def _trainable_state(model: Any) -> dict[str, Any]:
@@ -360,14 +376,14 @@ def run_mmrl(cfg: Any, marks: dict[int, int], save: Callable[[int, dict[str, Any
 
 
 def train_worker(
-    variant: str, seed: int, threads: int, marks: Sequence[int], out_dir: Path, config: str
+    variant: str, seed: int, threads: int, marks: Sequence[int], out_dir: Path, config: str, order: str
 ) -> dict:
     """One training run (in its own process): trained weights at the marks, step times, peak RSS."""
     import torch
 
     torch.set_num_threads(threads)
     steps = mark_steps(marks)
-    cfg = _config(config, variant, seed, threads, max(steps))
+    cfg = _config(config, variant, seed, threads, max(steps), order)
 
     def save(step: int, state: dict[str, Any]) -> None:
         torch.save(state, out_dir / f"{variant}_seed{seed}_r{steps[step]}.pt")
@@ -378,6 +394,7 @@ def train_worker(
     return {
         "variant": variant,
         "seed": seed,
+        "order": order,
         "threads": torch.get_num_threads(),
         "step_s": times.wall,
         "step_cpu_s": times.cpu,
@@ -573,6 +590,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every run and evaluation")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument(
+        "--order",
+        choices=ORDERS,
+        default="trl",
+        help="the questions of each mmrl step: trl = shuffled passes without replacement, as TRL's sampler "
+        "(default); recipe = the recipe's own selection",
+    )
     parser.add_argument("--out", default=None, help="results file (JSON lines), appended run by run")
     parser.add_argument(
         "--work-dir", default=None, help="folder for the saved weights (default: a temp folder)"
@@ -593,7 +617,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.worker == "eval":
             result = eval_worker(args.seed, args.threads, args.marks, work, args.config, task.scores)
         else:
-            result = train_worker(args.worker, args.seed, args.threads, args.marks, work, args.config)
+            result = train_worker(
+                args.worker, args.seed, args.threads, args.marks, work, args.config, args.order
+            )
         print(json.dumps(result))
         return result
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="vs_trl_"))
@@ -610,10 +636,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         str(work),
         "--config",
         args.config,
+        "--order",
+        args.order,
     ]
     records = []
     print(
-        f"task {args.task} ({args.config}); results: {out}; weights: {work}; threads {args.threads}",
+        f"task {args.task} ({args.config}); order {args.order}; results: {out}; weights: {work}; "
+        f"threads {args.threads}",
         flush=True,
     )
     for seed in range(args.seeds):

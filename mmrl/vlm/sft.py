@@ -16,7 +16,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -35,7 +35,9 @@ __all__ = [
     "TinyVLMSection",
     "VLMSFTSettings",
     "VLMSFTTrainer",
+    "VisionLabels",
     "caption",
+    "centre_labels",
     "flat_settings",
     "pretrain_vision",
     "rescore_main",
@@ -126,6 +128,30 @@ def token_labels(scene: Scene, grid: int) -> tuple[torch.Tensor, torch.Tensor]:
     return colours.flatten(), shapes.flatten()
 
 
+def centre_labels(scene: Scene, grid: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([grid*grid] colour index, [grid*grid] shape index)`` of the image tokens of ``scene``, row-major: the
+    object whose centre lies in the token's cell, or the background class where none does.
+
+    Every object marks exactly one token, so the objects of a colour are the tokens that carry it: an
+    object-centric reading from which a count is a sum over tokens (:func:`token_labels` marks every token an
+    object covers, one to four per object at 16 pixels a token). Scenes keep their objects' boxes a gap apart, so
+    two centres never share a cell while a cell is no wider than the smallest object plus the gap; a cell that
+    holds two anyway takes the later object's labels.
+    """
+    cell = scene.size / grid
+    colours = torch.full((grid, grid), len(COLOURS))
+    shapes = torch.full((grid, grid), len(SHAPES))
+    for o in scene.objects:
+        gx, gy = min(int(o.x / cell), grid - 1), min(int(o.y / cell), grid - 1)
+        colours[gy, gx], shapes[gy, gx] = COLOURS.index(o.colour), SHAPES.index(o.shape)
+    return colours.flatten(), shapes.flatten()
+
+
+#: Which per-token labels dense vision pretraining teaches: ``cover`` (:func:`token_labels`) alone, or with a
+#: second head on the same tokens, ``centre`` (:func:`centre_labels`).
+VisionLabels = Literal["cover", "cover_and_centre"]
+
+
 def pretrain_vision(
     model: torch.nn.Module,
     processor: Any,
@@ -137,39 +163,50 @@ def pretrain_vision(
     lr: float,
     batch_size: int,
     generator: torch.Generator,
+    labels: VisionLabels = "cover",
 ) -> dict[str, float]:
     """Dense vision pretraining (``steps`` AdamW steps at a constant ``lr``): the vision tower and its merger learn, through
-    a linear head on each merged image token, the colour and shape of what covers the token (:func:`token_labels`).
+    a linear head on each merged image token, the colour and shape of what covers the token (:func:`token_labels`),
+    and with ``labels="cover_and_centre"`` through a second head the colour and shape of the object centred in it
+    (:func:`centre_labels`); the loss is the sum of the heads' cross-entropies.
 
     The tiny VLM learns shapes through the language model only slowly (a caption's loss reaches the vision tower
-    through the whole decoder); a direct per-token objective teaches them in about a minute. The head is discarded.
+    through the whole decoder); a direct per-token objective teaches them in about a minute. The heads are
+    discarded.
 
     Returns:
-        Held-out accuracy of the head's colour and shape on the tokens an object covers.
+        Held-out accuracy of the cover head's colour and shape on the tokens an object covers (``colour``,
+        ``shape``); with the centre head, its accuracy on every token (``centre``: colour and shape both right,
+        background included) and on the tokens holding a centre (``centre_objects``).
     """
     visual = model.model.visual
     grid = image_size // (processor.image_processor.patch_size * processor.image_processor.merge_size)
     width = model.config.text_config.hidden_size
     n_colours, n_shapes = len(COLOURS) + 1, len(SHAPES) + 1
-    head = torch.nn.Linear(width, n_colours + n_shapes)
+    label_fns = [token_labels] + ([centre_labels] if labels == "cover_and_centre" else [])
+    head = torch.nn.Linear(width, len(label_fns) * (n_colours + n_shapes))
     optimizer = torch.optim.AdamW([*visual.parameters(), *head.parameters()], lr=lr)
 
     def logits(items: Sequence[SceneItem]) -> torch.Tensor:
+        """``[B, grid*grid, heads, n_colours + n_shapes]``."""
         vision = processor.image_processor(images=[item.image for item in items], return_tensors="pt")
         tokens = visual(vision["pixel_values"], grid_thw=vision["image_grid_thw"]).pooler_output
-        return head(tokens.view(len(items), grid * grid, width))
+        return head(tokens.view(len(items), grid * grid, width)).unflatten(-1, (len(label_fns), -1))
 
     def targets(items: Sequence[SceneItem]) -> tuple[torch.Tensor, torch.Tensor]:
-        pairs = [token_labels(item.scene, grid) for item in items]
-        return torch.stack([c for c, _ in pairs]), torch.stack([s for _, s in pairs])
+        """``([B, grid*grid, heads] colour, [B, grid*grid, heads] shape)``."""
+        per_head = [[fn(item.scene, grid) for fn in label_fns] for item in items]
+        colours = torch.stack([torch.stack([c for c, _ in pairs], -1) for pairs in per_head])
+        shapes = torch.stack([torch.stack([s for _, s in pairs], -1) for pairs in per_head])
+        return colours, shapes
 
     for _ in range(steps):
         batch = [train_items[i] for i in torch.randint(len(train_items), (batch_size,), generator=generator)]
         out = logits(batch)
         colours, shapes = targets(batch)
         loss = torch.nn.functional.cross_entropy(
-            out[..., :n_colours].flatten(0, 1), colours.flatten()
-        ) + torch.nn.functional.cross_entropy(out[..., n_colours:].flatten(0, 1), shapes.flatten())
+            out[..., :n_colours].flatten(0, 2), colours.flatten()
+        ) + torch.nn.functional.cross_entropy(out[..., n_colours:].flatten(0, 2), shapes.flatten())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -177,12 +214,19 @@ def pretrain_vision(
     with torch.no_grad():
         out = logits(heldout)
         colours, shapes = targets(heldout)
-    covered = shapes < len(SHAPES)
-    return {
-        "colour": float((out[..., :n_colours].argmax(-1) == colours)[covered].float().mean()),
-        "shape": float((out[..., n_colours:].argmax(-1) == shapes)[covered].float().mean()),
+    colour_right = out[..., :n_colours].argmax(-1) == colours  # [B, grid*grid, heads]
+    shape_right = out[..., n_colours:].argmax(-1) == shapes
+    covered = shapes[..., 0] < len(SHAPES)
+    accuracy = {
+        "colour": float(colour_right[..., 0][covered].float().mean()),
+        "shape": float(shape_right[..., 0][covered].float().mean()),
         "loss": loss.item() if steps else float("nan"),
     }
+    if labels == "cover_and_centre":
+        both = colour_right[..., 1] & shape_right[..., 1]
+        accuracy["centre"] = float(both.float().mean())
+        accuracy["centre_objects"] = float(both[shapes[..., 1] < len(SHAPES)].float().mean())
+    return accuracy
 
 
 def sft_batch(
@@ -277,6 +321,13 @@ class VLMSFTSettings(SupervisedSettings):
         "real VLMs start from a pretrained vision encoder. 0: none.",
     )
     vision_pretrain_lr: float = Field(3e-3, gt=0, description="Learning rate (AdamW, constant) of it.")
+    vision_labels: VisionLabels = Field(
+        "cover",
+        description="What the dense vision pretraining labels each image token with. cover: the colour and shape "
+        "of the object covering the token (one to four tokens per object). cover_and_centre: also, through a "
+        "second head, those of the object whose centre lies in the token (exactly one token per object, an "
+        "object-centric reading from which counting is a sum over tokens).",
+    )
     caption_fraction: float = Field(
         0.6,
         ge=0,
@@ -355,6 +406,7 @@ class VLMSFTTrainer(SupervisedTrainer):
                 lr=trainer.vision_pretrain_lr,
                 batch_size=trainer.batch_size,
                 generator=self.generator,
+                labels=trainer.vision_labels,
             )
             logger.info(
                 "vision pretraining: held-out token colour %.3f, shape %.3f (%.0fs)",

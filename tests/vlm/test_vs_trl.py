@@ -47,6 +47,17 @@ def test_variants_put_64_completions_in_each_step():
     assert (args.reward_weights, args.max_completion_length) == ([1.0], 8)
 
 
+def test_mmrl_variants_walk_shuffled_passes_as_trls_sampler_unless_told_the_recipes_order():
+    """TRL's sampler walks the questions in shuffled passes; by default the mmrl variants do the same, and
+    ``--order recipe`` keeps the demo's uniform draw with replacement."""
+    for variant in ("mmrl_single", "mmrl_group"):
+        assert _cfg(variant).allocation.selection == "shuffled"
+        config = vs_trl.TASKS["reason"].config
+        assert vs_trl._config(config, variant, 0, 1, order="recipe").allocation.selection == "uniform"
+    with pytest.raises(ValueError, match="unknown order 'random'"):
+        vs_trl.config_overrides("mmrl_single", 0, 1, order="random")
+
+
 def test_reason_variants_take_the_reasoning_demo_recipe():
     """The reason task reads configs/demo/vlm_shapes_reason.yaml: every variant trains the full model (no LoRA) at
     its lr, samples 48 tokens at T = 1, and TRL weighs the three rewards 0.6 / 0.3 / 0.1 in one sum before its
