@@ -49,15 +49,17 @@ from typing import Literal
 import numpy as np
 from PIL import Image
 
-from mmrl.data.shapes import COLOURS, HELDOUT_FRACTION, SHAPES, Scene, random_scene, render
+from mmrl.data.shapes import COLOURS, HELDOUT_FRACTION, SHAPES, Scene, SceneObject, random_scene, render
 from mmrl.data.shapes_vqa import is_heldout_scene
 
 __all__ = [
     "SPLITS",
     "TEMPLATES",
+    "TRACE_STYLES",
     "MathItem",
     "Step",
     "Template",
+    "describe_scene",
     "format_completion",
     "format_prompt",
     "format_trace",
@@ -68,6 +70,9 @@ __all__ = [
 ]
 
 MathSplit = Literal["train", "heldout", "heldout_templates"]
+TraceStyle = Literal["steps", "describe", "enumerate"]
+#: How a reference completion writes its trace (:meth:`MathItem.completion_in`).
+TRACE_STYLES: tuple[str, ...] = ("steps", "describe", "enumerate")
 SPLITS: tuple[str, ...] = ("train", "heldout", "heldout_templates")
 
 #: ``k`` of an "add" operation, written as a word in the question
@@ -105,6 +110,11 @@ def format_trace(steps: Sequence[Step]) -> str:
 def format_completion(steps: Sequence[Step], answer: int | str) -> str:
     """The reference completion ``<think>{trace}</think><answer>{answer}</answer>``."""
     return f"<think>{format_trace(steps)}</think><answer>{answer}</answer>"
+
+
+def describe_scene(scene: Scene) -> str:
+    """``"red triangle, green circle"``: the scene's objects from left to right (by their centre's x)."""
+    return ", ".join(f"{o.colour} {o.shape}" for o in _left_to_right(scene))
 
 
 _COUNT_STEP = re.compile(r"([a-z]+) (\d+)")
@@ -157,6 +167,46 @@ class MathItem:
     def completion(self) -> str:
         """The reference completion (:func:`format_completion`)."""
         return format_completion(self.steps, self.answer)
+
+    def completion_in(self, style: TraceStyle) -> str:
+        """The reference completion in a trace style (:data:`TRACE_STYLES`), here for a scene of a red circle, a
+        blue square and a red triangle and the question "Remove all red shapes. How many shapes are left?":
+
+        * ``steps``: :attr:`completion`, ``<think>shapes 3. red 2. 3-2=1</think><answer>1</answer>``;
+        * ``describe``: the scene's objects left to right first (:func:`describe_scene`),
+          ``<think>red circle, blue square, red triangle. shapes 3. red 2. 3-2=1</think>...``;
+        * ``enumerate``: each count step after the objects it counts, numbered left to right (``none`` when there
+          are none), ``<think>red circle 1, blue square 2, red triangle 3. shapes 3. red circle 1, red triangle
+          2. red 2. 3-2=1</think>...``.
+
+        The added parts are not steps (:func:`read_trace` skips them), so the scored trace is the same in every
+        style.
+        """
+        if style == "steps":
+            return self.completion
+        if style == "describe":
+            parts = [describe_scene(self.scene), format_trace(self.steps)]
+        elif style == "enumerate":
+            parts = []
+            for step in self.steps:
+                if step.is_count:
+                    counted = [o for o in _left_to_right(self.scene) if step.label in _labels(o)]
+                    parts.append(
+                        ", ".join(f"{o.colour} {o.shape} {i}" for i, o in enumerate(counted, 1)) or "none"
+                    )
+                parts.append(str(step))
+        else:
+            raise ValueError(f"unknown trace style {style!r}; use one of {list(TRACE_STYLES)}")
+        return f"<think>{'. '.join(parts)}</think><answer>{self.answer}</answer>"
+
+
+def _left_to_right(scene: Scene) -> list[SceneObject]:
+    return sorted(scene.objects, key=lambda o: o.x)
+
+
+def _labels(obj: SceneObject) -> tuple[str, str, str]:
+    """The count labels an object falls under: every object, its colour, its plural shape."""
+    return ("shapes", obj.colour, f"{obj.shape}s")
 
 
 # ------------------------------------------------------------------------------------------- templates

@@ -22,6 +22,7 @@ import torch
 
 from mmrl.config import Config, Field, to_yaml
 from mmrl.data.shapes import COLOURS, SHAPES, Scene
+from mmrl.data.shapes_math import describe_scene
 from mmrl.run import launch_command
 from mmrl.sections import SupervisedSettings
 from mmrl.supervised import MODEL_FOLDER, SupervisedTrainer
@@ -62,7 +63,7 @@ class SceneItem(Protocol):
 
 def caption(item: SceneItem) -> str:
     """``"red triangle, green circle"``: the scene's objects sorted by their centre's x."""
-    return ", ".join(f"{o.colour} {o.shape}" for o in sorted(item.scene.objects, key=lambda o: o.x))
+    return describe_scene(item.scene)
 
 
 class CompletionBatcher(ABC):
@@ -334,6 +335,13 @@ class VLMSFTSettings(SupervisedSettings):
         le=1,
         description="Share of training batches that are the captioning task instead of the task.",
     )
+    caption_pretrain_steps: int = Field(
+        0,
+        ge=0,
+        description="The first this many SFT steps are all the captioning task (then caption_fraction applies): "
+        "the language model learns to read the scene's objects before it learns the task, as a real VLM's "
+        "alignment stage precedes its instruction tuning. Counted in trainer.steps. 0: none.",
+    )
 
 
 class VLMSFTTrainer(SupervisedTrainer):
@@ -341,7 +349,8 @@ class VLMSFTTrainer(SupervisedTrainer):
 
     ``setup``: data (:meth:`build_data`), a tokenizer trained on :meth:`corpus` (on resume: the checkpoint's),
     the random model, vision pretraining, AdamW. ``train_step``: :meth:`sample_indices`, then a batch that is the
-    captioning task with probability ``trainer.caption_fraction``, one clipped AdamW step at
+    captioning task for the first ``trainer.caption_pretrain_steps`` steps and then with probability
+    ``trainer.caption_fraction``, one clipped AdamW step at
     ``trainer.lr_at(step)``. Checkpoints hold the state and the model as a ``save_pretrained`` folder
     (``step_N/model``); at the end the model, its ``config.yaml``, ``sft_report.json`` and ``card.md`` are
     published to ``out`` (:class:`mmrl.supervised.SupervisedTrainer`).
@@ -432,7 +441,10 @@ class VLMSFTTrainer(SupervisedTrainer):
         began = time.monotonic()
         indices = self.sample_indices()
         lr = trainer.lr_at(self.step)
-        as_caption = bool(torch.rand((), generator=self.generator) < trainer.caption_fraction)
+        draw = torch.rand(
+            (), generator=self.generator
+        )  # drawn every step: the stream does not depend on the stages
+        as_caption = self.step < trainer.caption_pretrain_steps or bool(draw < trainer.caption_fraction)
         loss = self.model(**self.batcher.batch(indices, as_caption)).loss
         loss.backward()
         self.optimizer_step(self.optimizer, list(self.model.parameters()), trainer.max_grad_norm, lr=lr)

@@ -9,10 +9,13 @@ from collections import Counter
 import pytest
 
 import rewards
+from mmrl.data.shapes import Scene, SceneObject, render
 from mmrl.data.shapes_math import (
     ADD_WORDS,
     SPLITS,
     TEMPLATES,
+    TRACE_STYLES,
+    MathItem,
     Step,
     format_completion,
     format_trace,
@@ -182,3 +185,41 @@ def test_load_vqa_resolves_shapes_math():
     assert len({e.prompt_id for e in load_vqa("shapes_math:train", limit=50)}) == 50
     with pytest.raises(ValueError, match=r"unknown shapes_math split 'test'.*shapes_math:heldout_templates"):
         load_vqa("shapes_math:test")
+
+
+def test_trace_styles_add_the_scene_without_changing_the_scored_steps():
+    red_circle = SceneObject("circle", "red", x=10.0, y=20.0, size=12.0)
+    blue_square = SceneObject("square", "blue", x=30.0, y=20.0, size=12.0)
+    red_triangle = SceneObject("triangle", "red", x=50.0, y=20.0, size=12.0)
+    scene = Scene(64, (200, 200, 200), (red_triangle, red_circle, blue_square))  # listed right to left
+    steps = (Step("shapes", 3), Step("red", 2), Step("3-2", 1))
+    item = MathItem(
+        render(scene), "Remove all red shapes. How many shapes are left?", 1, steps, "remove_colour", scene
+    )
+    assert (
+        item.completion_in("steps")
+        == item.completion
+        == "<think>shapes 3. red 2. 3-2=1</think><answer>1</answer>"
+    )
+    assert item.completion_in("describe") == (
+        "<think>red circle, blue square, red triangle. shapes 3. red 2. 3-2=1</think><answer>1</answer>"
+    )
+    assert item.completion_in("enumerate") == (
+        "<think>red circle 1, blue square 2, red triangle 3. shapes 3. red circle 1, red triangle 2. red 2. "
+        "3-2=1</think><answer>1</answer>"
+    )
+    absent = MathItem(
+        item.image,
+        "Add one green circle. How many green shapes are there?",
+        1,
+        (Step("green", 0), Step("0+1", 1)),
+        "add_colour",
+        scene,
+    )
+    assert absent.completion_in("enumerate") == "<think>none. green 0. 0+1=1</think><answer>1</answer>"
+    with pytest.raises(ValueError, match="unknown trace style 'prose'"):
+        item.completion_in("prose")  # type: ignore[arg-type]
+    for split in SPLITS:
+        for each in make_math_items(60, seed=5, size=64, split=split):
+            for style in TRACE_STYLES:
+                assert read_trace(each.completion_in(style)) == list(each.steps)

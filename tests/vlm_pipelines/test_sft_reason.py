@@ -7,9 +7,11 @@ import math
 from pathlib import Path
 
 import pytest
+from transformers import AutoProcessor
 
 from mmrl.config import load_config
-from mmrl.vlm.sft_reason import ReasonSFTConfig, main, pass_at_k, render_card
+from mmrl.data.shapes_math import make_math_items
+from mmrl.vlm.sft_reason import ReasonBatcher, ReasonSFTConfig, main, pass_at_k, render_card
 
 CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "shapes_vlm_reason"
 
@@ -31,33 +33,38 @@ def test_committed_card_states_its_report():
     assert heldout["format"] > 0.9
 
 
-def test_tiny_run_checkpoints_snapshots_and_publishes_model_and_card(tmp_path):
+def _tiny_run(tmp_path: Path, *overrides: str) -> Path:
+    """A 4-step run of a 1-layer model on 40 items; returns its published folder."""
     out = tmp_path / "m"
-    cfg = load_config(
-        ReasonSFTConfig,
-        overrides=[
-            f"out={out}",
-            f"run.output_dir={tmp_path}",
-            "run.progress=false",
-            "run.save_every=2",
-            "run.name=sft_reason",
-            "trainer.steps=4",
-            "data.train_items=40",
-            "data.eval_items=7",
-            "data.curve_items=7",
-            "data.samples=2",
-            "trainer.vision_pretrain_steps=1",
-            "trainer.eval_every=2",
-            "trainer.batch_size=4",
-            "model.hidden_size=32",
-            "model.num_layers=1",
-            "model.intermediate_size=64",
-            "model.vision_hidden_size=32",
-            "data.max_new_tokens=8",
-            "run.threads=1",
-        ],
+    tiny = [
+        f"out={out}",
+        f"run.output_dir={tmp_path}",
+        "run.progress=false",
+        "run.name=sft_reason",
+        "trainer.steps=4",
+        "data.train_items=40",
+        "trainer.vision_pretrain_steps=1",
+        "trainer.batch_size=4",
+        "model.hidden_size=32",
+        "model.num_layers=1",
+        "model.intermediate_size=64",
+        "model.vision_hidden_size=32",
+        "data.max_new_tokens=8",
+        "run.threads=1",
+    ]
+    main(load_config(ReasonSFTConfig, overrides=[*tiny, *overrides]))
+    return out
+
+
+def test_tiny_run_checkpoints_snapshots_and_publishes_model_and_card(tmp_path):
+    out = _tiny_run(
+        tmp_path,
+        "run.save_every=2",
+        "data.eval_items=7",
+        "data.curve_items=7",
+        "data.samples=2",
+        "trainer.eval_every=2",
     )
-    main(cfg)
     report = json.loads((out / "sft_report.json").read_text())
     assert (out / "model.safetensors").is_file() and (out / "card.md").read_text() == render_card(report)
     snapshots = tmp_path / "sft_reason" / "checkpoints"
@@ -67,3 +74,31 @@ def test_tiny_run_checkpoints_snapshots_and_publishes_model_and_card(tmp_path):
     for scores in report["heldout"].values():
         assert 0.0 <= scores["lenient"] <= 1.0 and 0.0 <= scores["pass@2"] <= 1.0
         assert scores["pass@1"] <= scores["pass@2"]
+
+
+def test_caption_stage_enumerated_traces_and_centre_labels_in_a_tiny_run(tmp_path):
+    """``trainer.caption_pretrain_steps`` makes the first steps captioning batches whatever the draw,
+    ``data.trace`` sets the completions the tokenizer and the batches see, ``trainer.vision_labels`` adds the
+    centre head to vision pretraining (its accuracy in the report)."""
+    out = _tiny_run(
+        tmp_path,
+        "run.log_every=1",
+        "trainer.caption_pretrain_steps=3",
+        "trainer.caption_fraction=0",
+        "trainer.vision_labels=cover_and_centre",
+        "data.trace=enumerate",
+        "data.eval_items=3",
+        "data.curve_items=3",
+        "data.samples=0",
+        "trainer.eval_every=0",
+    )
+    logged = [
+        json.loads(line) for line in (tmp_path / "sft_reason" / "metrics.jsonl").read_text().splitlines()
+    ]
+    captions = {row["step"]: row["train/caption_batch"] for row in logged if "train/caption_batch" in row}
+    assert captions == {1: 1.0, 2: 1.0, 3: 1.0, 4: 0.0}
+    report = json.loads((out / "sft_report.json").read_text())
+    assert {"centre", "centre_objects"} <= report["vision_pretraining"].keys()
+    items = make_math_items(2, seed=0)
+    batcher = ReasonBatcher(AutoProcessor.from_pretrained(out), items, report["config"]["data"]["trace"])
+    assert batcher.task_texts(1) == (items[1].prompt, items[1].completion_in("enumerate"))

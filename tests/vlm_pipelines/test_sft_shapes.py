@@ -6,12 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
 from mmrl.config import ConfigError, load_config
-from mmrl.data.shapes import COLOURS, SHAPES, Scene, SceneObject
+from mmrl.data.shapes import COLOURS, SHAPES, Scene, SceneObject, random_scene
 from mmrl.data.shapes_vqa import make_vqa_items
-from mmrl.vlm.sft import caption, flat_settings, token_labels
+from mmrl.vlm.sft import caption, centre_labels, flat_settings, pretrain_vision, token_labels
 from mmrl.vlm.sft_shapes import (
     COUNT_WORDS,
     SFTBatcher,
@@ -99,6 +100,44 @@ def test_token_labels_name_the_object_covering_each_cell():
     expected_colours[5], expected_shapes[5] = COLOURS.index("red"), SHAPES.index("square")
     expected_colours[11], expected_shapes[11] = COLOURS.index("blue"), SHAPES.index("circle")
     assert colours.tolist() == expected_colours and shapes.tolist() == expected_shapes
+
+
+def test_centre_labels_mark_one_token_per_object():
+    # the same two objects: the square's centre (24, 24) lies in cell (row 1, col 1); the circle's (64, 40) on
+    # the canvas edge falls in the last column, row 2; a 20 px triangle centred at (8, 60) covers cells of rows 2
+    # and 3 but marks only (row 3, col 0)
+    square = SceneObject("square", "red", x=24.0, y=24.0, size=16.0)
+    circle = SceneObject("circle", "blue", x=64.0, y=40.0, size=16.0)
+    triangle = SceneObject("triangle", "green", x=8.0, y=60.0, size=20.0)
+    colours, shapes = centre_labels(Scene(64, (200, 200, 200), (square, circle, triangle)), grid=4)
+    expected = {5: ("red", "square"), 11: ("blue", "circle"), 12: ("green", "triangle")}
+    for token in range(16):
+        colour, shape = expected.get(token, (None, None))
+        assert colours[token] == (COLOURS.index(colour) if colour else len(COLOURS))
+        assert shapes[token] == (SHAPES.index(shape) if shape else len(SHAPES))
+    # every object of a random scene marks its own token: the count of a colour is a sum over tokens
+    for seed in range(200):
+        scene = random_scene(seed, 64)
+        colours, _ = centre_labels(scene, grid=4)
+        for colour in COLOURS:
+            assert int((colours == COLOURS.index(colour)).sum()) == sum(
+                o.colour == colour for o in scene.objects
+            )
+
+
+def test_vision_pretraining_with_centre_labels_trains_a_second_head():
+    torch.manual_seed(0)
+    processor = AutoProcessor.from_pretrained(CHECKPOINT)
+    model = AutoModelForImageTextToText.from_pretrained(CHECKPOINT)
+    items = make_vqa_items(16, seed=0, size=64)
+    before = [p.detach().clone() for p in model.model.visual.parameters()]
+    kwargs = dict(image_size=64, steps=2, lr=1e-3, batch_size=4, generator=torch.Generator().manual_seed(0))
+    cover = pretrain_vision(model, processor, items, items[:4], **kwargs)
+    assert set(cover) == {"colour", "shape", "loss"}
+    both = pretrain_vision(model, processor, items, items[:4], labels="cover_and_centre", **kwargs)
+    assert set(both) == {"colour", "shape", "loss", "centre", "centre_objects"}
+    assert all(0.0 <= both[key] <= 1.0 for key in ("colour", "shape", "centre", "centre_objects"))
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.model.visual.parameters(), strict=True))
 
 
 def test_batcher_writes_the_drawn_share_of_count_answers_as_words():
