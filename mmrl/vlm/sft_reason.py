@@ -77,6 +77,11 @@ class MathDataSection(Config):
         8, ge=0, description="Samples per question for pass@k at temperature 1 (0: greedy only)."
     )
     max_new_tokens: int = Field(48, ge=1, description="Completion budget of the evaluation.")
+    balance_counts: bool = Field(
+        False,
+        description="Draw training items so that the colour and shape counts their traces state are equally often "
+        "0, 1, 2 and 3+ (count_balancing_weights); the natural mix is mostly 1, a prior a model can answer from.",
+    )
     trace: TraceStyle = Field(
         "steps",
         description="How the training completions write their trace (shapes_math.TRACE_STYLES). steps: the "
@@ -118,6 +123,19 @@ class ReasonSFTConfig(SupervisedRecipeConfig):
     model: TinyVLMSection = Field(default_factory=_reason_model)
     data: MathDataSection = Field(default_factory=MathDataSection)
     trainer: ReasonSFTSettings = Field(default_factory=ReasonSFTSettings)
+
+
+def count_balancing_weights(items: Sequence[MathItem]) -> torch.Tensor:
+    """``[N]`` sampling weights under which the colour and shape counts the traces state are equally often 0, 1, 2
+    and 3 or more: item weight = mean over its colour/shape count steps of ``1 / share(value)``, ``share`` the
+    value's share among all such steps of ``items``."""
+    values = [
+        [min(step.value, 3) for step in item.steps if step.is_count and step.label != "shapes"]
+        for item in items
+    ]
+    flat = [v for vs in values for v in vs]
+    share = {v: flat.count(v) / len(flat) for v in set(flat)}
+    return torch.tensor([sum(1 / share[v] for v in vs) / len(vs) if vs else 1.0 for vs in values])
 
 
 def _prompt(item: MathItem) -> VLMPrompt:
@@ -235,6 +253,7 @@ class ReasonSFTTrainer(VLMSFTTrainer):
     def build_data(self) -> None:
         data, size, seed = self.cfg.data, self.cfg.model.image_size, self.cfg.run.seed
         self.train_items = make_math_items(data.train_items, seed, size, "train")
+        self.count_weights = count_balancing_weights(self.train_items) if data.balance_counts else None
         self.heldout = {
             split: make_math_items(data.eval_items, seed + 1, size, split)
             for split in ("heldout", "heldout_templates")
@@ -253,6 +272,11 @@ class ReasonSFTTrainer(VLMSFTTrainer):
         return ReasonBatcher(self.processor, self.train_items, self.cfg.data.trace)
 
     def sample_indices(self) -> list[int]:
+        if self.count_weights is not None:
+            draws = torch.multinomial(
+                self.count_weights, self.cfg.trainer.batch_size, replacement=True, generator=self.generator
+            )
+            return draws.tolist()
         draws = torch.randint(len(self.train_items), (self.cfg.trainer.batch_size,), generator=self.generator)
         return draws.tolist()
 

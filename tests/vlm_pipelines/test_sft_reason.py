@@ -7,11 +7,19 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoProcessor
 
 from mmrl.config import load_config
-from mmrl.data.shapes_math import make_math_items
-from mmrl.vlm.sft_reason import ReasonBatcher, ReasonSFTConfig, main, pass_at_k, render_card
+from mmrl.data.shapes_math import MathItem, Step, make_math_items
+from mmrl.vlm.sft_reason import (
+    ReasonBatcher,
+    ReasonSFTConfig,
+    count_balancing_weights,
+    main,
+    pass_at_k,
+    render_card,
+)
 
 CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "shapes_vlm_reason"
 
@@ -87,6 +95,7 @@ def test_caption_stage_enumerated_traces_and_centre_labels_in_a_tiny_run(tmp_pat
         "trainer.caption_fraction=0",
         "trainer.vision_labels=cover_and_centre",
         "data.trace=enumerate",
+        "data.balance_counts=true",
         "data.eval_items=3",
         "data.curve_items=3",
         "data.samples=0",
@@ -102,3 +111,28 @@ def test_caption_stage_enumerated_traces_and_centre_labels_in_a_tiny_run(tmp_pat
     items = make_math_items(2, seed=0)
     batcher = ReasonBatcher(AutoProcessor.from_pretrained(out), items, report["config"]["data"]["trace"])
     assert batcher.task_texts(1) == (items[1].prompt, items[1].completion_in("enumerate"))
+
+
+def test_count_balancing_weights_by_hand():
+    """Colour/shape counts 1, 1, 2, 0 (the total is not one): shares 1/2, 1/4, 1/4; an item weighs the mean of
+    1/share over its counts, so items holding the rare counts are drawn twice as often."""
+
+    def item(*steps: Step) -> MathItem:
+        return MathItem(None, "q", 0, steps, "t", None)  # type: ignore[arg-type]
+
+    items = [
+        item(Step("shapes", 3), Step("red", 1), Step("3-1", 2)),
+        item(Step("red", 1), Step("1+1", 2)),
+        item(Step("circles", 2), Step("squares", 0), Step("2-0", 2)),
+    ]
+    assert count_balancing_weights(items).tolist() == [2.0, 2.0, 4.0]
+    # on the training pool the drawn counts come out far more even than the natural mix (mostly 1)
+    pool = make_math_items(2000, seed=0)
+    weights = count_balancing_weights(pool)
+    shares = torch.zeros(4)
+    for each, weight in zip(pool, weights.tolist(), strict=True):
+        for step in each.steps:
+            if step.is_count and step.label != "shapes":
+                shares[min(step.value, 3)] += weight
+    shares /= shares.sum()
+    assert shares.max() < 0.36 and shares.min() > 0.15
