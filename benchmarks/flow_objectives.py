@@ -65,7 +65,24 @@ COUNT_WEIGHTED = "criterion_weights: {count: 3.0}"
 # the shapes verifier's per-criterion components, logged by the trainer's evaluation as eval/shapes/<name>
 CRITERIA = ("object", "count", "colour", "position")
 # training metrics kept for every step (the rollouts' partial-credit reward, the update's size and terms)
-TRAIN_METRICS = ("reward/mean", "train/grad_norm", "loss", "policy/guidance_gap", "policy/kl_old")
+TRAIN_METRICS = (
+    "reward/mean",
+    "train/grad_norm",
+    "loss",
+    "policy/guidance_gap",
+    "policy/guidance_weight",
+    "policy/kl_old",
+)
+
+
+# awm_tuned (AWM, NFT's two regression points, advantages A) plus guidance distillation, weight 1, cosine over 120
+AWM_DISTILL = (
+    "trainer.objective=awm",
+    "trainer.awm.timesteps=2",
+    "trainer.awm.advantage_max=5.0",
+    "trainer.steps=120",
+    "trainer.guidance_distill.weight=1.0",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,14 +124,28 @@ RECIPES: dict[str, Recipe] = {
     ),
     "awm_distill": Recipe(
         FLAT,
-        (
-            "trainer.objective=awm",
-            "trainer.awm.timesteps=2",
-            "trainer.awm.advantage_max=5.0",
-            "trainer.steps=120",
-            "trainer.guidance_distill.weight=1.0",
-        ),
+        AWM_DISTILL,
         "awm_tuned plus guidance distillation toward the base's CFG-3 velocity (weight 1), cosine over 120 steps",
+    ),
+    "awm_distill_w03": Recipe(
+        FLAT,
+        (*AWM_DISTILL, "trainer.guidance_distill.weight=0.3"),
+        "awm_distill with the distillation weighted 0.3 instead of 1: a weaker pull toward the 0.56 teacher",
+    ),
+    "awm_distill_cosine": Recipe(
+        FLAT,
+        (*AWM_DISTILL, "trainer.guidance_distill.schedule=cosine"),
+        "awm_distill with the distillation weight on a cosine from 1 to 0 over the run (the lr's schedule)",
+    ),
+    "awm_distill_off60": Recipe(
+        FLAT,
+        (*AWM_DISTILL, "trainer.guidance_distill.steps=60"),
+        "awm_distill with the distillation off after step 60 (the reward alone from there; no teacher forwards)",
+    ),
+    "awm_distill_count": Recipe(
+        FLAT,
+        (*AWM_DISTILL, f"rewards=[{{name: shapes, options: {{partial: true, {COUNT_WEIGHTED}}}}}]"),
+        "awm_distill trained on the count-weighted partial credit (count weighs 3, the rest 1)",
     ),
     "distill_only": Recipe(
         FLAT,
