@@ -142,6 +142,23 @@ RECIPES: dict[str, Recipe] = {
         (*AWM_DISTILL, "trainer.guidance_distill.steps=60"),
         "awm_distill with the distillation off after step 60 (the reward alone from there; no teacher forwards)",
     ),
+    "awm_distill_balanced": Recipe(
+        FLAT,
+        (*AWM_DISTILL, "train_prompts=shapes:train@1024"),
+        "awm_distill on 1024 training prompts drawn from the four kinds in turn (single, count, pair, relation: "
+        "256 each) like the held-out set, instead of the whole split, where count prompts are 10 of 1270",
+    ),
+    "awm_distill_p16": Recipe(
+        FLAT,
+        (*AWM_DISTILL, "allocation.prompts_per_step=16"),
+        "awm_distill with 16 prompts per step (the same 64 images, so 4 per prompt: n_min)",
+    ),
+    "awm_distill_priority": Recipe(
+        FLAT,
+        (*AWM_DISTILL, "allocation.selection=priority"),
+        "awm_distill picking prompts with probability ~ sqrt(p (1 - p)) of their running reward (SPO's "
+        "priority sampling) instead of uniformly: more steps on prompts whose groups have spread",
+    ),
     "awm_distill_count": Recipe(
         FLAT,
         (*AWM_DISTILL, f"rewards=[{{name: shapes, options: {{partial: true, {COUNT_WEIGHTED}}}}}]"),
