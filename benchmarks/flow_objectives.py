@@ -159,6 +159,11 @@ RECIPES: dict[str, Recipe] = {
         "awm_distill picking prompts with probability ~ sqrt(p (1 - p)) of their running reward (SPO's "
         "priority sampling) instead of uniformly: more steps on prompts whose groups have spread",
     ),
+    "awm_distill_strict": Recipe(
+        FLAT,
+        (*AWM_DISTILL, "rewards=[{name: shapes}]"),
+        "awm_distill trained on the strict score (1 only if every criterion holds) instead of the partial credit",
+    ),
     "awm_distill_count": Recipe(
         FLAT,
         (*AWM_DISTILL, f"rewards=[{{name: shapes, options: {{partial: true, {COUNT_WEIGHTED}}}}}]"),
@@ -289,9 +294,12 @@ def kind_table(rows: dict[str, dict[str, dict[str, float]]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def train_run(cfg: FlowGRPOConfig, minutes: float | None, eval_every: int) -> dict[str, object]:
+def train_run(
+    cfg: FlowGRPOConfig, minutes: float | None, eval_every: int, final_samples: int = 1
+) -> dict[str, object]:
     """Train ``cfg`` from step 0 to ``trainer.steps`` or until ``minutes`` of training seconds; evaluate at step 0,
-    every ``eval_every`` steps and at the stop. Nothing is written to disk (no run directory).
+    every ``eval_every`` steps and at the stop; score the final weights per prompt kind from ``final_samples``
+    samples of each held-out prompt (:func:`by_kind`). Nothing is written to disk (no run directory).
 
     Returns:
         ``{"curve": [{step, nfe, train_s, strict, object, count, colour, position}, ...], "train": [{step, and
@@ -330,7 +338,7 @@ def train_run(cfg: FlowGRPOConfig, minutes: float | None, eval_every: int) -> di
             if out_of_time:
                 stopped_by = "minutes"
                 break
-        final_by_kind = by_kind(trainer)
+        final_by_kind = by_kind(trainer, final_samples)
     finally:
         trainer.cleanup()
     return {
@@ -460,6 +468,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument(
         "--out", type=Path, default=Path("runs/flow_objectives"), help="folder of the outputs"
     )
+    parser.add_argument(
+        "--final-samples",
+        type=int,
+        default=1,
+        metavar="K",
+        help="samples of each held-out prompt for the final weights' per-kind score and pass@K (1: the "
+        "evaluation's own sample)",
+    )
     parser.add_argument("--list", action="store_true", help="print the recipes and exit")
     parser.add_argument(
         "--ceiling",
@@ -481,6 +497,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     unknown = [name for name in args.recipes if name not in RECIPES]
     if unknown:
         parser.error(f"unknown recipes {unknown}; known: {sorted(RECIPES)}")
+    if args.final_samples < 1:
+        parser.error(f"--final-samples must be >= 1, got {args.final_samples}")
     if args.eval_every < 1:
         parser.error(f"--eval-every must be >= 1, got {args.eval_every}")
     if args.ceiling is not None:
@@ -512,7 +530,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     for seed in args.seeds:  # interleaved: each seed runs every recipe before the next seed
         for name in args.recipes:
             cfg = recipe_config(name, seed, args.threads, args.eval_prompts, overrides)
-            run = train_run(cfg, args.minutes, args.eval_every)
+            run = train_run(cfg, args.minutes, args.eval_every, args.final_samples)
             results["runs"][name][seed] = run
             last = run["curve"][-1]
             print(
