@@ -159,6 +159,12 @@ RECIPES: dict[str, Recipe] = {
         "awm_distill picking prompts with probability ~ sqrt(p (1 - p)) of their running reward (SPO's "
         "priority sampling) instead of uniformly: more steps on prompts whose groups have spread",
     ),
+    "awm_distill_w03_priority": Recipe(
+        FLAT,
+        (*AWM_DISTILL, "trainer.guidance_distill.weight=0.3", "allocation.selection=priority"),
+        "awm_distill_w03 and awm_distill_priority together: the weaker pull toward the teacher, prompts picked "
+        "by the spread of their running reward",
+    ),
     "awm_distill_strict": Recipe(
         FLAT,
         (*AWM_DISTILL, "rewards=[{name: shapes}]"),
