@@ -207,8 +207,8 @@ class GuidanceDistillSettings(Config):
         None,
         ge=1,
         description="Step at which the distillation ends (null: trainer.steps, i.e. a constant weight never "
-        "ends and a cosine ends with the run). A teacher weaker than the policy pulls it back late in "
-        "training; ending the pull early leaves the reward in charge.",
+        "ends and a cosine ends with the run). Ending it early leaves the reward alone in charge; on the shapes "
+        "demo that lowered the held-out score (BENCHMARKS.md, 'Toward 0.80').",
     )
 
     def weight_at(self, step: int, trainer_steps: int) -> float:
