@@ -65,7 +65,24 @@ COUNT_WEIGHTED = "criterion_weights: {count: 3.0}"
 # the shapes verifier's per-criterion components, logged by the trainer's evaluation as eval/shapes/<name>
 CRITERIA = ("object", "count", "colour", "position")
 # training metrics kept for every step (the rollouts' partial-credit reward, the update's size and terms)
-TRAIN_METRICS = ("reward/mean", "train/grad_norm", "loss", "policy/guidance_gap", "policy/kl_old")
+TRAIN_METRICS = (
+    "reward/mean",
+    "train/grad_norm",
+    "loss",
+    "policy/guidance_gap",
+    "policy/guidance_weight",
+    "policy/kl_old",
+)
+
+
+# awm_tuned (AWM, NFT's two regression points, advantages A) plus guidance distillation, weight 1, cosine over 120
+AWM_DISTILL = (
+    "trainer.objective=awm",
+    "trainer.awm.timesteps=2",
+    "trainer.awm.advantage_max=5.0",
+    "trainer.steps=120",
+    "trainer.guidance_distill.weight=1.0",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,14 +124,56 @@ RECIPES: dict[str, Recipe] = {
     ),
     "awm_distill": Recipe(
         FLAT,
-        (
-            "trainer.objective=awm",
-            "trainer.awm.timesteps=2",
-            "trainer.awm.advantage_max=5.0",
-            "trainer.steps=120",
-            "trainer.guidance_distill.weight=1.0",
-        ),
+        AWM_DISTILL,
         "awm_tuned plus guidance distillation toward the base's CFG-3 velocity (weight 1), cosine over 120 steps",
+    ),
+    "awm_distill_w03": Recipe(
+        FLAT,
+        (*AWM_DISTILL, "trainer.guidance_distill.weight=0.3"),
+        "awm_distill with the distillation weighted 0.3 instead of 1: a weaker pull toward the 0.56 teacher",
+    ),
+    "awm_distill_cosine": Recipe(
+        FLAT,
+        (*AWM_DISTILL, "trainer.guidance_distill.schedule=cosine"),
+        "awm_distill with the distillation weight on a cosine from 1 to 0 over the run (the lr's schedule)",
+    ),
+    "awm_distill_off60": Recipe(
+        FLAT,
+        (*AWM_DISTILL, "trainer.guidance_distill.steps=60"),
+        "awm_distill with the distillation off after step 60 (the reward alone from there; no teacher forwards)",
+    ),
+    "awm_distill_balanced": Recipe(
+        FLAT,
+        (*AWM_DISTILL, "train_prompts=shapes:train@1024"),
+        "awm_distill on 1024 training prompts drawn from the four kinds in turn (single, count, pair, relation: "
+        "256 each) like the held-out set, instead of the whole split, where count prompts are 10 of 1270",
+    ),
+    "awm_distill_p16": Recipe(
+        FLAT,
+        (*AWM_DISTILL, "allocation.prompts_per_step=16"),
+        "awm_distill with 16 prompts per step (the same 64 images, so 4 per prompt: n_min)",
+    ),
+    "awm_distill_priority": Recipe(
+        FLAT,
+        (*AWM_DISTILL, "allocation.selection=priority"),
+        "awm_distill picking prompts with probability ~ sqrt(p (1 - p)) of their running reward (SPO's "
+        "priority sampling) instead of uniformly: more steps on prompts whose groups have spread",
+    ),
+    "awm_distill_w03_priority": Recipe(
+        FLAT,
+        (*AWM_DISTILL, "trainer.guidance_distill.weight=0.3", "allocation.selection=priority"),
+        "awm_distill_w03 and awm_distill_priority together: the weaker pull toward the teacher, prompts picked "
+        "by the spread of their running reward",
+    ),
+    "awm_distill_strict": Recipe(
+        FLAT,
+        (*AWM_DISTILL, "rewards=[{name: shapes}]"),
+        "awm_distill trained on the strict score (1 only if every criterion holds) instead of the partial credit",
+    ),
+    "awm_distill_count": Recipe(
+        FLAT,
+        (*AWM_DISTILL, f"rewards=[{{name: shapes, options: {{partial: true, {COUNT_WEIGHTED}}}}}]"),
+        "awm_distill trained on the count-weighted partial credit (count weighs 3, the rest 1)",
     ),
     "distill_only": Recipe(
         FLAT,
@@ -241,9 +300,12 @@ def kind_table(rows: dict[str, dict[str, dict[str, float]]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def train_run(cfg: FlowGRPOConfig, minutes: float | None, eval_every: int) -> dict[str, object]:
+def train_run(
+    cfg: FlowGRPOConfig, minutes: float | None, eval_every: int, final_samples: int = 1
+) -> dict[str, object]:
     """Train ``cfg`` from step 0 to ``trainer.steps`` or until ``minutes`` of training seconds; evaluate at step 0,
-    every ``eval_every`` steps and at the stop. Nothing is written to disk (no run directory).
+    every ``eval_every`` steps and at the stop; score the final weights per prompt kind from ``final_samples``
+    samples of each held-out prompt (:func:`by_kind`). Nothing is written to disk (no run directory).
 
     Returns:
         ``{"curve": [{step, nfe, train_s, strict, object, count, colour, position}, ...], "train": [{step, and
@@ -282,7 +344,7 @@ def train_run(cfg: FlowGRPOConfig, minutes: float | None, eval_every: int) -> di
             if out_of_time:
                 stopped_by = "minutes"
                 break
-        final_by_kind = by_kind(trainer)
+        final_by_kind = by_kind(trainer, final_samples)
     finally:
         trainer.cleanup()
     return {
@@ -412,6 +474,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument(
         "--out", type=Path, default=Path("runs/flow_objectives"), help="folder of the outputs"
     )
+    parser.add_argument(
+        "--final-samples",
+        type=int,
+        default=1,
+        metavar="K",
+        help="samples of each held-out prompt for the final weights' per-kind score and pass@K (1: the "
+        "evaluation's own sample)",
+    )
     parser.add_argument("--list", action="store_true", help="print the recipes and exit")
     parser.add_argument(
         "--ceiling",
@@ -433,6 +503,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     unknown = [name for name in args.recipes if name not in RECIPES]
     if unknown:
         parser.error(f"unknown recipes {unknown}; known: {sorted(RECIPES)}")
+    if args.final_samples < 1:
+        parser.error(f"--final-samples must be >= 1, got {args.final_samples}")
     if args.eval_every < 1:
         parser.error(f"--eval-every must be >= 1, got {args.eval_every}")
     if args.ceiling is not None:
@@ -464,7 +536,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     for seed in args.seeds:  # interleaved: each seed runs every recipe before the next seed
         for name in args.recipes:
             cfg = recipe_config(name, seed, args.threads, args.eval_prompts, overrides)
-            run = train_run(cfg, args.minutes, args.eval_every)
+            run = train_run(cfg, args.minutes, args.eval_every, args.final_samples)
             results["runs"][name][seed] = run
             last = run["curve"][-1]
             print(

@@ -8,6 +8,7 @@ from pydantic import model_validator
 
 from mmrl.config import Config, Field, RunConfig
 from mmrl.core.estimators import check_estimator
+from mmrl.schedule import LRSchedule, learning_rate
 from mmrl.sections import AllocationConfig, LoraSettings, PoolSettings, RewardSpec, check_reward_keys
 
 __all__ = [
@@ -196,6 +197,28 @@ class GuidanceDistillSettings(Config):
         description="CFG scale w of the teacher's velocity (the scale whose samples the policy should match; "
         "the shapes base scores 0.56 held-out strict at 3 against 0.36 CFG-free).",
     )
+    schedule: LRSchedule = Field(
+        "constant",
+        description="How the weight changes over training, the learning rate's schedules (mmrl.schedule): "
+        "constant: weight until step `steps`, then 0 (off); cosine: from weight down to 0 at step `steps`, 0 "
+        "after. Once the weight is 0 the teacher's forwards are skipped.",
+    )
+    steps: int | None = Field(
+        None,
+        ge=1,
+        description="Step at which the distillation ends (null: trainer.steps, i.e. a constant weight never "
+        "ends and a cosine ends with the run). Ending it early leaves the reward alone in charge; on the shapes "
+        "demo that lowered the held-out score (BENCHMARKS.md, 'Toward 0.80').",
+    )
+
+    def weight_at(self, step: int, trainer_steps: int) -> float:
+        """The distillation weight at training step ``step`` (0-based) of a run of ``trainer_steps`` steps:
+        ``learning_rate(step, weight, S, schedule)`` for ``step < S``, 0 from ``S = steps or trainer_steps`` on.
+        """
+        horizon = self.steps if self.steps is not None else trainer_steps
+        if step >= horizon:
+            return 0.0
+        return learning_rate(step, self.weight, horizon, schedule=self.schedule)
 
 
 class FlowTrainerConfig(Config):
@@ -208,7 +231,7 @@ class FlowTrainerConfig(Config):
     )
     steps: int = Field(100, ge=1, description="Training steps (one rollout batch each).")
     lr: float = Field(3e-4, gt=0, description="AdamW learning rate.")
-    lr_schedule: Literal["constant", "cosine"] = Field(
+    lr_schedule: LRSchedule = Field(
         "constant",
         description="cosine: decay from lr to 0 over trainer.steps (late steps then add little drift).",
     )

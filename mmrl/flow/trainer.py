@@ -841,7 +841,7 @@ class FlowGRPOTrainer(TrainerBase):
         call)."""
         t = self.cfg.trainer
         guidance = self._regression_guidance(cond)
-        distill = t.guidance_distill
+        distill_weight = t.guidance_distill.weight_at(self.step, t.steps)
         for idx, scale, step_after in self._minibatches(x_t.shape[0]):
             if idx is None:
                 if step_after:
@@ -853,7 +853,7 @@ class FlowGRPOTrainer(TrainerBase):
                 with torch.no_grad(), self.reference_policy():
                     v_ref = self.adapter.velocity(x, s, c, guidance)
                 self.nfe_total += len(idx)
-            if distill.weight > 0:
+            if distill_weight > 0:
                 v_uncond, v_cond = self._teacher_velocities(x, s, c)
             self.adapter.transformer.train()
             v = self.adapter.velocity(x, s, c, guidance)
@@ -862,10 +862,13 @@ class FlowGRPOTrainer(TrainerBase):
                 kl = ((v - v_ref) ** 2).flatten(1).mean(1).mean()
                 loss = loss + t.beta * kl
                 self.metrics.add("policy/kl", kl, count=len(idx))
-            if distill.weight > 0:
-                gap = loss_lib.guidance_distillation_loss(v, v_uncond, v_cond, distill.guidance_scale).mean()
-                loss = loss + distill.weight * gap
+            if distill_weight > 0:
+                gap = loss_lib.guidance_distillation_loss(
+                    v, v_uncond, v_cond, t.guidance_distill.guidance_scale
+                ).mean()
+                loss = loss + distill_weight * gap
                 self.metrics.add("policy/guidance_gap", gap, count=len(idx))
+                self.metrics.add("policy/guidance_weight", distill_weight, count=len(idx))
             (loss * scale).backward()
             self.metrics.add("loss", loss, count=len(idx))
             if step_after:

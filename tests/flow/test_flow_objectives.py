@@ -129,9 +129,13 @@ def test_tiny_benchmark_writes_json_and_table(tmp_path, monkeypatch):
 def test_minutes_cap_stops_the_run_and_evaluates_there(monkeypatch):
     monkeypatch.chdir(ROOT)
     cfg = flow_objectives.recipe_config("nft", 0, 2, 8, [*TINY, "trainer.steps=5"])
-    run = flow_objectives.train_run(cfg, minutes=1e-6, eval_every=10)
+    run = flow_objectives.train_run(cfg, minutes=1e-6, eval_every=10, final_samples=2)
     assert run["stopped_by"] == "minutes" and run["steps"] == 1
     assert [p["step"] for p in run["curve"]] == [0, 1]
+    # the final weights scored from 2 samples of each of the 8 prompts: pass@2 bounds the mean
+    for kind, row in run["by_kind"].items():
+        assert 0.0 <= row["mean"] <= row["pass@2"] <= 1.0, kind
+        assert row["mean"] * 2 * row["prompts"] == pytest.approx(round(row["mean"] * 2 * row["prompts"]))
 
 
 def test_ceiling_pass_at_k_bounds_the_mean_and_k1_is_the_evaluation(monkeypatch):

@@ -7,7 +7,7 @@ import torch
 
 from mmrl.config import load_config
 from mmrl.data.shapes import all_prompts
-from mmrl.flow.config import FlowGRPOConfig
+from mmrl.flow.config import FlowGRPOConfig, GuidanceDistillSettings
 from mmrl.flow.trainer import FlowGRPOTrainer, evaluate, main
 from mmrl.run import Run, read_metrics
 from pipelines.flow.rollout import rollout
@@ -574,3 +574,39 @@ def test_guidance_distillation_config_errors_name_the_key(model_dir, tmp_path):
     )
     with pytest.raises(ValueError, match="needs a teacher with an unconditional branch"):
         FlowGRPOTrainer(cfg, None).setup()
+
+
+def test_guidance_distillation_weight_schedule_hand_values():
+    # constant: the weight until step `steps`, then off
+    off_after = GuidanceDistillSettings(weight=0.5, steps=4)
+    assert [off_after.weight_at(step, 10) for step in range(6)] == [0.5, 0.5, 0.5, 0.5, 0.0, 0.0]
+    assert GuidanceDistillSettings(weight=0.5).weight_at(99, 10) == 0.5 * (99 < 10)  # null: ends with the run
+    # cosine over S = 4 steps: w * (1 + cos(pi k / 4)) / 2 = 2 * {1, 0.85355, 0.5, 0.14645}, then 0
+    cosine = GuidanceDistillSettings(weight=2.0, schedule="cosine", steps=4)
+    expected = [2.0, 1.0 + 2**-0.5, 1.0, 1.0 - 2**-0.5, 0.0, 0.0]
+    assert [cosine.weight_at(step, 10) for step in range(6)] == pytest.approx(expected, abs=1e-12)
+    # steps null: the cosine spans the run, trainer.steps = 2 -> 1, 0.5 (k = 0, 1), 0 at k = 2
+    run_long = GuidanceDistillSettings(weight=1.0, schedule="cosine")
+    assert [run_long.weight_at(step, 2) for step in range(3)] == pytest.approx([1.0, 0.5, 0.0], abs=1e-12)
+
+
+def test_guidance_distillation_schedule_errors_name_the_key_and_off_skips_the_teacher(model_dir, tmp_path):
+    distill = ("trainer.objective=nft", "trainer.guidance_distill.weight=1.0")
+    with pytest.raises(ValueError, match=r"trainer\.guidance_distill\.steps"):
+        make_cfg(model_dir, tmp_path, "bad", *distill, "trainer.guidance_distill.steps=0")
+    with pytest.raises(ValueError, match=r"trainer\.guidance_distill\.schedule"):
+        make_cfg(model_dir, tmp_path, "bad", *distill, "trainer.guidance_distill.schedule=linear")
+    cfg = make_cfg(model_dir, tmp_path, "offafter1", *distill, "trainer.guidance_distill.steps=1")
+    trainer = FlowGRPOTrainer(cfg, None)
+    trainer.setup()
+    nfe = trainer.nfe_total
+    first = trainer.train_step()  # step 0: the teacher's two forwards per regression point
+    trainer.step += 1
+    with_teacher = trainer.nfe_total - nfe
+    assert first["policy/guidance_weight"] == 1.0 and first["policy/guidance_gap"] > 0
+    nfe = trainer.nfe_total
+    second = trainer.train_step()  # step 1 >= steps: off, no teacher forwards, nothing logged for it
+    without_teacher = trainer.nfe_total - nfe
+    assert "policy/guidance_gap" not in second and "policy/guidance_weight" not in second
+    points = cfg.allocation.rollouts_per_step * cfg.trainer.nft_timesteps
+    assert with_teacher - without_teacher == 2 * points
