@@ -25,10 +25,8 @@ from typing import Any
 import torch
 
 from mmrl.data.shapes import COLOURS, random_scene, render
-from mmrl.data.shapes_math import MathItem, make_math_items, read_trace
-from pipelines.vlm.backend import SamplingParams
-from pipelines.vlm.hf_backend import HFBackend
-from pipelines.vlm.inputs import VLMPrompt
+from mmrl.data.shapes_math import MathItem, make_math_items, stated_counts
+from mmrl.vlm.sft_reason import sample_completions
 
 #: true counts are bucketed as 0, 1, 2 and 3 (= 3 or more)
 BUCKETS = (0, 1, 2, 3)
@@ -39,18 +37,10 @@ def trace_counts(
 ) -> dict[int, dict[str, float]]:
     """``{bucket: {"steps": n, "right": share, "says_1": share}}`` over the colour and shape count steps of the
     greedy traces that carry the reference step's label (see the module docstring)."""
-    backend = HFBackend(model, processor, batch_size=128)
-    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, n=1)
-    prompts = [VLMPrompt.from_question(item.prompt, [item.image]) for item in items]
-    texts = [""] * len(items)
-    for sample in backend.generate(prompts, params).samples:
-        texts[sample.prompt_index] = sample.text
+    greedy = sample_completions(model, processor, items, 1, 0.0, max_new_tokens)
     tally = {bucket: [0, 0, 0] for bucket in BUCKETS}  # steps, right, says 1
-    for text, item in zip(texts, items, strict=True):
-        stated: dict[str, int] = {}
-        for step in read_trace(text):
-            if step.is_count:
-                stated.setdefault(step.label, step.value)
+    for (text,), item in zip(greedy, items, strict=True):
+        stated = stated_counts(text)
         for step in item.steps:
             if step.is_count and step.label != "shapes" and step.label in stated:
                 row = tally[min(step.value, 3)]

@@ -44,7 +44,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
 from PIL import Image
@@ -66,13 +66,14 @@ __all__ = [
     "make_math_items",
     "perception_accuracy",
     "read_trace",
+    "stated_counts",
     "template_names",
 ]
 
 MathSplit = Literal["train", "heldout", "heldout_templates"]
 TraceStyle = Literal["steps", "describe", "enumerate"]
 #: How a reference completion writes its trace (:meth:`MathItem.completion_in`).
-TRACE_STYLES: tuple[str, ...] = ("steps", "describe", "enumerate")
+TRACE_STYLES: tuple[str, ...] = get_args(TraceStyle)
 SPLITS: tuple[str, ...] = ("train", "heldout", "heldout_templates")
 
 #: ``k`` of an "add" operation, written as a word in the question
@@ -136,13 +137,19 @@ def read_trace(completion: str) -> list[Step]:
     return steps
 
 
-def perception_accuracy(completion: str, reference: Sequence[Step]) -> tuple[int, int]:
-    """``(correct, total)`` over the count steps of ``reference``: a count is correct when the completion's
-    trace has a count step with the same label and value (the first one of that label)."""
+def stated_counts(completion: str) -> dict[str, int]:
+    """``{label: value}`` of the count steps of a completion's trace, the first one of each label."""
     said: dict[str, int] = {}
     for step in read_trace(completion):
         if step.is_count:
             said.setdefault(step.label, step.value)
+    return said
+
+
+def perception_accuracy(completion: str, reference: Sequence[Step]) -> tuple[int, int]:
+    """``(correct, total)`` over the count steps of ``reference``: a count is correct when the completion's
+    trace has a count step with the same label and value (the first one of that label, :func:`stated_counts`)."""
+    said = stated_counts(completion)
     counts = [step for step in reference if step.is_count]
     return sum(said.get(step.label) == step.value for step in counts), len(counts)
 

@@ -441,9 +441,8 @@ class VLMSFTTrainer(SupervisedTrainer):
         began = time.monotonic()
         indices = self.sample_indices()
         lr = trainer.lr_at(self.step)
-        draw = torch.rand(
-            (), generator=self.generator
-        )  # drawn every step: the stream does not depend on the stages
+        # drawn every step, so the generator's stream does not depend on the captioning stage
+        draw = torch.rand((), generator=self.generator)
         as_caption = self.step < trainer.caption_pretrain_steps or bool(draw < trainer.caption_fraction)
         loss = self.model(**self.batcher.batch(indices, as_caption)).loss
         loss.backward()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -58,7 +59,7 @@ from pipelines.vlm.backend import SamplingParams
 from pipelines.vlm.hf_backend import HFBackend
 from pipelines.vlm.inputs import VLMPrompt
 
-__all__ = ["ReasonSFTConfig", "ReasonSFTTrainer", "main", "reasoning_report"]
+__all__ = ["ReasonSFTConfig", "ReasonSFTTrainer", "main", "reasoning_report", "sample_completions"]
 
 logger = logging.getLogger(__name__)
 
@@ -133,9 +134,9 @@ def count_balancing_weights(items: Sequence[MathItem]) -> torch.Tensor:
         [min(step.value, 3) for step in item.steps if step.is_count and step.label != "shapes"]
         for item in items
     ]
-    flat = [v for vs in values for v in vs]
-    share = {v: flat.count(v) / len(flat) for v in set(flat)}
-    return torch.tensor([sum(1 / share[v] for v in vs) / len(vs) if vs else 1.0 for vs in values])
+    tally = Counter(v for vs in values for v in vs)
+    total = sum(tally.values())
+    return torch.tensor([sum(total / tally[v] for v in vs) / len(vs) if vs else 1.0 for vs in values])
 
 
 def _prompt(item: MathItem) -> VLMPrompt:
@@ -155,7 +156,7 @@ class ReasonBatcher(CompletionBatcher):
         return item.prompt, item.completion_in(self.style)
 
 
-def _completions(
+def sample_completions(
     model: torch.nn.Module,
     processor: Any,
     items: Sequence[MathItem],
@@ -163,6 +164,8 @@ def _completions(
     temperature: float,
     max_new: int,
 ) -> list[list[str]]:
+    """``n`` completions of each item's prompt (``[len(items)][n]`` texts) at ``temperature`` (0: greedy; sampling
+    is seeded), at most ``max_new`` tokens each, through the transformers backend."""
     backend = HFBackend(model, processor, batch_size=128)
     params = SamplingParams(
         temperature=temperature, max_new_tokens=max_new, n=n, seed=0 if temperature else None
@@ -197,7 +200,7 @@ def reasoning_report(
     strict = rewards.build("exact_match", require_answer_tag=True)
     form = rewards.build("format")
     truths = [str(item.answer) for item in items]
-    greedy = [texts[0] for texts in _completions(model, processor, items, 1, 0.0, max_new_tokens)]
+    greedy = [texts[0] for texts in sample_completions(model, processor, items, 1, 0.0, max_new_tokens)]
     scores = {
         "lenient": lenient(completions=greedy, ground_truths=truths).tolist(),
         "strict": strict(completions=greedy, ground_truths=truths).tolist(),
@@ -233,7 +236,7 @@ def reasoning_report(
         for item, text in list(zip(items, greedy, strict=True))[:6]
     ]
     if samples:
-        sampled = _completions(model, processor, items, samples, 1.0, max_new_tokens)
+        sampled = sample_completions(model, processor, items, samples, 1.0, max_new_tokens)
         correct = [
             int(lenient(completions=texts, ground_truths=[str(item.answer)] * len(texts)).sum())
             for texts, item in zip(sampled, items, strict=True)
