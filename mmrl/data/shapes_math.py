@@ -71,7 +71,7 @@ __all__ = [
 ]
 
 MathSplit = Literal["train", "heldout", "heldout_templates"]
-TraceStyle = Literal["steps", "describe", "enumerate"]
+TraceStyle = Literal["steps", "describe", "enumerate", "tally"]
 #: How a reference completion writes its trace (:meth:`MathItem.completion_in`).
 TRACE_STYLES: tuple[str, ...] = get_args(TraceStyle)
 SPLITS: tuple[str, ...] = ("train", "heldout", "heldout_templates")
@@ -184,7 +184,11 @@ class MathItem:
           ``<think>red circle, blue square, red triangle. shapes 3. red 2. 3-2=1</think>...``;
         * ``enumerate``: each count step after the objects it counts, numbered left to right (``none`` when there
           are none), ``<think>red circle 1, blue square 2, red triangle 3. shapes 3. red circle 1, red triangle
-          2. red 2. 3-2=1</think>...``.
+          2. red 2. 3-2=1</think>...``;
+        * ``tally``: before each count step, every object left to right, those it counts followed by a running
+          tally, ``<think>red circle 1, blue square 2, red triangle 3. shapes 3. red circle 1, blue square, red
+          triangle 2. red 2. 3-2=1</think>...``: each token to write depends on the object at hand, the question's
+          attribute and the last number written, never on a count over the whole scene.
 
         The added parts are not steps (:func:`read_trace` skips them), so the scored trace is the same in every
         style.
@@ -202,6 +206,12 @@ class MathItem:
                         ", ".join(f"{o.colour} {o.shape} {i}" for i, o in enumerate(counted, 1)) or "none"
                     )
                 parts.append(str(step))
+        elif style == "tally":
+            parts = []
+            for step in self.steps:
+                if step.is_count:
+                    parts.append(_tally_walk(self.scene, step.label))
+                parts.append(str(step))
         else:
             raise ValueError(f"unknown trace style {style!r}; use one of {list(TRACE_STYLES)}")
         return f"<think>{'. '.join(parts)}</think><answer>{self.answer}</answer>"
@@ -209,6 +219,19 @@ class MathItem:
 
 def _left_to_right(scene: Scene) -> list[SceneObject]:
     return sorted(scene.objects, key=lambda o: o.x)
+
+
+def _tally_walk(scene: Scene, label: str) -> str:
+    """``"red circle 1, blue square, red triangle 2"``: every object left to right, those under ``label`` (a
+    count step's label, :func:`_labels`) followed by the running count."""
+    counted, words = 0, []
+    for obj in _left_to_right(scene):
+        if label in _labels(obj):
+            counted += 1
+            words.append(f"{obj.colour} {obj.shape} {counted}")
+        else:
+            words.append(f"{obj.colour} {obj.shape}")
+    return ", ".join(words)
 
 
 def _labels(obj: SceneObject) -> tuple[str, str, str]:

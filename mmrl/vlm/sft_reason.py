@@ -88,9 +88,10 @@ class MathDataSection(Config):
         description="How the training completions write their trace (shapes_math.TRACE_STYLES). steps: the "
         "count and arithmetic steps (shapes 3. red 2. 3-2=1). describe: the scene's objects left to right "
         "first (red circle, blue square, red triangle. shapes 3. ...). enumerate: each count after the objects "
-        "it counts, numbered (red circle 1, red triangle 2. red 2. ...). The added parts are not scored steps; "
-        "they lengthen the trace by up to about 12 (describe) or 40 (enumerate) tokens: raise max_new_tokens "
-        "to 64 / 96.",
+        "it counts, numbered (red circle 1, red triangle 2. red 2. ...). tally: each count after a walk over every "
+        "object with a running tally of those it counts (red circle 1, blue square, red triangle 2. red 2. ...). "
+        "The added parts are not scored steps; they lengthen the trace by up to about 12 (describe), 40 "
+        "(enumerate) or 52 (tally) tokens: raise max_new_tokens to 64 / 96 / 96.",
     )
 
 

@@ -208,6 +208,10 @@ def test_trace_styles_add_the_scene_without_changing_the_scored_steps():
         "<think>red circle 1, blue square 2, red triangle 3. shapes 3. red circle 1, red triangle 2. red 2. "
         "3-2=1</think><answer>1</answer>"
     )
+    assert item.completion_in("tally") == (
+        "<think>red circle 1, blue square 2, red triangle 3. shapes 3. red circle 1, blue square, red triangle 2. "
+        "red 2. 3-2=1</think><answer>1</answer>"
+    )
     absent = MathItem(
         item.image,
         "Add one green circle. How many green shapes are there?",
@@ -217,6 +221,9 @@ def test_trace_styles_add_the_scene_without_changing_the_scored_steps():
         scene,
     )
     assert absent.completion_in("enumerate") == "<think>none. green 0. 0+1=1</think><answer>1</answer>"
+    assert absent.completion_in("tally") == (
+        "<think>red circle, blue square, red triangle. green 0. 0+1=1</think><answer>1</answer>"
+    )
     with pytest.raises(ValueError, match="unknown trace style 'prose'"):
         item.completion_in("prose")  # type: ignore[arg-type]
     for split in SPLITS:
