@@ -126,6 +126,8 @@ class FlowGRPOTrainer(TrainerBase):
             if module is not None:
                 module.requires_grad_(False)
         self.reference: torch.nn.Module | None = None
+        # set below for training; an evaluation-only setup scores the loaded weights themselves
+        self.ema: EMA | None = None
         # trainer.guidance_distill.refresh_every: the teacher, a copy refreshed from the evaluated weights
         self.distill_teacher: torch.nn.Module | None = None
         if cfg.model.lora is not None:
