@@ -202,6 +202,17 @@ RECIPES: dict[str, Recipe] = {
         f"{SELF_TEACHER_REFRESH} steps) at CFG 3 instead of the frozen base: the reward-improved policy as its "
         "own guidance teacher",
     ),
+    "awm_distill_self_teacher_w15": Recipe(
+        FLAT,
+        (
+            *AWM_DISTILL,
+            f"trainer.ema_decay={EMA_DECAY}",
+            f"trainer.guidance_distill.refresh_every={SELF_TEACHER_REFRESH}",
+            "trainer.guidance_distill.guidance_scale=1.5",
+        ),
+        "awm_distill_self_teacher with the teacher guided at 1.5 instead of 3 (the base too, until the first "
+        "refresh): each refresh guides a policy that already carries guidance, so a smaller scale compounds less",
+    ),
     "awm_distill_count": Recipe(
         FLAT,
         (*AWM_DISTILL, f"rewards=[{{name: shapes, options: {{partial: true, {COUNT_WEIGHTED}}}}}]"),
