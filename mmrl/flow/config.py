@@ -216,7 +216,9 @@ class GuidanceDistillSettings(Config):
         description="The reward-improved policy as its own teacher: every this many training steps the teacher "
         "becomes a copy of the weights evaluated at that step (the EMA of the trained weights under "
         "trainer.ema_decay, else the trained weights), guided at guidance_scale. null: the frozen start weights "
-        "throughout. Full fine-tuning only (model.lora=null); trainer.beta's reference stays the start weights.",
+        "throughout. Full fine-tuning only (model.lora=null); trainer.beta's reference stays the start weights. "
+        "The policy already carries the guidance it was taught, so each refresh guides it again: on the shapes "
+        "demo, every 50 steps at scale 3 compounded into a collapse.",
     )
 
     def weight_at(self, step: int, trainer_steps: int) -> float:
