@@ -86,7 +86,7 @@ AWM_DISTILL = (
 
 
 # EMA of the weights for the *_ema recipes. The warm-up min(d, (1 + n) / (10 + n)) stays below 0.98 until step
-# 440, so over a 300-step run the EMA averages about the last n / 9 steps (17 at step 150, 33 at step 300): the
+# 440, so over a 300-step run the EMA averages about the last n / 9 steps (17 at step 150, 34 at step 300): the
 # widest window the warm-up allows there (any d >= 0.971 gives the same 300-step run)
 EMA_DECAY = 0.98
 # steps between refreshes of the self-taught teacher: six teachers over a 300-step run, each trained toward for
