@@ -85,6 +85,15 @@ AWM_DISTILL = (
 )
 
 
+# EMA of the weights for the *_ema recipes. The warm-up min(d, (1 + n) / (10 + n)) stays below 0.98 until step
+# 440, so over a 300-step run the EMA averages about the last n / 9 steps (17 at step 150, 34 at step 300): the
+# widest window the warm-up allows there (any d >= 0.971 gives the same 300-step run)
+EMA_DECAY = 0.98
+# steps between refreshes of the self-taught teacher: six teachers over a 300-step run, each trained toward for
+# longer than the EMA's window, so the policy catches up with one teacher before the next
+SELF_TEACHER_REFRESH = 50
+
+
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     """A demo config and the overrides that make it this recipe."""
@@ -170,6 +179,40 @@ RECIPES: dict[str, Recipe] = {
         (*AWM_DISTILL, "rewards=[{name: shapes}]"),
         "awm_distill trained on the strict score (1 only if every criterion holds) instead of the partial credit",
     ),
+    "awm_distill_ema": Recipe(
+        FLAT,
+        (*AWM_DISTILL, f"trainer.ema_decay={EMA_DECAY}"),
+        f"awm_distill evaluated (and exported) with an EMA of its weights, decay {EMA_DECAY} after the warm-up "
+        "(1 + n) / (10 + n): the average of about the last n / 9 steps at step n over a 300-step run",
+    ),
+    "awm_distill_strict_ema": Recipe(
+        FLAT,
+        (*AWM_DISTILL, "rewards=[{name: shapes}]", f"trainer.ema_decay={EMA_DECAY}"),
+        f"awm_distill_strict evaluated (and exported) with an EMA of its weights, decay {EMA_DECAY} after the "
+        "warm-up, to hold the peak the strict reward reaches mid-run",
+    ),
+    "awm_distill_self_teacher": Recipe(
+        FLAT,
+        (
+            *AWM_DISTILL,
+            f"trainer.ema_decay={EMA_DECAY}",
+            f"trainer.guidance_distill.refresh_every={SELF_TEACHER_REFRESH}",
+        ),
+        f"awm_distill_ema whose teacher is, from step {SELF_TEACHER_REFRESH} on, its own EMA (refreshed every "
+        f"{SELF_TEACHER_REFRESH} steps) at CFG 3 instead of the frozen base: the reward-improved policy as its "
+        "own guidance teacher",
+    ),
+    "awm_distill_self_teacher_w15": Recipe(
+        FLAT,
+        (
+            *AWM_DISTILL,
+            f"trainer.ema_decay={EMA_DECAY}",
+            f"trainer.guidance_distill.refresh_every={SELF_TEACHER_REFRESH}",
+            "trainer.guidance_distill.guidance_scale=1.5",
+        ),
+        "awm_distill_self_teacher with the teacher guided at 1.5 instead of 3 (the base too, until the first "
+        "refresh): each refresh guides a policy that already carries guidance, so a smaller scale compounds less",
+    ),
     "awm_distill_count": Recipe(
         FLAT,
         (*AWM_DISTILL, f"rewards=[{{name: shapes, options: {{partial: true, {COUNT_WEIGHTED}}}}}]"),
@@ -246,9 +289,11 @@ def by_kind(trainer: FlowGRPOTrainer, images_per_prompt: int = 1) -> dict[str, d
         pass@K   = mean_p max_k strict(p, k)      prompts with at least one strictly right sample among K
 
     pass@K bounds what group-relative RL can reinforce from K samples per prompt without finding new images.
+    The weights are the evaluation's (the EMA under ``trainer.ema_decay``).
     """
     prompts = trainer.eval_pool[: trainer.cfg.trainer.eval_prompts]
-    ro = trainer.generate(prompts, images_per_prompt)
+    with trainer.evaluation_weights():
+        ro = trainer.generate(prompts, images_per_prompt)
     raw, _ = trainer.score(ro.images, ro.prompts, evaluation=True)
     strict = (raw @ trainer.eval_weights).float()  # [P * K]
     num_prompts = len(prompts)
@@ -307,6 +352,9 @@ def train_run(
     every ``eval_every`` steps and at the stop; score the final weights per prompt kind from ``final_samples``
     samples of each held-out prompt (:func:`by_kind`). Nothing is written to disk (no run directory).
 
+    Under ``trainer.ema_decay`` the scores are the EMA's, and each evaluation also scores the trained weights
+    themselves (``live_strict``, ``live_count``).
+
     Returns:
         ``{"curve": [{step, nfe, train_s, strict, object, count, colour, position}, ...], "train": [{step, and
         the TRAIN_METRICS the step logged}, ...], "by_kind", "steps", "train_s", "eval_s", "setup_s",
@@ -324,7 +372,16 @@ def train_run(
         nonlocal eval_s
         begin = time.perf_counter()
         point = _eval_point(trainer.step, nfe, train_s, trainer.evaluate())
+        if trainer.ema is not None:  # the same step's trained weights, so the EMA's effect is paired
+            live = trainer.evaluate(live=True)
+            point["live_strict"] = live["eval/reward_mean"]
+            point["live_count"] = live["eval/shapes/count"]
         eval_s += time.perf_counter() - begin
+        print(  # a long run's curve survives an interrupted session in the log
+            f"  {cfg.run.name} step {point['step']}: strict {point['strict']:.3f}, count {point['count']:.3f}"
+            + (f", live strict {point['live_strict']:.3f}" if "live_strict" in point else ""),
+            flush=True,
+        )
         return point
 
     curve = [evaluate()]

@@ -126,6 +126,10 @@ class FlowGRPOTrainer(TrainerBase):
             if module is not None:
                 module.requires_grad_(False)
         self.reference: torch.nn.Module | None = None
+        # set below for training; an evaluation-only setup scores the loaded weights themselves
+        self.ema: EMA | None = None
+        # trainer.guidance_distill.refresh_every: the teacher, a copy refreshed from the evaluated weights
+        self.distill_teacher: torch.nn.Module | None = None
         if cfg.model.lora is not None:
             from peft import LoraConfig
 
@@ -143,8 +147,13 @@ class FlowGRPOTrainer(TrainerBase):
                 self.adapter.load_lora(Path(cfg.model.init_lora))
         else:
             transformer.requires_grad_(True)
-            if (cfg.trainer.beta > 0 or cfg.trainer.guidance_distill.weight > 0) and for_training:
+            distill = cfg.trainer.guidance_distill
+            frozen_teacher = distill.weight > 0 and distill.refresh_every is None
+            if (cfg.trainer.beta > 0 or frozen_teacher) and for_training:
                 self.reference = copy.deepcopy(transformer).requires_grad_(False).eval()
+            if distill.refresh_every is not None and for_training:
+                # the start weights until the first refresh (refresh_teacher)
+                self.distill_teacher = copy.deepcopy(transformer).requires_grad_(False).eval()
         if cfg.model.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
         if self.dist.fsdp:
@@ -322,10 +331,32 @@ class FlowGRPOTrainer(TrainerBase):
             if self.reference is None:
                 raise RuntimeError(
                     "no reference policy: full fine-tuning keeps one only when trainer.beta > 0 or "
-                    "trainer.guidance_distill.weight > 0"
+                    "trainer.guidance_distill.weight > 0 with a frozen teacher (refresh_every null)"
                 )
             with self.adapter.swapped_denoiser(self.reference):
                 yield
+
+    def teacher_policy(self) -> AbstractContextManager[None]:
+        """Run the adapter as the guidance distillation's teacher: the refreshed copy under
+        ``trainer.guidance_distill.refresh_every``, else the reference policy (the start weights)."""
+        if self.distill_teacher is not None:
+            return self.adapter.swapped_denoiser(self.distill_teacher)
+        return self.reference_policy()
+
+    @torch.no_grad()
+    def refresh_teacher(self) -> bool:
+        """Under ``trainer.guidance_distill.refresh_every = N``, at every step ``n > 0`` with ``n % N == 0``
+        copy the evaluated weights (:meth:`evaluation_weights`: the EMA, or the trained weights) into the
+        teacher; returns whether it did."""
+        every = self.cfg.trainer.guidance_distill.refresh_every
+        if self.distill_teacher is None or every is None or self.step == 0 or self.step % every:
+            return False
+        with self.evaluation_weights():
+            for teacher, param in zip(
+                self.distill_teacher.parameters(), self.adapter.transformer.parameters(), strict=True
+            ):
+                teacher.copy_(param)
+        return True
 
     # ------------------------------------------------------------------ rewards
     def score(
@@ -591,6 +622,10 @@ class FlowGRPOTrainer(TrainerBase):
             )
         if cfg.pool.enabled:
             refused.append("pool.enabled: pool workers receive whole weights")
+        if cfg.trainer.guidance_distill.refresh_every is not None:
+            refused.append(
+                "trainer.guidance_distill.refresh_every: the teacher is refreshed from whole weights"
+            )
         if cfg.sampling.rollout != "flat":
             refused.append("sampling.rollout=branch: pruned trees train a per-rank number of transitions")
         if cfg.trainer.objective == "rwr" or cfg.trainer.drop_zero_advantage:
@@ -632,7 +667,8 @@ class FlowGRPOTrainer(TrainerBase):
         lr = learning_rate(self.step, t.lr, t.steps, schedule=t.lr_schedule)
         self.optimizer_step(self.optimizer, self.trainable, t.max_grad_norm, lr=lr)
         if self.ema is not None:
-            self.ema.update()
+            # warmed up over training steps, so the first evaluations average trained weights, not the start
+            self.ema.update(num_updates=self.step)
 
     def grpo_update(
         self, trans: TransitionBatch, adv_t: torch.Tensor, weights: torch.Tensor | None = None
@@ -879,13 +915,13 @@ class FlowGRPOTrainer(TrainerBase):
     def _teacher_velocities(
         self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The reference policy's unconditional (the negative prompt) and conditional velocities
+        """The teacher's (:meth:`teacher_policy`) unconditional (the negative prompt) and conditional velocities
         ``([b, ...], [b, ...])`` at the points ``x [b, ...]``: the halves of its CFG forward
         (:meth:`FlowAdapter.cfg_halves`)."""
         assert self.distill_uncond is not None  # set in setup when the distillation is on
         uncond = self.distill_uncond.select([0] * x.shape[0]).cond
         self.adapter.transformer.eval()
-        with self.reference_policy():
+        with self.teacher_policy():
             halves = self.adapter.cfg_halves(
                 x, sigma, Conditioning(cond.cond, uncond), self.cfg.trainer.guidance_distill.guidance_scale
             )
@@ -893,6 +929,8 @@ class FlowGRPOTrainer(TrainerBase):
         return halves
 
     def train_step(self) -> dict[str, float]:
+        if self.refresh_teacher():
+            self.metrics.add("policy/teacher_refreshed", 1.0)
         batch = self.collect()
         start = time.perf_counter()
         objective = self.cfg.trainer.objective
@@ -944,10 +982,17 @@ class FlowGRPOTrainer(TrainerBase):
             generator=torch.Generator().manual_seed(EVAL_SEED),
         )
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluation_weights(self) -> AbstractContextManager[None]:
+        """The weights evaluated and exported, swapped in for the block: the EMA of the trained weights under
+        ``trainer.ema_decay``, else the trained weights themselves."""
+        return self.ema.swapped() if self.ema is not None else nullcontext()
+
+    def evaluate(self, live: bool = False) -> dict[str, float]:
+        """Held-out scores of the evaluation weights (:meth:`evaluation_weights`); ``live``: of the trained
+        weights themselves even under ``trainer.ema_decay`` (what the EMA changes; no samples are saved then)."""
         t = self.cfg.trainer
         prompts = self.eval_pool[: t.eval_prompts]
-        with self.ema.swapped() if self.ema is not None else nullcontext():
+        with nullcontext() if live else self.evaluation_weights():
             ro = self.generate(prompts, t.eval_images_per_prompt)
         raw, components = self.score(ro.images, ro.prompts, evaluation=True)
         out = {"eval/reward_mean": float((raw @ self.eval_weights).mean())}
@@ -955,7 +1000,7 @@ class FlowGRPOTrainer(TrainerBase):
             out[f"eval/{spec.key}/mean"] = float(raw[:, k].mean())
         for name, value in components.items():
             out["eval/" + name.removeprefix("reward/")] = float(value.mean())
-        if self.run is not None:
+        if self.run is not None and not live:
             n = min(64, len(ro.prompts))
             records = sample_records(
                 ro.prompts[:n],
@@ -966,7 +1011,7 @@ class FlowGRPOTrainer(TrainerBase):
             )
             self.run.save_samples(self.step, "eval", records, ro.images[:n])
         for name, (extra_prompts, specs, rewards, weights) in self.extra_eval.items():
-            with self.ema.swapped() if self.ema is not None else nullcontext():
+            with nullcontext() if live else self.evaluation_weights():
                 ro = self.generate(extra_prompts, t.eval_images_per_prompt)
             raw, components = self.score_with(specs, rewards, ro.images, ro.prompts)
             out[f"eval/{name}/reward_mean"] = float((raw @ weights).mean())
@@ -989,6 +1034,11 @@ class FlowGRPOTrainer(TrainerBase):
             "optimizer": optimizer_state(self.adapter.transformer, self.optimizer),
             "ema": self.ema.state_dict() if self.ema is not None else None,
             "old_policy": self.old_policy.state_dict() if self.old_policy is not None else None,
+            "distill_teacher": (
+                full_state_dict(self.distill_teacher, trainable_only=False)
+                if self.distill_teacher is not None
+                else None
+            ),
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
@@ -1000,6 +1050,8 @@ class FlowGRPOTrainer(TrainerBase):
             self.ema.load_state_dict(state["ema"])
         if self.old_policy is not None and state.get("old_policy") is not None:
             self.old_policy.load_state_dict(state["old_policy"])
+        if self.distill_teacher is not None and state.get("distill_teacher") is not None:
+            load_trainable(self.distill_teacher, state["distill_teacher"])
 
     def save_lora(self, directory: Path) -> None:
         """The LoRA in diffusers/PEFT format: ``pipe.load_lora_weights(directory)`` loads it on the base model
@@ -1042,12 +1094,20 @@ class FlowGRPOTrainer(TrainerBase):
         state = self.state_dict()
 
         def extra(directory: Path) -> None:  # what diffusers loads, beside the trainer's state.pt
+            # the evaluated weights (the EMA under trainer.ema_decay); state.pt keeps the live ones to resume
             if self.cfg.model.lora is not None:
-                self.save_lora(directory / "adapter")
+                with self.evaluation_weights():
+                    self.save_lora(directory / "adapter")
             else:
-                self.save_transformer(directory, state["trainable"])
+                self.save_transformer(directory, exported_weights(state))
 
         self.write_checkpoint(state, extra)
+
+
+def exported_weights(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The weights a checkpoint's ``state`` (:meth:`FlowGRPOTrainer.state_dict`) was evaluated with: its EMA
+    (``trainer.ema_decay``) when it holds one, else its trained weights."""
+    return state["ema"] if state.get("ema") is not None else state["trainable"]
 
 
 def main(cfg: FlowGRPOConfig) -> dict[str, float]:
@@ -1073,7 +1133,7 @@ def evaluate(
     trainer.setup(for_training=False)
     if checkpoint is not None:
         if cfg.model.lora is None:
-            load_trainable(trainer.adapter.transformer, load_checkpoint(checkpoint)["trainable"])
+            load_trainable(trainer.adapter.transformer, exported_weights(load_checkpoint(checkpoint)))
         else:
             trainer.adapter.load_lora(checkpoint / "adapter")
     prompts = trainer.eval_pool

@@ -152,3 +152,17 @@ def test_ceiling_pass_at_k_bounds_the_mean_and_k1_is_the_evaluation(monkeypatch)
             assert row["mean"] * 3 * row["prompts"] == pytest.approx(round(row["mean"] * 3 * row["prompts"]))
     # K = 1 is the trainer's evaluation itself, and pass@1 equals the mean
     assert base["mean"] == base["pass@1"]
+
+
+def test_ema_recipe_scores_the_ema_and_records_the_live_weights_beside_it(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    cfg = flow_objectives.recipe_config("awm_distill_ema", 0, 2, 8, [*TINY, "trainer.steps=2"])
+    assert cfg.trainer.ema_decay == flow_objectives.EMA_DECAY
+    run = flow_objectives.train_run(cfg, minutes=None, eval_every=1)
+    assert [p["step"] for p in run["curve"]] == [0, 1, 2]
+    start = run["curve"][0]  # before any update the EMA is the start weights
+    assert (start["live_strict"], start["live_count"]) == (start["strict"], start["count"])
+    for point in run["curve"]:
+        assert 0.0 <= point["live_strict"] <= point["live_count"] + 1e-9
+    # the final per-kind scores are the EMA's, as the evaluation's
+    assert run["by_kind"]["all"]["mean"] == pytest.approx(run["curve"][-1]["strict"])

@@ -610,3 +610,154 @@ def test_guidance_distillation_schedule_errors_name_the_key_and_off_skips_the_te
     assert "policy/guidance_gap" not in second and "policy/guidance_weight" not in second
     points = cfg.allocation.rollouts_per_step * cfg.trainer.nft_timesteps
     assert with_teacher - without_teacher == 2 * points
+
+
+# ---------------------------------------------------------------- EMA of the weights (trainer.ema_decay)
+@pytest.mark.parametrize("lora", [True, False])
+def test_ema_warms_up_and_is_what_evaluation_and_the_exported_weights_hold(model_dir, tmp_path, lora):
+    extra = () if lora else ("model.lora=null", "trainer.lr=1e-3")
+    cfg = make_cfg(
+        model_dir, tmp_path, f"ema{lora}", "trainer.objective=nft", "trainer.ema_decay=0.9", *extra
+    )
+    trainer = FlowGRPOTrainer(cfg, Run(cfg.run, cfg))
+    trainer.setup()
+    start = [p.detach().clone() for p in trainer.trainable]
+    trainer.train_step()  # one optimizer step (8 rollouts, minibatch 8) at step n = 0
+    trainer.step += 1
+    first = [p.detach().clone() for p in trainer.trainable]
+    trainer.train_step()  # n = 1
+    trainer.step += 1
+    live = [p.detach().clone() for p in trainer.trainable]
+    # n = 0: d = min(0.9, 1 / 10) = 0.1, ema = 0.1 start + 0.9 first;
+    # n = 1: d = min(0.9, 2 / 11), ema = 2/11 ema + 9/11 live (without the warm-up: 0.81 start + 0.09 first + 0.1 live)
+    expected = [
+        (2 / 11) * (0.1 * a + 0.9 * b) + (9 / 11) * c for a, b, c in zip(start, first, live, strict=True)
+    ]
+    assert any(not torch.equal(a, c) for a, c in zip(start, live, strict=True))
+    with trainer.evaluation_weights():
+        for value, p in zip(expected, trainer.trainable, strict=True):
+            torch.testing.assert_close(p, value, rtol=1e-5, atol=1e-7)
+    assert all(torch.equal(a, p) for a, p in zip(live, trainer.trainable, strict=True))  # restored afterwards
+
+    # the checkpoint's diffusers weights are the EMA; state.pt keeps the live weights (to resume) and the EMA
+    trainer.save_checkpoint()
+    trainer.cleanup()
+    checkpoint = tmp_path / f"ema{lora}/checkpoints/step_00000002"
+    state = torch.load(checkpoint / "state.pt", weights_only=False)
+    names = [n for n, p in trainer.adapter.transformer.named_parameters() if p.requires_grad]
+    for name, value, p in zip(names, expected, live, strict=True):
+        torch.testing.assert_close(state["ema"][name], value, rtol=1e-5, atol=1e-7)
+        assert torch.equal(state["trainable"][name], p)
+    if lora:
+        from diffusers import StableDiffusion3Pipeline
+
+        pipe = StableDiffusion3Pipeline.from_pretrained(
+            model_dir, vae=None, text_encoder_3=None, tokenizer_3=None
+        )
+        pipe.load_lora_weights(checkpoint / "adapter")
+        loaded = {n.replace(".default_0", ".default"): p for n, p in pipe.transformer.named_parameters()}
+    else:
+        from diffusers import SD3Transformer2DModel
+
+        loaded = dict(SD3Transformer2DModel.from_pretrained(checkpoint / "transformer").named_parameters())
+    for name in names:
+        assert torch.equal(loaded[name], state["ema"][name]), name
+
+    # `mmrl eval` of the checkpoint scores the EMA: the trainer's own evaluation at step 2
+    prompts = tmp_path / "heldout.txt"
+    held_out = trainer.eval_pool[: cfg.trainer.eval_prompts]
+    prompts.write_text("\n".join(held_out) + "\n")
+    summary = evaluate(cfg, str(prompts), tmp_path / f"eval{lora}", checkpoint, images_per_prompt=1)
+    other = FlowGRPOTrainer(cfg, None)
+    other.setup()
+    other.load_state(state)
+    assert summary["reward_mean"] == pytest.approx(other.evaluate()["eval/reward_mean"])
+    with other.evaluation_weights():
+        for name, p in zip(names, other.trainable, strict=True):
+            assert torch.equal(p, state["ema"][name])
+
+
+def test_self_teacher_is_refreshed_from_the_ema_every_n_steps_and_resumes(model_dir, tmp_path):
+    cfg = make_cfg(
+        model_dir,
+        tmp_path,
+        "selfteacher",
+        "model.lora=null",
+        "trainer.lr=1e-3",
+        "trainer.objective=nft",
+        "trainer.beta=0.01",
+        "trainer.ema_decay=0.9",
+        "trainer.guidance_distill.weight=1.0",
+        "trainer.guidance_distill.refresh_every=2",
+        "trainer.steps=3",
+    )
+    trainer = FlowGRPOTrainer(cfg, None)
+    trainer.setup()
+
+    def weights(module):
+        return [p.detach().clone() for p in module.parameters()]
+
+    start = weights(trainer.adapter.transformer)
+    live = []
+    for _ in range(2):  # steps 0 and 1: the teacher is the start weights
+        metrics = trainer.train_step()
+        trainer.step += 1
+        live.append(weights(trainer.adapter.transformer))
+        assert "policy/teacher_refreshed" not in metrics
+        assert all(torch.equal(a, b) for a, b in zip(weights(trainer.distill_teacher), start, strict=True))
+    # step 2: the teacher becomes the EMA after two updates, 2/11 (0.1 start + 0.9 live_1) + 9/11 live_2
+    assert trainer.refresh_teacher()
+    for teacher, a, b, c in zip(trainer.distill_teacher.parameters(), start, *live, strict=True):
+        torch.testing.assert_close(
+            teacher, (2 / 11) * (0.1 * a + 0.9 * b) + (9 / 11) * c, rtol=1e-5, atol=1e-7
+        )
+    # the distillation's target is that teacher's CFG-3 velocity, not the start model's
+    batch = trainer.collect()
+    rows, sigma, x_t, _ = trainer._noised(batch.final_latents, batch.groups)
+    cond, guided = batch.cond.select(rows), trainer.adapter.encode(batch.prompts, cfg=True).select(rows)
+    v_uncond, v_cond = trainer._teacher_velocities(x_t, sigma, cond)
+    with torch.no_grad(), trainer.evaluation_weights():
+        expected = trainer.adapter.velocity(x_t, sigma, guided, 3.0)
+    with torch.no_grad(), trainer.reference_policy():  # trainer.beta's reference stays the start weights
+        assert all(
+            torch.equal(a, b) for a, b in zip(weights(trainer.adapter.transformer), start, strict=True)
+        )
+        from_start = trainer.adapter.velocity(x_t, sigma, guided, 3.0)
+    torch.testing.assert_close(v_uncond + 3.0 * (v_cond - v_uncond), expected, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(expected, from_start, rtol=1e-4, atol=1e-5)
+    assert trainer.train_step()["policy/teacher_refreshed"] == 1.0  # the step's own refresh (step 2 % 2 == 0)
+    trainer.step += 1
+    # the teacher is part of the resumable state
+    state = trainer.state_dict()
+    other = FlowGRPOTrainer(cfg, None)
+    other.setup()
+    other.load_state(state)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(weights(other.distill_teacher), weights(trainer.distill_teacher), strict=True)
+    )
+    assert not other.refresh_teacher()  # step 3: not a multiple of 2
+
+
+def test_self_teacher_config_errors_name_the_key(model_dir, tmp_path):
+    distill = ("trainer.objective=nft", "trainer.guidance_distill.weight=1.0")
+    with pytest.raises(ValueError, match=r"trainer\.guidance_distill\.refresh_every .*model\.lora set"):
+        make_cfg(model_dir, tmp_path, "bad", *distill, "trainer.guidance_distill.refresh_every=5")
+    with pytest.raises(ValueError, match=r"trainer\.guidance_distill\.refresh_every .*weight 0\.0"):
+        make_cfg(
+            model_dir,
+            tmp_path,
+            "bad",
+            "trainer.objective=nft",
+            "model.lora=null",
+            "trainer.guidance_distill.refresh_every=5",
+        )
+    with pytest.raises(ValueError, match=r"trainer\.guidance_distill\.refresh_every"):
+        make_cfg(
+            model_dir,
+            tmp_path,
+            "bad",
+            *distill,
+            "model.lora=null",
+            "trainer.guidance_distill.refresh_every=0",
+        )
