@@ -26,6 +26,7 @@ import torch
 
 from mmrl.data.shapes import COLOURS, random_scene, render
 from mmrl.data.shapes_math import MathItem, make_math_items, stated_counts
+from mmrl.vlm.sft import merged_image_tokens
 from mmrl.vlm.sft_reason import sample_completions
 
 #: true counts are bucketed as 0, 1, 2 and 3 (= 3 or more)
@@ -61,9 +62,8 @@ def mean_token_features(
     features = []
     for start in range(0, len(scenes), 128):
         chunk = scenes[start : start + 128]
-        vision = processor.image_processor(images=[render(scene) for scene in chunk], return_tensors="pt")
-        tokens = model.model.visual(vision["pixel_values"], grid_thw=vision["image_grid_thw"]).pooler_output
-        features.append(tokens.view(len(chunk), -1, tokens.shape[-1]).mean(1))
+        images = [render(scene) for scene in chunk]
+        features.append(merged_image_tokens(model.model.visual, processor, images).mean(1))
     counts = torch.tensor([[sum(o.colour == c for o in s.objects) for c in COLOURS] for s in scenes])
     return torch.cat(features), counts.float()
 

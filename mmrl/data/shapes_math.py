@@ -197,20 +197,12 @@ class MathItem:
             return self.completion
         if style == "describe":
             parts = [describe_scene(self.scene), format_trace(self.steps)]
-        elif style == "enumerate":
+        elif style in _COUNT_WALKS:
+            walk = _COUNT_WALKS[style]
             parts = []
             for step in self.steps:
                 if step.is_count:
-                    counted = [o for o in _left_to_right(self.scene) if step.label in _labels(o)]
-                    parts.append(
-                        ", ".join(f"{o.colour} {o.shape} {i}" for i, o in enumerate(counted, 1)) or "none"
-                    )
-                parts.append(str(step))
-        elif style == "tally":
-            parts = []
-            for step in self.steps:
-                if step.is_count:
-                    parts.append(_tally_walk(self.scene, step.label))
+                    parts.append(walk(self.scene, step.label))
                 parts.append(str(step))
         else:
             raise ValueError(f"unknown trace style {style!r}; use one of {list(TRACE_STYLES)}")
@@ -219,6 +211,13 @@ class MathItem:
 
 def _left_to_right(scene: Scene) -> list[SceneObject]:
     return sorted(scene.objects, key=lambda o: o.x)
+
+
+def _numbered_walk(scene: Scene, label: str) -> str:
+    """``"red circle 1, red triangle 2"``: the objects under ``label`` (a count step's label, :func:`_labels`) left
+    to right, numbered; ``"none"`` when there are none."""
+    counted = [obj for obj in _left_to_right(scene) if label in _labels(obj)]
+    return ", ".join(f"{obj.colour} {obj.shape} {i}" for i, obj in enumerate(counted, 1)) or "none"
 
 
 def _tally_walk(scene: Scene, label: str) -> str:
@@ -237,6 +236,10 @@ def _tally_walk(scene: Scene, label: str) -> str:
 def _labels(obj: SceneObject) -> tuple[str, str, str]:
     """The count labels an object falls under: every object, its colour, its plural shape."""
     return ("shapes", obj.colour, f"{obj.shape}s")
+
+
+#: What the ``enumerate`` and ``tally`` trace styles write before each count step.
+_COUNT_WALKS: dict[str, Callable[[Scene, str], str]] = {"enumerate": _numbered_walk, "tally": _tally_walk}
 
 
 # ------------------------------------------------------------------------------------------- templates

@@ -40,6 +40,7 @@ __all__ = [
     "caption",
     "centre_labels",
     "flat_settings",
+    "merged_image_tokens",
     "pretrain_vision",
     "rescore_main",
     "sft_batch",
@@ -153,6 +154,14 @@ def centre_labels(scene: Scene, grid: int) -> tuple[torch.Tensor, torch.Tensor]:
 VisionLabels = Literal["cover", "cover_and_centre"]
 
 
+def merged_image_tokens(visual: torch.nn.Module, processor: Any, images: Sequence[Any]) -> torch.Tensor:
+    """``[B, tokens, hidden]`` merged image tokens of same-size ``images``: what the vision tower and its merger
+    hand the language model in place of each image's ``<|image_pad|>`` tokens."""
+    vision = processor.image_processor(images=list(images), return_tensors="pt")
+    tokens = visual(vision["pixel_values"], grid_thw=vision["image_grid_thw"]).pooler_output
+    return tokens.view(len(images), -1, tokens.shape[-1])
+
+
 def pretrain_vision(
     model: torch.nn.Module,
     processor: Any,
@@ -190,9 +199,8 @@ def pretrain_vision(
 
     def logits(items: Sequence[SceneItem]) -> torch.Tensor:
         """``[B, grid*grid, heads, n_colours + n_shapes]``."""
-        vision = processor.image_processor(images=[item.image for item in items], return_tensors="pt")
-        tokens = visual(vision["pixel_values"], grid_thw=vision["image_grid_thw"]).pooler_output
-        return head(tokens.view(len(items), grid * grid, width)).unflatten(-1, (len(label_fns), -1))
+        tokens = merged_image_tokens(visual, processor, [item.image for item in items])
+        return head(tokens).unflatten(-1, (len(label_fns), -1))
 
     def targets(items: Sequence[SceneItem]) -> tuple[torch.Tensor, torch.Tensor]:
         """``([B, grid*grid, heads] colour, [B, grid*grid, heads] shape)``."""
