@@ -7,10 +7,21 @@ trainer logs and which the core's decoupled multi-reward advantages (GDPO) can u
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+
+@dataclass(frozen=True)
+class StepScore:
+    """The score of one step a completion states: characters ``start:end`` of the completion text (as the reward
+    read it) and the step's reward, for process credit (token advantages per step)."""
+
+    start: int
+    end: int
+    score: float
 
 
 @dataclass
@@ -22,11 +33,14 @@ class RewardOutput:
         components: named ``[B]`` float32 tensors (criteria, sub-scores); may be empty.
         reasons: per-sample text saying why a sample scored what it did (``None`` where there is nothing to
             say); verifiers use it for malformed completions instead of raising.
+        steps: per sample, the score of each step its completion states (rewards with ``scores_steps``; an
+            empty list for a completion without steps); ``None`` from rewards that score whole samples only.
     """
 
     scores: torch.Tensor
     components: dict[str, torch.Tensor] = field(default_factory=dict)
     reasons: list[str | None] | None = None
+    steps: list[list[StepScore]] | None = None
 
     def __post_init__(self) -> None:
         if self.scores.ndim != 1:
@@ -36,6 +50,10 @@ class RewardOutput:
                 raise ValueError(
                     f"component {name!r} has shape {tuple(value.shape)}, expected {tuple(self.scores.shape)}"
                 )
+        if self.steps is not None and len(self.steps) != self.scores.shape[0]:
+            raise ValueError(
+                f"RewardOutput.steps has {len(self.steps)} entries for {self.scores.shape[0]} scores"
+            )
 
 
 class Reward:
@@ -49,6 +67,8 @@ class Reward:
 
     #: registry name, set by :func:`rewards.registry.register`
     name: str = ""
+    #: the reward also scores each step of a completion (``RewardOutput.steps``), for process credit
+    scores_steps: bool = False
 
     def score(self, **batch: Any) -> RewardOutput:
         raise NotImplementedError(f"{type(self).__name__} must implement score(**batch)")
@@ -106,4 +126,11 @@ def checked_score(reward: Reward, label: str, size: int, **batch: Any) -> Reward
             f"reward {label!r} returned {len(bad)} non-finite score(s) of {size}; the first is "
             f"{scores[i].item()} at sample {i}{where}"
         )
+    for i, steps in enumerate(out.steps or []):
+        for step in steps:
+            if not (math.isfinite(step.score) and 0 <= step.start <= step.end):
+                raise RewardCheckError(
+                    f"reward {label!r} returned a step score {step} at sample {i}: scores must be finite and "
+                    "spans 0 <= start <= end"
+                )
     return out

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from rewards.base import Reward, RewardOutput
+from rewards.base import Reward, RewardOutput, StepScore
 from rewards.registry import register
 
 # stripped from both ends of an answer by exact_match: sentence punctuation, quotes, markdown emphasis.
@@ -477,18 +477,32 @@ class Format(TextVerifier):
 _STEP_BOUNDARY = re.compile(r"\.(?=\s|$)|;|\n")
 
 
-def solution_steps(text: str) -> list[str]:
-    """The steps of a worked solution, normalised: split at :data:`_STEP_BOUNDARY` (so ``3.5`` stays one
-    number), case-folded, whitespace collapsed and removed around ``= + - * / ×``, empty steps dropped.
+def solution_step_spans(text: str) -> list[tuple[int, int, str]]:
+    """The steps of a worked solution with where they are: ``(start, end, step)`` with ``text[start:end]`` the
+    step as written (surrounding whitespace excluded) and ``step`` its normal form: split at
+    :data:`_STEP_BOUNDARY` (so ``3.5`` stays one number), case-folded, whitespace collapsed and removed around
+    ``= + - * / ×``; empty steps dropped.
 
-    ``"shapes 4. Red 2. 4 - 2 = 2"`` -> ``["shapes 4", "red 2", "4-2=2"]``.
+    ``"shapes 4. Red 2"`` -> ``[(0, 8, "shapes 4"), (10, 15, "red 2")]``.
     """
-    steps = []
-    for part in _STEP_BOUNDARY.split(text):
+    spans = []
+    start = 0
+    for boundary in [*_STEP_BOUNDARY.finditer(text), None]:
+        end = boundary.start() if boundary is not None else len(text)
+        part = text[start:end]
         step = re.sub(r"\s*([=+\-*/×])\s*", r"\1", " ".join(part.split()).casefold())
         if step:
-            steps.append(step)
-    return steps
+            lead = len(part) - len(part.lstrip())
+            spans.append((start + lead, start + len(part.rstrip()), step))
+        if boundary is not None:
+            start = boundary.end()
+    return spans
+
+
+def solution_steps(text: str) -> list[str]:
+    """The normal forms of :func:`solution_step_spans`: ``"shapes 4. Red 2. 4 - 2 = 2"`` ->
+    ``["shapes 4", "red 2", "4-2=2"]``."""
+    return [step for _, _, step in solution_step_spans(text)]
 
 
 @register("reasoning_steps")
@@ -511,6 +525,7 @@ class ReasoningSteps(Reward):
 
     #: trainers check before the first rollout that every question has a reference solution
     needs_reference = True
+    scores_steps = True
 
     def __init__(self, think_tag: str = "think"):
         self.think_tag = think_tag
@@ -518,14 +533,16 @@ class ReasoningSteps(Reward):
     def score(
         self, *, completions: Sequence[Any], references: Sequence[str] | None = None, **_: Any
     ) -> RewardOutput:
-        """Score each completion against its reference solution; other batch fields are ignored.
+        """Score each completion against its reference solution; other batch fields are ignored. Each stated
+        step also gets its own score in ``RewardOutput.steps`` (process credit): 1 if it matches a reference step
+        not matched by an earlier stated step (the multiset intersection of the F1, in the order written), else 0.
 
         Raises:
             ValueError: ``references`` missing, not one per completion, or an empty one (a data error: the
                 questions carry no reference solutions; set ``data.reference_column``).
         """
         check_per_completion(self.name, completions, "references", references)
-        scores, reasons = [], []
+        scores, reasons, steps = [], [], []
         for index, (completion, reference) in enumerate(zip(completions, references, strict=True)):
             expected = solution_steps(str(reference or ""))
             if not expected:
@@ -533,28 +550,38 @@ class ReasoningSteps(Reward):
                     f"reward {self.name!r}: sample {index} has no reference solution ({reference!r}); the questions "
                     "need one each (data.reference_column, or a generated source that carries them)"
                 )
-            value, reason = self._check(completion, expected)
+            value, reason, stated = self._check(completion, expected)
             scores.append(value)
             reasons.append(reason)
-        return RewardOutput(scores=torch.tensor(scores, dtype=torch.float32), reasons=reasons)
+            steps.append(stated)
+        return RewardOutput(scores=torch.tensor(scores, dtype=torch.float32), reasons=reasons, steps=steps)
 
-    def _check(self, completion: Any, expected: list[str]) -> tuple[float, str | None]:
+    def _check(self, completion: Any, expected: list[str]) -> tuple[float, str | None, list[StepScore]]:
         text = completion_text(completion)
         if text is None:
-            return 0.0, f"completion is not text ({type(completion).__name__})"
-        span = extract_tag(text, self.think_tag) if self.think_tag else text
-        if span is None:
-            return 0.0, f"no <{self.think_tag}>...</{self.think_tag}> span"
-        stated = solution_steps(span)
+            return 0.0, f"completion is not text ({type(completion).__name__})", []
+        if self.think_tag:
+            spans = list(
+                re.finditer(
+                    rf"<{re.escape(self.think_tag)}>(.*?)</{re.escape(self.think_tag)}>", text, re.DOTALL
+                )
+            )
+            if not spans:
+                return 0.0, f"no <{self.think_tag}>...</{self.think_tag}> span", []
+            offset, span = spans[-1].start(1), spans[-1].group(1)
+        else:
+            offset, span = 0, text
+        stated = solution_step_spans(span)
         if not stated:
-            return 0.0, "no steps in the worked solution"
+            return 0.0, "no steps in the worked solution", []
         unmatched = list(expected)
-        shared = 0
-        for step in stated:
-            if step in unmatched:
+        step_scores = []
+        for start, end, step in stated:
+            matched = step in unmatched
+            if matched:
                 unmatched.remove(step)
-                shared += 1
+            step_scores.append(StepScore(offset + start, offset + end, float(matched)))
+        shared = len(expected) - len(unmatched)
         f1 = 2 * shared / (len(stated) + len(expected))
-        return f1, None if shared == len(expected) == len(
-            stated
-        ) else f"{shared} of {len(expected)} reference steps"
+        complete = shared == len(expected) == len(stated)
+        return f1, None if complete else f"{shared} of {len(expected)} reference steps", step_scores

@@ -21,6 +21,7 @@ __all__ = [
     "group_normalized",
     "median_centered",
     "nonzero_mask",
+    "process_supervised",
     "rloo",
     "single_rollout",
     "tree_depthwise",
@@ -242,6 +243,73 @@ def tree_depthwise(
     std = level.std(node_reward)[level.index]
     adv = ((node_reward - mean) / (std + eps)).masked_fill(parent < 0, 0.0)
     return adv, node_reward
+
+
+def process_supervised(
+    step_rewards: torch.Tensor,
+    step_rows: torch.Tensor,
+    step_first: torch.Tensor,
+    step_last: torch.Tensor,
+    step_groups: torch.Tensor,
+    num_rows: int,
+    num_tokens: int,
+    credit: Literal["return", "step"] = "return",
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Token advantages from rewards on the steps of each completion (process supervision).
+
+    Each step ``j`` is a span of tokens ``step_first[j] .. step_last[j]`` of completion ``step_rows[j]`` with a
+    reward ``r_j`` (e.g. 1 if the step is a right one, else 0). The rewards are normalised among the steps of a
+    group, ``r~_j = (r_j - mean_g(r)) / (std_g(r) + eps)`` (population std over every step of the group's
+    completions), and turned into token advantages:
+
+    * ``credit="return"``: ``A_{i,t} = sum_{j of i: last_j >= t} r~_j``, the sum of the normalised rewards of
+      the steps that end at or after token ``t`` (DeepSeekMath 2402.03300, sec. 4.1.3, GRPO with process
+      supervision): a token is credited with everything that follows it;
+    * ``credit="step"``: ``A_{i,t} = r~_j`` for the tokens of step ``j`` and 0 elsewhere: each step answers for
+      itself only, so a wrong count written after a right one does not lower the right one.
+
+    Tokens after a completion's last step (e.g. its answer) get 0 from the steps; add a sequence advantage for them.
+
+    Args:
+        step_rewards: ``[S]`` reward of each step.
+        step_rows: ``[S]`` int64 completion (row) of each step, in ``[0, num_rows)``.
+        step_first, step_last: ``[S]`` int64 first and last token of each step (inclusive), in
+            ``[0, num_tokens)``, ``first <= last``.
+        step_groups: ``[S]`` the group a step is normalised in (group mode: its completion's prompt group;
+            single rollout: one group for the whole batch).
+        num_rows, num_tokens: the shape ``[B, T]`` of the result.
+
+    Returns:
+        ``[num_rows, num_tokens]`` float advantages (zero rows for completions without steps).
+    """
+    if step_rewards.ndim != 1:
+        raise ValueError(f"step_rewards must be 1-D [S], got shape {tuple(step_rewards.shape)}")
+    check_same_shape(
+        step_rewards=step_rewards,
+        step_rows=step_rows,
+        step_first=step_first,
+        step_last=step_last,
+        step_groups=step_groups,
+    )
+    if credit not in ("return", "step"):
+        raise ValueError(f"credit must be 'return' or 'step', got {credit!r}")
+    dtype = step_rewards.dtype if step_rewards.is_floating_point() else torch.float32
+    out = torch.zeros(num_rows, num_tokens, dtype=dtype, device=step_rewards.device)
+    if step_rewards.numel() == 0:  # no completion stated a step
+        return out
+    check_finite("step_rewards", step_rewards)
+    if bool((step_rows < 0).any() or (step_rows >= num_rows).any()):
+        raise ValueError(f"step_rows must lie in [0, {num_rows}), got {step_rows.tolist()}")
+    if bool((step_first < 0).any() or (step_last >= num_tokens).any() or (step_first > step_last).any()):
+        raise ValueError(f"step token spans must satisfy 0 <= first <= last < {num_tokens}")
+    normalised = group_normalized(step_rewards.to(dtype), step_groups, eps=eps)
+    tokens = torch.arange(num_tokens, device=step_rewards.device)
+    if credit == "return":
+        covers = tokens[None, :] <= step_last[:, None]  # [S, T]: step j is at or after token t
+    else:
+        covers = (tokens[None, :] >= step_first[:, None]) & (tokens[None, :] <= step_last[:, None])
+    return out.index_add(0, step_rows, covers.to(dtype) * normalised[:, None])
 
 
 def single_rollout(

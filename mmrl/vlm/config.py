@@ -117,6 +117,24 @@ class EntropyShaping(Config):
     )
 
 
+class ProcessCredit(Config):
+    reward: str | None = Field(
+        None,
+        description="Key (label or name) of a reward in `rewards` that scores each step a completion states "
+        "(reasoning_steps); null: off. Its step scores, normalised over the batch's steps (single) or a group's "
+        "steps (group), become token advantages added to the sequence advantage (DeepSeekMath's process "
+        "supervision, mmrl.core.advantages.process_supervised).",
+    )
+    weight: float = Field(
+        1.0, gt=0, description="Scale of the step advantages added to the sequence advantage."
+    )
+    credit: Literal["return", "step"] = Field(
+        "return",
+        description="return: a token gets the sum of the normalised scores of the steps ending at or after it "
+        "(DeepSeekMath); step: the tokens of a step get that step's score only.",
+    )
+
+
 class VLMTrainerConfig(Config):
     mode: Literal["single", "group"] = Field(
         "single", description="single: MSSR/SPO one rollout; group: GRPO family."
@@ -152,6 +170,7 @@ class VLMTrainerConfig(Config):
     )
     # shared
     entropy_shaping: EntropyShaping = Field(default_factory=EntropyShaping)
+    process_credit: ProcessCredit = Field(default_factory=ProcessCredit)
     epsilon_low: float = Field(
         0.2,
         ge=0,
@@ -316,6 +335,12 @@ class VLMRLVRConfig(Config):
         check_reward_keys(self.rewards, "rewards")
         check_reward_keys([*self.rewards, *self.eval_rewards], "rewards + eval_rewards")
         t, a = self.trainer, self.allocation
+        keys = [spec.key for spec in self.rewards]
+        if t.process_credit.reward is not None and t.process_credit.reward not in keys:
+            raise ValueError(
+                f"trainer.process_credit.reward={t.process_credit.reward!r} is not the key of a reward in "
+                f"`rewards` ({keys})"
+            )
         if t.mode == "group" and t.multi_reward == "gdpo" and t.advantage == "mc_grpo":
             raise ValueError(
                 "trainer.multi_reward=gdpo needs a mean-centred estimator, not mc_grpo's median pivot"

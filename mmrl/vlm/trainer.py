@@ -8,7 +8,9 @@ One training step:
 2. generate with behaviour log-probs (transformers or vLLM), verify the answers (rewards/);
 3. advantages: ``single`` (MSSR / SPO): ``A = r - V(x)`` with ``V`` the store's posterior mean *before* this
    batch, scaled by the batch std; ``group``: GRPO / Dr.GRPO / RLOO / MC-GRPO (pivot excluded), optional DAPO
-   dynamic sampling; then entropy shaping per token ``A_t + min(alpha H_t, |A_t| / kappa)``;
+   dynamic sampling; with ``trainer.process_credit`` plus per-token advantages from a reward's scores of each
+   stated step (``mmrl/vlm/process_credit.py``); then entropy shaping per token ``A_t + min(alpha H_t, |A_t| /
+   kappa)``;
 4. clipped surrogate (clip-higher, dual clip), k3 KL to the reference (adapter disabled), truncated importance
    weights when the rollout engine is not the trainer, aggregated per ``loss_agg``.
 
@@ -60,6 +62,7 @@ from mmrl.schedule import learning_rate
 from mmrl.trainer_base import TrainerBase
 from mmrl.vlm.config import VLMRLVRConfig
 from mmrl.vlm.pooled import PooledVLMSource, pooled_worker_factory
+from mmrl.vlm.process_credit import process_advantages
 from mmrl.vlm.rollouts import LoopVLMSource, VLMPairs
 from pipelines.pool.protocol import WeightUpdate
 from pipelines.pool.weights import make_update
@@ -163,6 +166,13 @@ class VLMRLVRTrainer(TrainerBase):
         self.rewards = [reward_registry.build(spec.name, **spec.options) for spec in cfg.rewards]
         self.reward_weights = torch.tensor([spec.weight for spec in cfg.rewards], dtype=torch.float32)
         self.eval_rewards = [reward_registry.build(spec.name, **spec.options) for spec in cfg.eval_rewards]
+        credited = cfg.trainer.process_credit.reward
+        for spec, reward in zip(cfg.rewards, self.rewards, strict=True):
+            if spec.key == credited and not reward.scores_steps:
+                raise ValueError(
+                    f"trainer.process_credit.reward={credited!r}: reward {spec.name!r} scores whole completions, "
+                    "not their steps (use a reward with step scores, e.g. reasoning_steps)"
+                )
         verifiers = [
             (spec.key, r)
             for spec, r in zip(
@@ -425,8 +435,8 @@ class VLMRLVRTrainer(TrainerBase):
     def collect(
         self,
     ) -> tuple[list[tuple[VQAExample, GenerationSample]], torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Steps 1-3: ``(pairs, sequence advantages [N], row mask [N] of samples that enter the loss, weight
-        lags [N] of the samples)``."""
+        """Steps 1-3: ``(pairs, advantages, row mask [N] of samples that enter the loss, weight lags [N] of the
+        samples)``; the advantages are per sequence ``[N]``, or per token ``[N, T]`` with process credit."""
         t = self.cfg.trainer
         source = self.rollout_source.collect(self.step)
         pairs = [(self.by_id[pid], sample) for pid, sample in source.output]
@@ -456,8 +466,36 @@ class VLMRLVRTrainer(TrainerBase):
         )
         self.metrics.add("adv/mean", adv.mean())
         self.metrics.add("adv/std", adv.std(correction=0))
+        if t.process_credit.reward is not None:
+            adv = self._add_process_credit(pairs, adv, group_ids)
         self.rollout_source.prefetch(self.step)  # later steps' requests, chosen with this step's statistics
         return pairs, adv, keep, source.sample_lags
+
+    def _add_process_credit(
+        self,
+        pairs: list[tuple[VQAExample, GenerationSample]],
+        adv: torch.Tensor,
+        group_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """``[N, T]`` token advantages: the sequence advantages ``adv [N]`` on every token plus
+        ``process_credit.weight`` times the step advantages of :func:`mmrl.vlm.process_credit.process_advantages`
+        (``T``: the longest completion)."""
+        credit = self.cfg.trainer.process_credit
+        # The credited verifier is asked again for its step scores (a text verifier: microseconds), so that
+        # verify() stays the one place a step's rewards come from.
+        index = [spec.key for spec in self.cfg.rewards].index(credit.reward)
+        scored = checked_score(self.rewards[index], credit.reward, len(pairs), **self._reward_batch(pairs))
+        width = max(len(s.completion_token_ids) for _, s in pairs)
+        steps, metrics = process_advantages(
+            getattr(self.processor, "tokenizer", self.processor),
+            [(s.completion_token_ids, s.text) for _, s in pairs],
+            scored.steps or [[] for _ in pairs],
+            group_ids if self.cfg.trainer.mode == "group" else None,
+            num_tokens=width,
+            credit=credit.credit,
+        )
+        self.metrics.add_dict(metrics)
+        return adv[:, None] + credit.weight * steps
 
     def loss_weights(
         self, old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, lags: torch.Tensor
@@ -492,7 +530,8 @@ class VLMRLVRTrainer(TrainerBase):
         keep: torch.Tensor,
         lags: torch.Tensor | None = None,
     ) -> None:
-        """One update on the step's samples; ``lags [N]`` (default 0) are their weight lags."""
+        """One update on the step's samples: ``adv`` per sequence ``[N]`` or per token ``[N, T]`` (cut or padded
+        to each minibatch's longest completion); ``lags [N]`` (default 0) are their weight lags."""
         if lags is None:
             lags = torch.zeros(len(pairs), dtype=torch.long)
         t = self.cfg.trainer
@@ -525,14 +564,14 @@ class VLMRLVRTrainer(TrainerBase):
                     old[chunk] = new.detach()
                 o = old[chunk]
                 mask = o.mask
-                a = adv[idx].to(mask.device).float()
+                a = _token_width(adv[idx], mask.shape[1]).to(mask.device).float()
                 entropy = o.entropy if t.entropy_shaping.kind == "full" else o.sampled_entropy
                 if t.entropy_shaping.enabled:
                     a_tok = adv_lib.entropy_shaped(
                         a, entropy, t.entropy_shaping.alpha, t.entropy_shaping.kappa
                     )
                 else:
-                    a_tok = a.unsqueeze(1).expand_as(o.logprobs)
+                    a_tok = a.unsqueeze(1).expand_as(o.logprobs) if a.ndim == 1 else a
                 per_token = loss_lib.clipped_surrogate(
                     new.logprobs, o.logprobs, a_tok, t.epsilon_low, t.epsilon_high, t.dual_clip
                 )
@@ -577,7 +616,13 @@ class VLMRLVRTrainer(TrainerBase):
         if self.run is not None and (self.step + 1) % self.cfg.trainer.sample_every == 0:
             shown = pairs[:8]
             total, raw = self.verify(shown)  # (collect keeps the advantages, not the rewards)
-            self._save_samples(self.step + 1, "train", shown, total, raw, adv[:8].tolist())
+            if adv.ndim == 2:  # token advantages: each sample's mean over its completion's tokens
+                shown_adv = [
+                    float(adv[i, : len(s.completion_token_ids)].mean()) for i, (_, s) in enumerate(shown)
+                ]
+            else:
+                shown_adv = adv[:8].tolist()
+            self._save_samples(self.step + 1, "train", shown, total, raw, shown_adv)
         return self.metrics.reduce()
 
     def _save_samples(
@@ -735,6 +780,16 @@ def _group_index(prompt_ids: list[str]) -> list[int]:
     """Contiguous group index per sample from its prompt id (samples of a prompt share a group)."""
     seen: dict[str, int] = {}
     return [seen.setdefault(p, len(seen)) for p in prompt_ids]
+
+
+def _token_width(adv: torch.Tensor, width: int) -> torch.Tensor:
+    """Sequence advantages ``[B]`` as they are; token advantages ``[B, T']`` cut or zero-padded to ``[B, width]``
+    (the minibatch's longest completion)."""
+    if adv.ndim == 1:
+        return adv
+    if adv.shape[1] >= width:
+        return adv[:, :width]
+    return torch.nn.functional.pad(adv, (0, width - adv.shape[1]))
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -227,3 +227,77 @@ def test_sparse_and_negative_group_ids_match_dense_ids():
     dense = A.group_normalized(r, torch.tensor([0, 0, 1, 1, 2]))
     for ids in ([-5, -5, 10**12, 10**12, 7], [2, 2, 9, 9, 40]):
         torch.testing.assert_close(A.group_normalized(r, torch.tensor(ids)), dense)
+
+
+def test_process_supervised_hand_values():
+    # two completions, two steps each; rewards 1, 0 | 1, 1: mean 0.75, std sqrt(3)/4
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    rows, first, last = torch.tensor([0, 0, 1, 1]), torch.tensor([0, 3, 1, 4]), torch.tensor([2, 5, 3, 4])
+    one_group = torch.zeros(4, dtype=torch.long)
+    up, down = 1 / math.sqrt(3), -math.sqrt(3)  # (1 - 0.75) / (sqrt(3)/4), (0 - 0.75) / (sqrt(3)/4)
+    returns = A.process_supervised(rewards, rows, first, last, one_group, 2, 7)
+    expected = torch.tensor(
+        [
+            [up + down] * 3 + [down] * 3 + [0.0],
+            [2 * up] * 4 + [up] + [0.0] * 2,
+        ]
+    )
+    torch.testing.assert_close(returns, expected, atol=1e-5, rtol=0)
+    own = A.process_supervised(rewards, rows, first, last, one_group, 2, 7, credit="step")
+    expected = torch.tensor([[up] * 3 + [down] * 3 + [0.0], [0.0] + [up] * 4 + [0.0] * 2])
+    torch.testing.assert_close(own, expected, atol=1e-5, rtol=0)
+    # in two groups each completion's steps are normalised among themselves
+    per_row = A.process_supervised(rewards, rows, first, last, rows, 2, 7, credit="step")
+    torch.testing.assert_close(per_row[0, :6], torch.tensor([1.0] * 3 + [-1.0] * 3), atol=1e-5, rtol=0)
+    assert per_row[1].abs().max() == 0  # equal step rewards: nothing to learn from
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_process_supervised_properties(data):
+    num_rows, num_tokens = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 9))
+    num_steps = data.draw(st.integers(0, 10))
+    rows = torch.tensor(
+        data.draw(st.lists(st.integers(0, num_rows - 1), min_size=num_steps, max_size=num_steps))
+    )
+    spans = [
+        sorted(data.draw(st.lists(st.integers(0, num_tokens - 1), min_size=2, max_size=2))) for _ in rows
+    ]
+    first = torch.tensor([a for a, _ in spans], dtype=torch.long)
+    last = torch.tensor([b for _, b in spans], dtype=torch.long)
+    rewards = torch.tensor(
+        data.draw(st.lists(st.sampled_from([0.0, 1.0]), min_size=num_steps, max_size=num_steps)),
+        dtype=torch.float64,
+    )
+    groups = torch.zeros(num_steps, dtype=torch.long)
+    returns = A.process_supervised(rewards, rows.long(), first, last, groups, num_rows, num_tokens)
+    own = A.process_supervised(rewards, rows.long(), first, last, groups, num_rows, num_tokens, credit="step")
+    assert returns.shape == own.shape == (num_rows, num_tokens)
+    if num_steps == 0:
+        assert returns.abs().max() == 0
+        return
+    normalised = A.group_normalized(rewards, groups)
+    # token 0 of a row is credited with every step of the row; the whole batch's steps sum to 0
+    for row in range(num_rows):
+        torch.testing.assert_close(returns[row, 0], normalised[rows == row].sum())
+    torch.testing.assert_close(own.sum(), (normalised * (last - first + 1)).sum())
+    # a return never changes after a row's last step ends: tokens past every step get 0
+    for row in range(num_rows):
+        ends = last[rows == row]
+        after = int(ends.max()) + 1 if ends.numel() else 0
+        assert bool((returns[row, after:] == 0).all())
+
+
+def test_process_supervised_refuses_bad_spans():
+    one = torch.ones(1)
+    zero = torch.zeros(1, dtype=torch.long)
+    with pytest.raises(ValueError, match="first <= last"):
+        A.process_supervised(one, zero, torch.tensor([3]), torch.tensor([2]), zero, 1, 5)
+    with pytest.raises(ValueError, match="first <= last"):
+        A.process_supervised(one, zero, zero, torch.tensor([5]), zero, 1, 5)
+    with pytest.raises(ValueError, match=r"step_rows must lie in \[0, 1\)"):
+        A.process_supervised(one, torch.tensor([1]), zero, zero, zero, 1, 5)
+    with pytest.raises(ValueError, match="credit must be"):
+        A.process_supervised(one, zero, zero, zero, zero, 1, 5, credit="future")
+    with pytest.raises(ValueError, match="step_rewards contains NaN"):
+        A.process_supervised(torch.tensor([float("nan")]), zero, zero, zero, zero, 1, 5)

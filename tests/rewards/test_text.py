@@ -235,6 +235,36 @@ def test_reasoning_steps_is_the_f1_of_the_step_multisets() -> None:
     assert whole(completions=["red 2. 4-2=2"], references=["red 2. 4-2=2"]).tolist() == [1.0]
 
 
+def test_solution_step_spans_locate_each_step() -> None:
+    from rewards.text import solution_step_spans
+
+    text = " shapes 4.  Red  2. 4 - 2 = 2.\n3.5 ; x"
+    spans = solution_step_spans(text)
+    assert [text[a:b] for a, b, _ in spans] == ["shapes 4", "Red  2", "4 - 2 = 2", "3.5", "x"]
+    assert [step for _, _, step in spans] == ["shapes 4", "red 2", "4-2=2", "3.5", "x"]
+
+
+def test_reasoning_steps_scores_each_stated_step_where_it_is_written() -> None:
+    completions = [
+        "<think>shapes 4. red 1. red 2. 4-2=2</think><answer>2</answer>",
+        "<think>x</think> <think>shapes 4. shapes 4</think>",  # the last span is read; a repeat matches once
+        "<answer>2</answer>",
+    ]
+    out = rewards.build("reasoning_steps").score(
+        completions=completions, references=["shapes 4. red 2. 4-2=2"] * 3
+    )
+    stated = [
+        [(text[s.start : s.end], s.score) for s in steps]
+        for text, steps in zip(completions, out.steps, strict=True)
+    ]
+    assert stated[0] == [("shapes 4", 1.0), ("red 1", 0.0), ("red 2", 1.0), ("4-2=2", 1.0)]
+    assert stated[1] == [("shapes 4", 1.0), ("shapes 4", 0.0)]
+    assert stated[2] == []
+    # the step scores are the F1's intersection: shared steps = sum of the step scores
+    assert out.scores[0].item() == pytest.approx(2 * 3 / (4 + 3))
+    assert rewards.build("reasoning_steps").scores_steps and not rewards.build("format").scores_steps
+
+
 def test_reasoning_steps_needs_one_reference_per_completion() -> None:
     steps = rewards.build("reasoning_steps")
     with pytest.raises(ValueError, match=r"needs references.*2 completions, got none"):

@@ -1,0 +1,101 @@
+"""Process credit: token advantages from a reward's scores of the steps each completion states.
+
+A reward with ``scores_steps`` (``reasoning_steps``) returns, per completion, the character span and score of
+every step it wrote (:class:`rewards.base.StepScore`). This module finds the tokens that wrote each span and hands
+the steps to :func:`mmrl.core.advantages.process_supervised`, which normalises the step scores and spreads them
+over the tokens. The trainer adds the result to the sequence advantage:
+
+    A_{i,t} = A_i + weight * sum_{j of i: last_j >= t} r~_j        (credit="return"; "step": the step's own r~_j)
+
+so a right count written in a wrong trace is still pushed up, and a wrong one in a right trace down, where the
+sequence reward alone gives every token of a completion the same sign.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+
+from mmrl.core import advantages as adv_lib
+from rewards.base import StepScore
+
+__all__ = ["process_advantages", "token_char_ends"]
+
+
+def token_char_ends(tokenizer: Any, token_ids: Sequence[int]) -> list[int]:
+    """``[T]`` the length of the decoded text after each token: token ``k`` wrote characters
+    ``ends[k-1]:ends[k]`` of ``tokenizer.decode(token_ids, skip_special_tokens=True)`` (special tokens write
+    none). A prefix that ends inside a multi-byte character decodes a replacement character; the ends are kept
+    non-decreasing so such a token writes at most that character."""
+    ends: list[int] = []
+    for k in range(len(token_ids)):
+        length = len(tokenizer.decode(token_ids[: k + 1], skip_special_tokens=True))
+        ends.append(max(length, ends[-1]) if ends else length)
+    return ends
+
+
+def process_advantages(
+    tokenizer: Any,
+    completions: Sequence[tuple[Sequence[int], str]],
+    steps: Sequence[Sequence[StepScore]],
+    group_ids: torch.Tensor | None,
+    num_tokens: int,
+    credit: Literal["return", "step"] = "return",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """``([N, num_tokens] token advantages, metrics)`` of completions scored step by step.
+
+    Args:
+        tokenizer: the tokenizer that decoded the completions.
+        completions: ``(token ids, text)`` of each completion, the text as the reward read it.
+        steps: per completion, its scored steps (character spans of its text).
+        group_ids: ``[N]`` the prompt group of each completion (group mode: steps are normalised within a
+            group), or ``None`` to normalise over all the batch's steps (single rollout).
+        num_tokens: width of the result (at least the longest completion).
+        credit: as :func:`mmrl.core.advantages.process_supervised`.
+
+    A completion whose tokens do not decode to its text (a backend that post-processes its text) gets no step
+    advantages; the metric ``process/unaligned_frac`` counts them. Metrics: ``process/step_score_mean`` (mean
+    score of the stated steps), ``process/steps_per_sample``.
+    """
+    if len(completions) != len(steps):
+        raise ValueError(f"{len(completions)} completions but step scores for {len(steps)}")
+    rows, first, last, scores, groups = [], [], [], [], []
+    unaligned = 0
+    for row, ((token_ids, text), stated) in enumerate(zip(completions, steps, strict=True)):
+        if not stated:
+            continue
+        ends = token_char_ends(tokenizer, token_ids)
+        if not ends or ends[-1] != len(text):
+            unaligned += 1
+            continue
+        for step in stated:
+            # the first token whose text reaches past the step's start, the first whose text reaches its end
+            first_token = bisect_left(ends, step.start + 1)
+            last_token = bisect_left(ends, step.end)
+            if last_token >= len(ends) or first_token > last_token:
+                continue
+            rows.append(row)
+            first.append(first_token)
+            last.append(last_token)
+            scores.append(step.score)
+            groups.append(int(group_ids[row]) if group_ids is not None else 0)
+    advantages = adv_lib.process_supervised(
+        torch.tensor(scores, dtype=torch.float32),
+        torch.tensor(rows, dtype=torch.long),
+        torch.tensor(first, dtype=torch.long),
+        torch.tensor(last, dtype=torch.long),
+        torch.tensor(groups, dtype=torch.long),
+        num_rows=len(completions),
+        num_tokens=num_tokens,
+        credit=credit,
+    )
+    metrics = {
+        "process/unaligned_frac": unaligned / max(len(completions), 1),
+        "process/steps_per_sample": len(scores) / max(len(completions), 1),
+    }
+    if scores:
+        metrics["process/step_score_mean"] = sum(scores) / len(scores)
+    return advantages, metrics
