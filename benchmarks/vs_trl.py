@@ -10,14 +10,17 @@ carries over to all three variants):
 * ``vqa`` (default): ``configs/demo/vlm_shapes_single.yaml``, shapes VQA, LoRA r16/a32 on the language model,
   lr 1e-3, temperature 1, 8 new tokens, ``exact_match``; held-out ``eval/accuracy``.
 * ``reason``: ``configs/demo/vlm_shapes_reason.yaml``, shapes-math with a ``<think>`` trace, full fine-tuning with
-  the vision tower frozen, 48 new tokens, reward 0.8 x ``numeric`` on the answer span + 0.2 x ``format``;
+  the vision tower frozen, 48 new tokens, reward 0.6 x ``numeric`` on the answer span + 0.3 x ``reasoning_steps``
+  + 0.1 x ``format``;
   held-out ``eval/lenient_accuracy`` (held-out scenes) and ``eval/templates/lenient_accuracy`` (held-out
   templates).
 
 Three variants train with 64 completions per step on the same questions:
 
-* ``mmrl_single``: the recipe as it is, one rollout for each of 64 prompts (store baseline, entropy shaping);
-* ``mmrl_group``: ``trainer.mode=group``, 8 prompts x G=8, GRPO advantages, no entropy shaping;
+* ``mmrl_single``: the recipe as it is, one rollout for each of 64 prompts (store baseline, entropy shaping, and
+  the recipe's process credit if it has one);
+* ``mmrl_group``: ``trainer.mode=group``, 8 prompts x G=8, GRPO advantages, no entropy shaping, no process
+  credit (TRL has none: it trains on the sequence rewards only);
 * ``trl``: ``trl.GRPOTrainer``, 8 prompts x G=8 (``per_device_train_batch_size=64``, one optimizer step per
   generation batch), the recipe's loss aggregation (``token_mean`` = TRL's ``"dapo"``), clip range, beta, lr
   and its schedule over the run, no gradient checkpointing, fp32, the same trainable parameters (the LoRA, or
@@ -157,7 +160,9 @@ def config_overrides(
             "trainer.mode=group",
             f"trainer.num_generations={G}",
             f"allocation.prompts_per_step={ROLLOUTS_PER_STEP // G}",
+            # GRPO as TRL runs it: no entropy shaping, and sequence rewards only (TRL has no process credit)
             "trainer.entropy_shaping.enabled=false",
+            "trainer.process_credit.reward=null",
         ]
     if variant == "trl":
         return common

@@ -34,6 +34,20 @@ def test_variants_put_64_completions_in_each_step():
     assert (single.trainer.mode, single.rollouts_per_step) == ("single", 64)
     assert (group.trainer.mode, group.rollouts_per_step) == ("group", 64)
     assert not group.trainer.entropy_shaping.enabled
+    # a recipe's process credit stays with single, mmrl's own algorithm; group is GRPO as TRL runs it
+    from mmrl.config import load_config
+    from mmrl.vlm.config import VLMRLVRConfig
+
+    recipe = vs_trl.TASKS["reason"].config
+    credited = {
+        variant: load_config(
+            VLMRLVRConfig,
+            recipe,
+            ["trainer.process_credit.reward=steps", *vs_trl.config_overrides(variant, 0, 1)],
+        ).trainer.process_credit.reward
+        for variant in ("mmrl_single", "mmrl_group")
+    }
+    assert credited == {"mmrl_single": "steps", "mmrl_group": None}
     args = vs_trl.trl_config(_cfg("trl"), steps=5, output_dir="unused", suppressed_token_ids=[1, 2])
     assert args.per_device_train_batch_size * args.gradient_accumulation_steps == 64
     assert args.num_generations == 8 and args.max_steps == 5
