@@ -15,7 +15,7 @@ import math
 import re
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -505,6 +505,30 @@ def solution_steps(text: str) -> list[str]:
     return [step for _, _, step in solution_step_spans(text)]
 
 
+def _first_error(written: str, offset: int, step: str, unmatched: list[str]) -> list[StepScore]:
+    """A wrong step split at its first error: ``[StepScore(agreeing leading words, 1), StepScore(the rest, 0)]``,
+    or one 0 for the whole step when no leading word agrees with an unmatched reference step (or the written
+    words do not line up with the normal form's, as ``4 - 2`` with ``4-2``). ``written`` is the step as written,
+    starting at character ``offset`` of the completion; ``step`` its normal form."""
+    words = step.split(" ")
+    agreed = 0
+    for reference in unmatched:
+        shared = 0
+        for mine, theirs in zip(words, reference.split(" "), strict=False):
+            if mine != theirs:
+                break
+            shared += 1
+        agreed = max(agreed, shared)
+    spans = [match.span() for match in re.finditer(r"\S+", written)]
+    if agreed == 0 or agreed >= len(words) or len(spans) != len(words):
+        return [StepScore(offset, offset + len(written), 0.0)]
+    cut = spans[agreed - 1][1]
+    return [
+        StepScore(offset, offset + cut, 1.0),
+        StepScore(offset + spans[agreed][0], offset + len(written), 0.0),
+    ]
+
+
 @register("reasoning_steps")
 class ReasoningSteps(Reward):
     """How well a completion's worked steps match a reference solution's: the F1 of the two step multisets,
@@ -517,8 +541,16 @@ class ReasoningSteps(Reward):
     against ``"red 2"`` scores 2/3. A process reward checked against the data, where ``numeric`` pays the final
     answer only: with ``shapes_math`` it pays every count the answer needs, so the trace stays faithful.
 
+    Each stated step is also scored on its own (``RewardOutput.steps``, for process credit): 1 if it matches a
+    reference step not matched by an earlier stated step (the multiset intersection of the F1, in the order
+    written), else 0. With ``step_credit="first_error"`` a wrong step is split where it first departs from the
+    reference: its leading words that agree with an unmatched reference step (the one sharing the most leading
+    words) score 1 and the rest 0, so ``"red 1"`` against ``"red 2"`` credits ``red`` and blames ``1``, while
+    ``"blue 1"`` blames both (the first error of a process, as step-level verifiers label it).
+
     Args:
         think_tag: the tag of the worked steps; ``""`` reads the whole completion.
+        step_credit: ``"whole"`` (a step scores as one) or ``"first_error"``; the F1 is the same either way.
 
     A completion without the span, or with no steps in it, scores 0 with a reason; never raises on model output.
     """
@@ -527,15 +559,17 @@ class ReasoningSteps(Reward):
     needs_reference = True
     scores_steps = True
 
-    def __init__(self, think_tag: str = "think"):
+    def __init__(self, think_tag: str = "think", step_credit: Literal["whole", "first_error"] = "whole"):
+        if step_credit not in ("whole", "first_error"):
+            raise ValueError(f"step_credit must be 'whole' or 'first_error', got {step_credit!r}")
         self.think_tag = think_tag
+        self.step_credit = step_credit
 
     def score(
         self, *, completions: Sequence[Any], references: Sequence[str] | None = None, **_: Any
     ) -> RewardOutput:
-        """Score each completion against its reference solution; other batch fields are ignored. Each stated
-        step also gets its own score in ``RewardOutput.steps`` (process credit): 1 if it matches a reference step
-        not matched by an earlier stated step (the multiset intersection of the F1, in the order written), else 0.
+        """Score each completion against its reference solution, and each stated step on its own (see the class
+        docstring); other batch fields are ignored.
 
         Raises:
             ValueError: ``references`` missing, not one per completion, or an empty one (a data error: the
@@ -577,10 +611,13 @@ class ReasoningSteps(Reward):
         unmatched = list(expected)
         step_scores = []
         for start, end, step in stated:
-            matched = step in unmatched
-            if matched:
+            if step in unmatched:
                 unmatched.remove(step)
-            step_scores.append(StepScore(offset + start, offset + end, float(matched)))
+                step_scores.append(StepScore(offset + start, offset + end, 1.0))
+            elif self.step_credit == "first_error":
+                step_scores.extend(_first_error(span[start:end], offset + start, step, unmatched))
+            else:
+                step_scores.append(StepScore(offset + start, offset + end, 0.0))
         shared = len(expected) - len(unmatched)
         f1 = 2 * shared / (len(stated) + len(expected))
         complete = shared == len(expected) == len(stated)

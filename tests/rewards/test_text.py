@@ -265,6 +265,29 @@ def test_reasoning_steps_scores_each_stated_step_where_it_is_written() -> None:
     assert rewards.build("reasoning_steps").scores_steps and not rewards.build("format").scores_steps
 
 
+def test_reasoning_steps_first_error_credit_splits_a_wrong_step_where_it_departs() -> None:
+    text = "<think>shapes 4. red 1. blue 1. 4-1=3. Red  2. red</think>"
+    reference = "shapes 4. red 2. 4-2=2"
+    whole = rewards.build("reasoning_steps").score(completions=[text], references=[reference])
+    split = rewards.build("reasoning_steps", step_credit="first_error").score(
+        completions=[text], references=[reference]
+    )
+    stated = [(text[s.start : s.end], s.score) for s in split.steps[0]]
+    assert stated == [
+        ("shapes 4", 1.0),
+        ("red", 1.0),  # the asked colour, then a wrong count
+        ("1", 0.0),
+        ("blue 1", 0.0),  # wrong from its first word
+        ("4-1=3", 0.0),  # one word: no leading part agrees
+        ("Red  2", 1.0),  # matches the reference step "red 2", whatever the spacing
+        ("red", 0.0),  # a leading part of a reference step is not a step
+    ]
+    assert [(text[s.start : s.end], s.score) for s in whole.steps[0]][1] == ("red 1", 0.0)
+    assert split.scores.tolist() == whole.scores.tolist() == pytest.approx([2 * 2 / (6 + 3)])
+    with pytest.raises(ValueError, match="step_credit must be"):
+        rewards.build("reasoning_steps", step_credit="prefix")
+
+
 def test_reasoning_steps_needs_one_reference_per_completion() -> None:
     steps = rewards.build("reasoning_steps")
     with pytest.raises(ValueError, match=r"needs references.*2 completions, got none"):
