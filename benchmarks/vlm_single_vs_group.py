@@ -1,7 +1,7 @@
 """Single-rollout entropy-shaped RLVR vs group GRPO (G=8) at equal rollouts, on a VLM demo world.
 
     python -m benchmarks.vlm_single_vs_group [--config configs/demo/vlm_shapes_reason.yaml] [--rollouts 2048]
-        [--seeds 3] [--group-prompts 4] [--metric eval/lenient_accuracy]
+        [--seeds 3] [--group-prompts 4] [--metric eval/lenient_accuracy] [--threads N]
 
 From a demo config (default: shapes-math reasoning, ``configs/demo/vlm_shapes_reason.yaml``; the convention demo
 ``configs/demo/vlm_shapes_single.yaml`` with ``--metric eval/accuracy``) trains three variants with the same
@@ -10,6 +10,9 @@ rollouts per step (``8 x group-prompts``) and the same total:
 * ``single``: one rollout per prompt, store baseline, entropy shaping (the default recipe);
 * ``single_no_entropy``: the same without entropy shaping (ablation);
 * ``group``: GRPO with G = 8.
+
+All three keep the rest of the recipe (its rewards, and its process credit if it has one: group then normalises
+the step scores within each group).
 
 and reports the held-out ``--metric`` against rollouts consumed (mean over seeds, with the spread of the final
 value), the entropy and completion length at the end (no collapse), and the rollouts single needed to reach
@@ -57,6 +60,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--group-prompts", type=int, default=4, help="prompts per step of the group variant")
     parser.add_argument("--eval-every", type=int, default=4)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads of every run (default: the config's)"
+    )
     args = parser.parse_args(argv)
     per_step = G * args.group_prompts
     steps = max(1, args.rollouts // per_step)
@@ -76,6 +82,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                     "run.progress=false",
                     f"trainer.steps={steps}",
                     f"trainer.eval_every={args.eval_every}",
+                    *([f"run.threads={args.threads}"] if args.threads is not None else []),
                 ],
             )
             train(cfg)
