@@ -133,6 +133,11 @@ class ProcessCredit(Config):
         description="return: a token gets the sum of the normalised scores of the steps ending at or after it "
         "(DeepSeekMath); step: the tokens of a step get that step's score only.",
     )
+    normalize: Literal["all", "position"] = Field(
+        "all",
+        description="all: a step's score is normalised among every step of the batch (single) or group (group), "
+        "as DeepSeekMath; position: among the steps written at the same position (the k-th of each completion).",
+    )
 
 
 class VLMTrainerConfig(Config):

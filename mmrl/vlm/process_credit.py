@@ -44,6 +44,7 @@ def process_advantages(
     group_ids: torch.Tensor | None,
     num_tokens: int,
     credit: Literal["return", "step"] = "return",
+    normalize: Literal["all", "position"] = "all",
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """``([N, num_tokens] token advantages, metrics)`` of completions scored step by step.
 
@@ -55,6 +56,9 @@ def process_advantages(
             group), or ``None`` to normalise over all the batch's steps (single rollout).
         num_tokens: width of the result (at least the longest completion).
         credit: as :func:`mmrl.core.advantages.process_supervised`.
+        normalize: ``"all"``: a step's score is normalised among all the steps of its group (DeepSeekMath);
+            ``"position"``: among the steps written at the same position (the k-th step of each completion), so
+            a step that is usually right (a trace's first count) is not compared with one that is usually wrong.
 
     A completion whose tokens do not decode to its text (a backend that post-processes its text) gets no step
     advantages; the metric ``process/unaligned_frac`` counts them. Metrics: ``process/step_score_mean`` (mean
@@ -62,8 +66,11 @@ def process_advantages(
     """
     if len(completions) != len(steps):
         raise ValueError(f"{len(completions)} completions but step scores for {len(steps)}")
+    if normalize not in ("all", "position"):
+        raise ValueError(f"normalize must be 'all' or 'position', got {normalize!r}")
     rows, first, last, scores, groups = [], [], [], [], []
     unaligned = 0
+    width = 1 + max((len(stated) for stated in steps), default=0)  # positions per group in the group key
     for row, ((token_ids, text), stated) in enumerate(zip(completions, steps, strict=True)):
         if not stated:
             continue
@@ -71,7 +78,8 @@ def process_advantages(
         if not ends or ends[-1] != len(text):
             unaligned += 1
             continue
-        for step in stated:
+        group = int(group_ids[row]) if group_ids is not None else 0
+        for position, step in enumerate(stated):
             # the first token whose text reaches past the step's start, the first whose text reaches its end
             first_token = bisect_left(ends, step.start + 1)
             last_token = bisect_left(ends, step.end)
@@ -81,7 +89,7 @@ def process_advantages(
             first.append(first_token)
             last.append(last_token)
             scores.append(step.score)
-            groups.append(int(group_ids[row]) if group_ids is not None else 0)
+            groups.append(group * width + position if normalize == "position" else group)
     advantages = adv_lib.process_supervised(
         torch.tensor(scores, dtype=torch.float32),
         torch.tensor(rows, dtype=torch.long),

@@ -493,6 +493,7 @@ class VLMRLVRTrainer(TrainerBase):
             group_ids if self.cfg.trainer.mode == "group" else None,
             num_tokens=width,
             credit=credit.credit,
+            normalize=credit.normalize,
         )
         self.metrics.add_dict(metrics)
         return adv[:, None] + credit.weight * steps

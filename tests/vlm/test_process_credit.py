@@ -148,3 +148,27 @@ def test_equal_token_advantages_train_as_the_sequence_advantage(tmp_path):
         results.append([p.detach().clone() for p in trainer.trainable])
     for seq, tok in zip(*results, strict=True):
         torch.testing.assert_close(seq, tok, atol=1e-6, rtol=1e-5)
+
+
+def test_position_normalisation_compares_the_kth_steps_of_the_completions(tokenizer):
+    """Two completions whose first steps are both right and whose second steps differ: normalised over all steps
+    the right first steps are credited; by position they are not (nothing tells them apart), and the second steps
+    get +1 and -1."""
+    text = "<think>red 2. blue 1</think>"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    first, second = StepScore(7, 12, 1.0), (StepScore(14, 20, 1.0), StepScore(14, 20, 0.0))
+    steps = [[first, second[0]], [first, second[1]]]
+    ends = token_char_ends(tokenizer, ids)
+    at_red = next(k for k, e in enumerate(ends) if e > 7)
+    at_blue = next(k for k, e in enumerate(ends) if e > 14)
+    by_position, _ = process_advantages(
+        tokenizer, [(ids, text)] * 2, steps, None, len(ids), credit="step", normalize="position"
+    )
+    over_all, _ = process_advantages(tokenizer, [(ids, text)] * 2, steps, None, len(ids), credit="step")
+    assert by_position[:, at_red].tolist() == [0.0, 0.0]
+    assert by_position[:, at_blue].tolist() == pytest.approx([1.0, -1.0], abs=1e-5)
+    # over all four steps (mean 3/4): a right step 1/sqrt(3), the wrong one -sqrt(3)
+    assert over_all[:, at_red].tolist() == pytest.approx([3**-0.5] * 2, abs=1e-5)
+    assert over_all[:, at_blue].tolist() == pytest.approx([3**-0.5, -(3**0.5)], abs=1e-5)
+    with pytest.raises(ValueError, match="normalize must be"):
+        process_advantages(tokenizer, [(ids, text)], steps[:1], None, len(ids), normalize="kind")
