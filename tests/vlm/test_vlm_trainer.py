@@ -253,7 +253,7 @@ def test_reasoning_steps_reward_reads_each_questions_reference_trace(tmp_path):
             f"run.output_dir={tmp_path}",
             "data.train_limit=4",
             "data.eval_limit=4",
-            "rewards=[{name: reasoning_steps}]",
+            "rewards=[{name: reasoning_steps, label: steps}]",
         ],
     )
     trainer = VLMRLVRTrainer(cfg, None)
