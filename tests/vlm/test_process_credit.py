@@ -50,6 +50,18 @@ def test_token_char_ends_follow_the_decoded_text(tokenizer):
     assert "".join(pieces) == text
 
 
+def test_windowed_ends_equal_the_ends_of_every_decoded_prefix(tokenizer):
+    """Decoding each token with a few tokens of context gives the same ends as decoding every prefix (the O(T^2)
+    definition), on real completions and on text with multi-byte characters."""
+    texts = [item.completion for item in make_math_items(12, 3, 64, "train")]
+    texts += ["<think>grün 2. ünd 3–1=2 ✓</think><answer>2</answer>", "  two  spaces. then\nnew line"]
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        prefix_ends = [len(tokenizer.decode(ids[: k + 1], skip_special_tokens=True)) for k in range(len(ids))]
+        for context in (3, 8):  # a UTF-8 character spans at most 4 byte-level tokens
+            assert token_char_ends(tokenizer, ids, context=context) == prefix_ends
+
+
 def test_each_step_is_credited_on_the_tokens_that_wrote_it(tokenizer):
     """The committed checkpoint's tokenizer on real shapes-math completions: every scored step lands on the tokens
     whose text holds it, and the advantages are the core's process_supervised of those spans."""
