@@ -41,10 +41,17 @@ def completion_text(completion: Any) -> str | None:
     return None
 
 
+def tag_span(text: str, tag: str) -> tuple[int, str] | None:
+    """``(offset, content)`` of the last ``<tag>...</tag>`` span in ``text`` (``offset``: where the content starts),
+    or ``None`` when there is none."""
+    spans = list(re.finditer(rf"<{re.escape(tag)}>(.*?)</{re.escape(tag)}>", text, flags=re.DOTALL))
+    return (spans[-1].start(1), spans[-1].group(1)) if spans else None
+
+
 def extract_tag(text: str, tag: str) -> str | None:
     """Content of the last ``<tag>...</tag>`` span in ``text``, or ``None`` when there is none."""
-    spans = re.findall(rf"<{re.escape(tag)}>(.*?)</{re.escape(tag)}>", text, flags=re.DOTALL)
-    return spans[-1] if spans else None
+    found = tag_span(text, tag)
+    return found[1] if found is not None else None
 
 
 def normalize_answer(text: str) -> str:
@@ -594,17 +601,10 @@ class ReasoningSteps(Reward):
         text = completion_text(completion)
         if text is None:
             return 0.0, f"completion is not text ({type(completion).__name__})", []
-        if self.think_tag:
-            spans = list(
-                re.finditer(
-                    rf"<{re.escape(self.think_tag)}>(.*?)</{re.escape(self.think_tag)}>", text, re.DOTALL
-                )
-            )
-            if not spans:
-                return 0.0, f"no <{self.think_tag}>...</{self.think_tag}> span", []
-            offset, span = spans[-1].start(1), spans[-1].group(1)
-        else:
-            offset, span = 0, text
+        found = tag_span(text, self.think_tag) if self.think_tag else (0, text)
+        if found is None:
+            return 0.0, f"no <{self.think_tag}>...</{self.think_tag}> span", []
+        offset, span = found
         stated = solution_step_spans(span)
         if not stated:
             return 0.0, "no steps in the worked solution", []

@@ -70,7 +70,7 @@ from pipelines.vlm.backend import GenerationBackend, GenerationSample, SamplingP
 from pipelines.vlm.families import VLMFamily, family_for_model_type, get_vlm_family
 from pipelines.vlm.inputs import VLMPrompt
 from pipelines.vlm.logprobs import TokenStats, backbone_and_head, build_scoring_batch, completion_token_stats
-from rewards.base import checked_score
+from rewards.base import RewardOutput, checked_score
 
 __all__ = ["VLMRLVRTrainer", "evaluate", "load_examples", "main"]
 
@@ -348,13 +348,20 @@ class VLMRLVRTrainer(TrainerBase):
     def verify(self, pairs: list[tuple[VQAExample, GenerationSample]]) -> tuple[torch.Tensor, torch.Tensor]:
         """``([N] weighted reward, [N, K] per verifier)``; a verifier that raises or returns a non-finite score
         stops the run with its name (:class:`rewards.base.RewardCheckError`)."""
+        total, raw, _ = self.score_samples(pairs)
+        return total, raw
+
+    def score_samples(
+        self, pairs: list[tuple[VQAExample, GenerationSample]]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, RewardOutput]]:
+        """:meth:`verify`, and each verifier's whole output by its key (the step scores process credit reads)."""
         batch = self._reward_batch(pairs)
-        columns = []
-        for spec, reward in zip(self.cfg.rewards, self.rewards, strict=True):
-            out = checked_score(reward, spec.key, len(pairs), **batch)
-            columns.append(out.scores.detach().float().cpu())
-        raw = torch.stack(columns, dim=1)
-        return raw @ self.reward_weights, raw
+        outputs = {
+            spec.key: checked_score(reward, spec.key, len(pairs), **batch)
+            for spec, reward in zip(self.cfg.rewards, self.rewards, strict=True)
+        }
+        raw = torch.stack([out.scores.detach().float().cpu() for out in outputs.values()], dim=1)
+        return raw @ self.reward_weights, raw, outputs
 
     @staticmethod
     def _reward_batch(pairs: list[tuple[VQAExample, GenerationSample]]) -> dict[str, list[str]]:
@@ -440,7 +447,7 @@ class VLMRLVRTrainer(TrainerBase):
         t = self.cfg.trainer
         source = self.rollout_source.collect(self.step)
         pairs = [(self.by_id[pid], sample) for pid, sample in source.output]
-        total, raw = self.verify(pairs)
+        total, raw, outputs = self.score_samples(pairs)
         pids = [ex.prompt_id for ex, _ in pairs]
         group_ids = torch.tensor(_group_index(pids))
         estimator = get_estimator(self.cfg.estimator_name)
@@ -467,7 +474,7 @@ class VLMRLVRTrainer(TrainerBase):
         self.metrics.add("adv/mean", adv.mean())
         self.metrics.add("adv/std", adv.std(correction=0))
         if t.process_credit.reward is not None:
-            adv = self._add_process_credit(pairs, adv, group_ids)
+            adv = self._add_process_credit(pairs, adv, outputs[t.process_credit.reward], group_ids)
         self.rollout_source.prefetch(self.step)  # later steps' requests, chosen with this step's statistics
         return pairs, adv, keep, source.sample_lags
 
@@ -475,16 +482,13 @@ class VLMRLVRTrainer(TrainerBase):
         self,
         pairs: list[tuple[VQAExample, GenerationSample]],
         adv: torch.Tensor,
+        scored: RewardOutput,
         group_ids: torch.Tensor,
     ) -> torch.Tensor:
         """``[N, T]`` token advantages: the sequence advantages ``adv [N]`` on every token plus
         ``process_credit.weight`` times the step advantages of :func:`mmrl.vlm.process_credit.process_advantages`
         (``T``: the longest completion)."""
         credit = self.cfg.trainer.process_credit
-        # The credited verifier is asked again for its step scores (a text verifier: microseconds), so that
-        # verify() stays the one place a step's rewards come from.
-        index = [spec.key for spec in self.cfg.rewards].index(credit.reward)
-        scored = checked_score(self.rewards[index], credit.reward, len(pairs), **self._reward_batch(pairs))
         width = max(len(s.completion_token_ids) for _, s in pairs)
         steps, metrics = process_advantages(
             getattr(self.processor, "tokenizer", self.processor),

@@ -40,13 +40,13 @@ def test_one_group_step_trains_only_language_lora(model_dir, tmp_path):
     frozen = {n: p.detach().clone() for n, p in named.items() if not p.requires_grad}
     assert lora and all("lora_" in n for n in lora)
     assert not any(trainer.family.is_vision_parameter(n) for n in lora)
-    original = trainer.verify
+    original = trainer.score_samples
 
     def spread(pairs):  # random weights never answer right: rewards with spread give a learning signal
-        _, raw = original(pairs)
-        return torch.arange(len(pairs), dtype=torch.float32) % 2, raw
+        _, raw, outputs = original(pairs)
+        return torch.arange(len(pairs), dtype=torch.float32) % 2, raw, outputs
 
-    trainer.verify = spread
+    trainer.score_samples = spread
     metrics = trainer.train_step()
     assert metrics["tis/logprob_mismatch"] < 1e-4  # the trainer re-scores what the HF backend sampled
     assert any(not torch.equal(lora[n], named[n]) for n in lora)

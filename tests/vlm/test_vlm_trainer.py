@@ -67,14 +67,14 @@ def test_one_step_trains_only_lora(model_dir, tmp_path, mode):
     assert lora and all("lora_" in n for n in lora)
     assert not any("visual" in n for n in lora)  # vision tower frozen by default
     # force a learning signal: fake rewards with spread
-    original = trainer.verify
+    original = trainer.score_samples
 
     def spread(pairs):
-        _, raw = original(pairs)
+        _, raw, outputs = original(pairs)
         fake = torch.arange(len(pairs), dtype=torch.float32) % 2
-        return fake, raw
+        return fake, raw, outputs
 
-    trainer.verify = spread
+    trainer.score_samples = spread
     metrics = trainer.train_step()
     assert "loss" in metrics and "entropy/mean" in metrics and "policy/kl" in metrics
     assert metrics["tis/logprob_mismatch"] < 1e-4  # the trainer re-scores what the HF backend sampled
@@ -194,7 +194,7 @@ def test_group_mode_gdpo_normalises_each_reward_in_its_group(model_dir, tmp_path
         raw = torch.stack([torch.arange(n) % 2, (torch.arange(n) // 2) % 2], dim=1).float()
         return raw @ trainer.reward_weights, raw
 
-    trainer.verify = fake_verify
+    trainer.score_samples = lambda pairs: (*fake_verify(pairs), {})
     pairs, adv, _, _ = trainer.collect()
     _, raw = fake_verify(pairs)
     groups = torch.tensor(
