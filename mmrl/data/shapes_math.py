@@ -53,6 +53,7 @@ from mmrl.data.shapes import COLOURS, HELDOUT_FRACTION, SHAPES, Scene, SceneObje
 from mmrl.data.shapes_vqa import is_heldout_scene
 
 __all__ = [
+    "COUNT_TEMPLATES",
     "SPLITS",
     "TEMPLATES",
     "TRACE_STYLES",
@@ -63,6 +64,7 @@ __all__ = [
     "format_completion",
     "format_prompt",
     "format_trace",
+    "make_count_items",
     "make_math_items",
     "perception_accuracy",
     "read_trace",
@@ -363,6 +365,33 @@ TEMPLATES: tuple[Template, ...] = (
 )
 
 
+def _count_one(
+    scene: Scene, rng: np.random.Generator, attribute: Literal["all", "colour", "shape"]
+) -> Question:
+    if attribute == "all":
+        total = len(scene.objects)
+        return "How many shapes are there?", (Step("shapes", total),), total
+    # any colour or shape, present or not: a question about a colour of the scene would let a model that names
+    # a colour it sees, whatever was asked, be right most of the time
+    if attribute == "colour":
+        colour = COLOURS[rng.integers(len(COLOURS))]
+        value, label, phrase = _count(scene, colour=colour), colour, f"{colour} shapes"
+    else:
+        shape = SHAPES[rng.integers(len(SHAPES))]
+        value, label, phrase = _count(scene, shape=shape), f"{shape}s", f"{shape}s"
+    return f"How many {phrase} are there?", (Step(label, value),), value
+
+
+#: One-step perception questions (a trace of a single count step, ``<think>red 2</think><answer>2</answer>``):
+#: not a split's templates, an SFT auxiliary task (:func:`make_count_items`) that teaches the count steps every
+#: template's trace is made of, the attribute read from the question included.
+COUNT_TEMPLATES: tuple[Template, ...] = (
+    Template("count_all", False, lambda scene, rng: _count_one(scene, rng, "all")),
+    Template("count_colour", False, lambda scene, rng: _count_one(scene, rng, "colour")),
+    Template("count_shape", False, lambda scene, rng: _count_one(scene, rng, "shape")),
+)
+
+
 def template_names(heldout: bool) -> list[str]:
     """Names of the held-out (``True``) or training (``False``) templates, in :data:`TEMPLATES` order."""
     return [t.name for t in TEMPLATES if t.heldout == heldout]
@@ -386,15 +415,44 @@ def make_math_items(
     Raises:
         ValueError: ``n < 0``, an unknown split, or ``fraction`` outside (0, 1).
     """
+    _check_draw(n, split, fraction)
+    templates = [t for t in TEMPLATES if t.heldout == (split == "heldout_templates")]
+    rng = np.random.default_rng([seed, 0x3A7, size, SPLITS.index(split)])
+    return _draw_items(templates, n, rng, size, split != "train", fraction)
+
+
+def make_count_items(
+    n: int, seed: int, size: int = 64, split: MathSplit = "train", *, fraction: float = HELDOUT_FRACTION
+) -> list[MathItem]:
+    """``n`` one-step count items (:data:`COUNT_TEMPLATES`, item ``i`` asks ``COUNT_TEMPLATES[i % 3]``) about
+    fresh scenes of the split's scenes, deterministic under the arguments and independent of
+    :func:`make_math_items`'s draws.
+
+    Raises:
+        ValueError: as :func:`make_math_items`.
+    """
+    _check_draw(n, split, fraction)
+    rng = np.random.default_rng([seed, 0xC0, size, SPLITS.index(split)])
+    return _draw_items(COUNT_TEMPLATES, n, rng, size, split != "train", fraction)
+
+
+def _check_draw(n: int, split: str, fraction: float) -> None:
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     if split not in SPLITS:
         raise ValueError(f"unknown shapes_math split {split!r}; use one of {list(SPLITS)}")
     if not 0.0 < fraction < 1.0:
         raise ValueError(f"fraction must be in (0, 1) so both splits have scenes, got {fraction}")
-    templates = [t for t in TEMPLATES if t.heldout == (split == "heldout_templates")]
-    heldout_scenes = split != "train"
-    rng = np.random.default_rng([seed, 0x3A7, size, SPLITS.index(split)])
+
+
+def _draw_items(
+    templates: Sequence[Template],
+    n: int,
+    rng: np.random.Generator,
+    size: int,
+    heldout_scenes: bool,
+    fraction: float,
+) -> list[MathItem]:
     items: list[MathItem] = []
     while len(items) < n:
         template = templates[len(items) % len(templates)]

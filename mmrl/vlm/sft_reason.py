@@ -11,7 +11,8 @@
 3. train all weights (AdamW, linear warm-up, then a constant learning rate, so the checkpoint at step N is the
    model a run of N steps trains) on ``prompt -> <think>{trace}</think><answer>{n}</answer><|im_end|>`` with the
    loss on the completion only; a share of the batches is the perception task (list the objects left to right),
-   which teaches the counts the traces need;
+   which teaches the counts the traces need, and ``trainer.count_fraction`` of a task batch's items can be one-step
+   count questions (``shapes_math.make_count_items``), which teach naming the attribute the question asks about;
 4. every ``trainer.eval_every`` steps, score the model on the held-out items (:func:`reasoning_report`); with
    ``run.save_every`` at the same period the run's checkpoints (``step_N/model``) are the snapshots to choose from;
 5. publish the final model with its processor, ``config.yaml``, ``sft_report.json`` and ``card.md`` to ``out``.
@@ -42,7 +43,14 @@ import torch
 import rewards
 from mmrl.config import Config, Field, RunConfig
 from mmrl.data.shapes import COLOURS, SHAPES
-from mmrl.data.shapes_math import MathItem, TraceStyle, make_math_items, perception_accuracy, read_trace
+from mmrl.data.shapes_math import (
+    MathItem,
+    TraceStyle,
+    make_count_items,
+    make_math_items,
+    perception_accuracy,
+    read_trace,
+)
 from mmrl.loop import run_recipe
 from mmrl.sections import SupervisedRecipeConfig
 from mmrl.vlm.sft import (
@@ -110,6 +118,14 @@ class ReasonSFTSettings(VLMSFTSettings):
     )
     eval_every: int = Field(
         500, ge=0, description="Score the model every this many steps (0: at the end only)."
+    )
+    count_fraction: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Share of a task batch's items that are one-step count questions (shapes_math."
+        "make_count_items: 'How many red shapes are there?' -> <think>red 2</think><answer>2</answer>) instead "
+        "of shapes-math questions: the perception steps of every trace, the attribute read from the question.",
     )
 
 
@@ -258,6 +274,11 @@ class ReasonSFTTrainer(VLMSFTTrainer):
         data, size, seed = self.cfg.data, self.cfg.model.image_size, self.cfg.run.seed
         self.train_items = make_math_items(data.train_items, seed, size, "train")
         self.count_weights = count_balancing_weights(self.train_items) if data.balance_counts else None
+        # one-step count items after the shapes-math ones, so indices below len(train_items) keep their meaning
+        count_items = (
+            make_count_items(data.train_items, seed, size, "train") if self.cfg.trainer.count_fraction else []
+        )
+        self.task_items = [*self.train_items, *count_items]
         self.heldout = {
             split: make_math_items(data.eval_items, seed + 1, size, split)
             for split in ("heldout", "heldout_templates")
@@ -273,15 +294,19 @@ class ReasonSFTTrainer(VLMSFTTrainer):
         return [*corpus, CAPTION_QUESTION, *sorted({f"<answer>{caption(item)}</answer>" for item in items})]
 
     def make_batcher(self) -> ReasonBatcher:
-        return ReasonBatcher(self.processor, self.train_items, self.cfg.data.trace)
+        return ReasonBatcher(self.processor, self.task_items, self.cfg.data.trace)
 
     def sample_indices(self) -> list[int]:
+        size, pool = self.cfg.trainer.batch_size, len(self.train_items)
         if self.count_weights is not None:
-            draws = torch.multinomial(
-                self.count_weights, self.cfg.trainer.batch_size, replacement=True, generator=self.generator
-            )
-            return draws.tolist()
-        draws = torch.randint(len(self.train_items), (self.cfg.trainer.batch_size,), generator=self.generator)
+            draws = torch.multinomial(self.count_weights, size, replacement=True, generator=self.generator)
+        else:
+            draws = torch.randint(pool, (size,), generator=self.generator)
+        if self.cfg.trainer.count_fraction:
+            counts = pool + torch.randint(len(self.task_items) - pool, (size,), generator=self.generator)
+            is_count = torch.rand(size, generator=self.generator) < self.cfg.trainer.count_fraction
+            draws = torch.where(is_count, counts, draws)
+            self.metrics.add("train/count_items", is_count.float().mean())
         return draws.tolist()
 
     @torch.no_grad()

@@ -19,6 +19,7 @@ from mmrl.data.shapes_math import (
     Step,
     format_completion,
     format_trace,
+    make_count_items,
     make_math_items,
     perception_accuracy,
     read_trace,
@@ -135,6 +136,29 @@ def test_templates_cover_the_operations():
     items = make_math_items(90, seed=0, split="train")
     chained = [i for i in items if i.question.count(".") == 2]
     assert chained and all(len([s for s in i.steps if not s.is_count]) == 2 for i in chained)
+
+
+def test_count_items_ask_one_count_about_the_split_scenes():
+    """One-step count questions: the answer recomputed from the question and the scene, a trace of the one count,
+    the three kinds in turn, training scenes only for ``train``, deterministic and not make_math_items' draws."""
+    items = make_count_items(120, seed=3, split="train")
+    assert [i.template for i in items[:3]] == ["count_all", "count_colour", "count_shape"]
+    assert Counter(i.template for i in items) == {"count_all": 40, "count_colour": 40, "count_shape": 40}
+    for item in items:
+        assert _expected(item.question, item.scene) == item.answer, item.question
+        assert len(item.steps) == 1 and item.steps[0].is_count and item.steps[0].value == item.answer
+        assert item.completion == f"<think>{item.steps[0]}</think><answer>{item.answer}</answer>"
+        assert not is_heldout_scene(item.scene)
+    assert (
+        Counter(i.answer for i in items if i.template == "count_colour")[0] > 0
+    )  # absent colours are asked too
+    assert all(is_heldout_scene(i.scene) for i in make_count_items(30, seed=3, split="heldout"))
+    again = make_count_items(120, seed=3, split="train")
+    assert [(i.question, i.answer) for i in again] == [(i.question, i.answer) for i in items]
+    math_scenes = [i.scene for i in make_math_items(120, seed=3, split="train")]
+    assert [i.scene for i in items] != math_scenes
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        make_count_items(-1, 0)
 
 
 def test_bad_arguments():

@@ -64,6 +64,14 @@ def _tiny_run(tmp_path: Path, *overrides: str) -> Path:
     return out
 
 
+#: a tiny run scored at the end only, greedy, on 3 questions per set
+_NO_CURVE = ("data.eval_items=3", "data.curve_items=3", "data.samples=0", "trainer.eval_every=0")
+
+
+def _logged(tmp_path: Path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "sft_reason" / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_tiny_run_checkpoints_snapshots_and_publishes_model_and_card(tmp_path):
     out = _tiny_run(
         tmp_path,
@@ -96,14 +104,10 @@ def test_caption_stage_enumerated_traces_and_centre_labels_in_a_tiny_run(tmp_pat
         "trainer.vision_labels=cover_and_centre",
         "data.trace=enumerate",
         "data.balance_counts=true",
-        "data.eval_items=3",
-        "data.curve_items=3",
-        "data.samples=0",
-        "trainer.eval_every=0",
+        *_NO_CURVE,
     )
-    logged = [
-        json.loads(line) for line in (tmp_path / "sft_reason" / "metrics.jsonl").read_text().splitlines()
-    ]
+    logged = _logged(tmp_path)
+    assert not any("train/count_items" in row for row in logged)  # count_fraction 0: shapes-math items only
     captions = {row["step"]: row["train/caption_batch"] for row in logged if "train/caption_batch" in row}
     assert captions == {1: 1.0, 2: 1.0, 3: 1.0, 4: 0.0}
     report = json.loads((out / "sft_report.json").read_text())
@@ -111,6 +115,23 @@ def test_caption_stage_enumerated_traces_and_centre_labels_in_a_tiny_run(tmp_pat
     items = make_math_items(2, seed=0)
     batcher = ReasonBatcher(AutoProcessor.from_pretrained(out), items, report["config"]["data"]["trace"])
     assert batcher.task_texts(1) == (items[1].prompt, items[1].completion_in("enumerate"))
+
+
+def test_count_items_mixed_into_the_task_batches(tmp_path):
+    """``trainer.count_fraction`` replaces that share of a task batch's items by one-step count questions, drawn
+    after the shapes-math pool (indices past it are count items); 0 keeps the batches shapes-math only."""
+    _tiny_run(
+        tmp_path,
+        "run.log_every=1",
+        "trainer.count_fraction=0.5",
+        "trainer.caption_fraction=0",
+        "trainer.batch_size=16",
+        *_NO_CURVE,
+    )
+    shares = [row["train/count_items"] for row in _logged(tmp_path) if "train/count_items" in row]
+    assert len(shares) == 4 and 0.2 < sum(shares) / len(shares) < 0.8
+    with pytest.raises(ValueError, match="count_fraction"):
+        load_config(ReasonSFTConfig, overrides=["trainer.count_fraction=1.0"])
 
 
 def test_count_balancing_weights_by_hand():
