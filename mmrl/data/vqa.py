@@ -11,9 +11,12 @@ import io
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from PIL import Image, UnidentifiedImageError
+
+if TYPE_CHECKING:
+    from mmrl.data.shapes_math import MathItem
 
 __all__ = ["VQAExample", "check_answers", "load_vqa"]
 
@@ -47,12 +50,25 @@ def _shapes(split: str, n: int, seed: int, size: int) -> list[VQAExample]:
 
 
 def _shapes_math(split: str, n: int, seed: int, size: int) -> list[VQAExample]:
-    from mmrl.data.shapes_math import format_trace, make_math_items
+    from mmrl.data.shapes_math import make_math_items
 
     items = make_math_items(n, seed, size=size, split=split)  # type: ignore[arg-type]
+    return _math_examples("shapes_math", split, seed, items)
+
+
+def _shapes_count(split: str, n: int, seed: int, size: int) -> list[VQAExample]:
+    from mmrl.data.shapes_math import make_count_items
+
+    items = make_count_items(n, seed, size=size, split=split)  # type: ignore[arg-type]
+    return _math_examples("shapes_count", split, seed, items)
+
+
+def _math_examples(source: str, split: str, seed: int, items: Sequence[MathItem]) -> list[VQAExample]:
+    from mmrl.data.shapes_math import format_trace
+
     return [
         VQAExample(
-            f"shapes_math-{split}-{seed}-{i}",
+            f"{source}-{split}-{seed}-{i}",
             item.prompt,
             str(item.answer),
             [item.image],
@@ -67,6 +83,7 @@ def _shapes_math(split: str, n: int, seed: int, size: int) -> list[VQAExample]:
 GENERATED: dict[str, tuple[Callable[[str, int, int, int], list[VQAExample]], tuple[str, ...]]] = {
     "shapes": (_shapes, ("train", "heldout")),
     "shapes_math": (_shapes_math, ("train", "heldout", "heldout_templates")),
+    "shapes_count": (_shapes_count, ("train", "heldout")),
 }
 
 

@@ -60,6 +60,12 @@ class VLMDataConfig(Config):
     train: str = Field("shapes:train", description="shapes:train, a json/jsonl/parquet file, or a hub id.")
     eval: str = Field("shapes:heldout", description="Held-out questions, same forms.")
     train_limit: int | None = Field(2000, ge=1, description="Train examples kept (shapes: generated).")
+    train_mix: dict[str, int] = Field(
+        default_factory=dict,
+        description="Further training sources, source -> examples kept (same forms as train), added to data.train's "
+        "examples; prompts are drawn from all of them alike, so each source's share is its count's (e.g. "
+        "shapes_count:train: 2000 beside 4000 shapes_math questions: a third one-step count questions).",
+    )
     eval_limit: int | None = Field(200, ge=1, description="Eval examples kept.")
     split: str = Field("train", description="Split of a hub dataset.")
     question_column: str = "question"

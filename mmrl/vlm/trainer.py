@@ -742,28 +742,37 @@ class VLMRLVRTrainer(TrainerBase):
 def load_examples(
     cfg: VLMRLVRConfig, which: Literal["train", "eval"], source: str | None = None
 ) -> list[VQAExample]:
-    """The run's train or held-out questions, as the trainer loads them: ``data.train`` with seed ``run.seed``,
-    ``data.eval`` (or another held-out ``source``) with seed ``run.seed + 1`` (so generated shapes questions
-    differ between the two)."""
+    """The run's train or held-out questions, as the trainer loads them: ``data.train`` (then each
+    ``data.train_mix`` source) with seed ``run.seed``, ``data.eval`` (or another held-out ``source``) with seed
+    ``run.seed + 1`` (so generated shapes questions differ between the two)."""
     d = cfg.data
-    if which == "train":
-        source, limit, seed = d.train, d.train_limit, cfg.run.seed
-    else:
-        source, limit, seed = source or d.eval, d.eval_limit, cfg.run.seed + 1
-    return load_vqa(
-        source,
-        limit=limit,
-        seed=seed,
-        question_column=d.question_column,
-        answer_column=d.answer_column,
-        image_column=d.image_column,
-        id_column=d.id_column,
-        reference_column=d.reference_column,
-        image_root=d.image_root,
-        question_template=d.question_template,
-        image_size=d.image_size,
-        split=d.split,
-    )
+
+    def load(source: str, limit: int | None, seed: int) -> list[VQAExample]:
+        return load_vqa(
+            source,
+            limit=limit,
+            seed=seed,
+            question_column=d.question_column,
+            answer_column=d.answer_column,
+            image_column=d.image_column,
+            id_column=d.id_column,
+            reference_column=d.reference_column,
+            image_root=d.image_root,
+            question_template=d.question_template,
+            image_size=d.image_size,
+            split=d.split,
+        )
+
+    if which == "eval":
+        return load(source or d.eval, d.eval_limit, cfg.run.seed + 1)
+    examples = load(d.train, d.train_limit, cfg.run.seed)
+    for mixed, limit in d.train_mix.items():
+        seen = {example.prompt_id for example in examples}
+        added = load(mixed, limit, cfg.run.seed)
+        if any(example.prompt_id in seen for example in added):
+            raise ValueError(f"data.train_mix[{mixed!r}] repeats prompt ids of the sources before it")
+        examples += added
+    return examples
 
 
 def _fsdp_units(model: torch.nn.Module, family: VLMFamily) -> list[torch.nn.Module | list[torch.nn.Module]]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mmrl.config import load_config
-from mmrl.data.shapes_math import Step, format_completion, format_trace, make_math_items
+from mmrl.data.shapes_math import Step, format_completion, format_trace, make_count_items, make_math_items
 from mmrl.data.shapes_vqa import make_vqa_items
 from mmrl.vlm.config import VLMRLVRConfig
 from mmrl.vlm.trainer import VLMRLVRTrainer, evaluate, load_examples, main
@@ -267,6 +267,27 @@ def test_reasoning_steps_reward_reads_each_questions_reference_trace(tmp_path):
     pairs = [(example, SimpleNamespace(text=text)) for text in texts]  # verify reads a sample's text only
     _, raw = trainer.verify(pairs)
     assert raw[0, 0] == 1.0 and 0.0 < raw[1, 0] < 1.0 and raw[2, 0] == 0.0
+
+
+def test_train_mix_adds_each_source_after_the_train_set():
+    """``data.train_mix`` appends each source's examples (their own count, the run's seed) after ``data.train``'s;
+    a source whose prompt ids repeat earlier ones is refused, naming the key."""
+    overrides = ["run.progress=false", "data.train_limit=6", "data.train_mix={shapes_count:train: 3}"]
+    cfg = load_config(VLMRLVRConfig, "configs/demo/vlm_shapes_reason.yaml", overrides)
+    examples = load_examples(cfg, "train")
+    assert [e.kind for e in examples[6:]] == ["count_all", "count_colour", "count_shape"]
+    assert len({e.prompt_id for e in examples}) == 9
+    counts = make_count_items(3, cfg.run.seed, cfg.data.image_size, "train")
+    assert [(e.question, e.answer) for e in examples[6:]] == [(i.prompt, str(i.answer)) for i in counts]
+    alone = load_config(VLMRLVRConfig, "configs/demo/vlm_shapes_reason.yaml", overrides[:2])
+    assert [e.prompt_id for e in examples[:6]] == [e.prompt_id for e in load_examples(alone, "train")]
+    repeated = load_config(
+        VLMRLVRConfig,
+        "configs/demo/vlm_shapes_reason.yaml",
+        [*overrides[:2], "data.train_mix={shapes_math:train: 3}"],
+    )
+    with pytest.raises(ValueError, match=r"data.train_mix\['shapes_math:train'\] repeats prompt ids"):
+        load_examples(repeated, "train")
 
 
 def test_reasoning_rl_from_the_committed_checkpoint_raises_lenient_heldout_accuracy():
