@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal
 
-from pydantic import field_validator, model_validator
+from pydantic import PositiveInt, field_validator, model_validator
 
 from mmrl.config import Config, Field, RunConfig
 from mmrl.core.estimators import check_estimator, get_estimator
@@ -60,7 +60,7 @@ class VLMDataConfig(Config):
     train: str = Field("shapes:train", description="shapes:train, a json/jsonl/parquet file, or a hub id.")
     eval: str = Field("shapes:heldout", description="Held-out questions, same forms.")
     train_limit: int | None = Field(2000, ge=1, description="Train examples kept (shapes: generated).")
-    train_mix: dict[str, int] = Field(
+    train_mix: dict[str, PositiveInt] = Field(
         default_factory=dict,
         description="Further training sources, source -> examples kept (same forms as train), added to data.train's "
         "examples; prompts are drawn from all of them alike, so each source's share is its count's (e.g. "

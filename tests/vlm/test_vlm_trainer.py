@@ -288,6 +288,10 @@ def test_train_mix_adds_each_source_after_the_train_set():
     )
     with pytest.raises(ValueError, match=r"data.train_mix\['shapes_math:train'\] repeats prompt ids"):
         load_examples(repeated, "train")
+    with pytest.raises(ValueError, match="train_mix"):
+        load_config(
+            VLMRLVRConfig, "configs/demo/vlm_shapes_reason.yaml", ["data.train_mix={shapes_count:train: 0}"]
+        )
 
 
 def test_reasoning_rl_from_the_committed_checkpoint_raises_lenient_heldout_accuracy():
