@@ -144,6 +144,12 @@ class ProcessCredit(Config):
         description="all: a step's score is normalised among every step of the batch (single) or group (group), "
         "as DeepSeekMath; position: among the steps written at the same position (the k-th of each completion).",
     )
+    single_groups: Literal["batch", "kind"] = Field(
+        "batch",
+        description="Which steps a single-rollout step is normalised among: batch: the batch's; kind: those of "
+        "completions of questions of the same kind (a dataset's kind column, the shapes_math template), the "
+        "nearest a single rollout has to group's comparison within one question.",
+    )
 
 
 class VLMTrainerConfig(Config):

@@ -494,13 +494,24 @@ class VLMRLVRTrainer(TrainerBase):
             getattr(self.processor, "tokenizer", self.processor),
             [(s.completion_token_ids, s.text) for _, s in pairs],
             scored.steps or [[] for _ in pairs],
-            group_ids if self.cfg.trainer.mode == "group" else None,
+            self._step_groups(pairs, group_ids),
             num_tokens=width,
             credit=credit.credit,
             normalize=credit.normalize,
         )
         self.metrics.add_dict(metrics)
         return adv[:, None] + credit.weight * steps
+
+    def _step_groups(
+        self, pairs: list[tuple[VQAExample, GenerationSample]], group_ids: torch.Tensor
+    ) -> torch.Tensor | None:
+        """``[N]`` the groups whose steps process credit normalises together: the prompt groups (group mode), the
+        question kinds (single, ``single_groups: kind``), or ``None``: the whole batch."""
+        if self.cfg.trainer.mode == "group":
+            return group_ids
+        if self.cfg.trainer.process_credit.single_groups == "kind":
+            return torch.tensor(_group_index([example.kind for example, _ in pairs]))
+        return None
 
     def loss_weights(
         self, old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, lags: torch.Tensor

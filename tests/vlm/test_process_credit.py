@@ -1,5 +1,7 @@
 """Process credit: a reward's step scores become token advantages on the tokens that wrote each step."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -184,3 +186,17 @@ def test_position_normalisation_compares_the_kth_steps_of_the_completions(tokeni
     assert over_all[:, at_blue].tolist() == pytest.approx([3**-0.5, -(3**0.5)], abs=1e-5)
     with pytest.raises(ValueError, match="normalize must be"):
         process_advantages(tokenizer, [(ids, text)], steps[:1], None, len(ids), normalize="kind")
+
+
+def test_single_rollout_steps_can_be_normalised_within_a_question_kind(tmp_path):
+    """``single_groups: kind`` groups a single-rollout batch's steps by their questions' kind (the shapes_math
+    template), in order of first appearance; ``batch`` (the default) normalises over the whole batch; group mode
+    keeps its prompt groups."""
+    kinds = ["remove_colour", "add_shape", "remove_colour", "compare_shapes"]
+    pairs = [(SimpleNamespace(kind=kind), None) for kind in kinds]
+    prompt_groups = torch.tensor([0, 0, 1, 1])
+    by_kind = VLMRLVRTrainer(demo_cfg(tmp_path, "trainer.process_credit.single_groups=kind"), None)
+    assert by_kind._step_groups(pairs, prompt_groups).tolist() == [0, 1, 0, 2]
+    assert VLMRLVRTrainer(demo_cfg(tmp_path), None)._step_groups(pairs, prompt_groups) is None
+    group = VLMRLVRTrainer(demo_cfg(tmp_path, "trainer.mode=group", "trainer.num_generations=2"), None)
+    assert group._step_groups(pairs, prompt_groups) is prompt_groups
