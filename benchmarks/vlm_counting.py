@@ -13,7 +13,10 @@ For each checkpoint (a ``save_pretrained`` folder of a tiny Qwen2.5-VL):
   attention spread evenly over them hands the language model) to each colour's count, fitted on
   ``--probe-train`` random scenes and scored on ``--probe-test`` others (the rounded prediction equals the count).
   A high probe score with wrong counts in the traces means the count is in the image tokens and the language
-  model does not read it.
+  model does not read it;
+* **readers that write 1** (no model; also with no checkpoint given): the held-out accuracy of a reader that
+  follows every question's procedure and states the total right but writes 1 for every colour count (and for
+  every shape count): what the count-1 prior is worth on ``--seed``'s set (:func:`prior_readers`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 import torch
 
 from mmrl.data.shapes import COLOURS, random_scene, render
-from mmrl.data.shapes_math import MathItem, make_math_items, stated_counts
+from mmrl.data.shapes_math import MathItem, answer_from_counts, make_math_items, stated_counts
 from mmrl.vlm.sft import merged_image_tokens
 from mmrl.vlm.sft_reason import sample_completions
 
@@ -99,9 +102,33 @@ def measure(path: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+#: The readers of :func:`prior_readers`: which count steps they write as 1 (the rest stated right).
+PRIOR_READERS: dict[str, tuple[str, ...]] = {
+    "colour counts 1": ("colour",),
+    "colour and shape counts 1": ("colour", "shape"),
+}
+
+
+def prior_readers(items: Sequence[MathItem]) -> dict[str, float]:
+    """Accuracy on ``items`` of each reader of :data:`PRIOR_READERS`: the reference procedure, the total count
+    right, and 1 for every count of the kinds it names (``answer_from_counts``)."""
+
+    def kind(label: str) -> str:
+        return "total" if label == "shapes" else "colour" if label in COLOURS else "shape"
+
+    scores = {}
+    for name, ones in PRIOR_READERS.items():
+        right = 0
+        for item in items:
+            counts = [1 if kind(s.label) in ones else s.value for s in item.steps if s.is_count]
+            right += answer_from_counts(item.steps, counts) == item.answer
+        scores[name] = right / len(items)
+    return scores
+
+
 def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoints", nargs="+", help="save_pretrained folders of tiny shapes-math VLMs")
+    parser.add_argument("checkpoints", nargs="*", help="save_pretrained folders of tiny shapes-math VLMs")
     parser.add_argument("--questions", type=int, default=252, help="held-out questions (the SFT's 252)")
     parser.add_argument("--seed", type=int, default=1, help="held-out set (the SFT run's seed + 1)")
     parser.add_argument("--size", type=int, default=64, help="scene side in pixels")
@@ -112,6 +139,12 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    for split in ("heldout", "heldout_templates"):
+        readers = prior_readers(make_math_items(args.questions, args.seed, args.size, split))
+        print(
+            f"{split} (seed {args.seed}), readers that write 1: "
+            + ", ".join(f"{n} {a:.1%}" for n, a in readers.items())
+        )
     results = {}
     for path in args.checkpoints:
         result = results[path] = measure(path, args)

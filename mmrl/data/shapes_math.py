@@ -60,6 +60,7 @@ __all__ = [
     "MathItem",
     "Step",
     "Template",
+    "answer_from_counts",
     "describe_scene",
     "format_completion",
     "format_prompt",
@@ -113,6 +114,35 @@ def format_trace(steps: Sequence[Step]) -> str:
 def format_completion(steps: Sequence[Step], answer: int | str) -> str:
     """The reference completion ``<think>{trace}</think><answer>{answer}</answer>``."""
     return f"<think>{format_trace(steps)}</think><answer>{answer}</answer>"
+
+
+def answer_from_counts(steps: Sequence[Step], counts: Sequence[int]) -> int:
+    """The answer a trace with the procedure of ``steps`` (a reference trace) reaches when its count steps state
+    ``counts`` (one per count step, in order) instead of the true counts: each arithmetic step takes the previous
+    step's result (or, for the first, the earliest count) and the next count not used yet, or the number of the
+    question (``add k``) when every count is used. ``counts`` = the true counts gives the reference answer.
+
+    Raises:
+        ValueError: ``counts`` does not have one value per count step.
+    """
+    wanted = sum(step.is_count for step in steps)
+    if len(counts) != wanted:
+        raise ValueError(f"{len(counts)} counts for a trace with {wanted} count steps")
+    stated = iter(counts)
+    unused: list[int] = []
+    result: int | None = None
+    for step in steps:
+        if step.is_count:
+            unused.append(next(stated))
+            continue
+        op = "+" if "+" in step.label else "-"
+        literal = int(step.label.split(op)[1])
+        left = result if result is not None else unused.pop(0)
+        right = unused.pop(0) if unused else literal
+        result = left + right if op == "+" else left - right
+    if result is None:
+        raise ValueError("a trace without an arithmetic step has no answer to recompute")
+    return result
 
 
 def describe_scene(scene: Scene) -> str:

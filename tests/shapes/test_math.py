@@ -17,6 +17,7 @@ from mmrl.data.shapes_math import (
     TRACE_STYLES,
     MathItem,
     Step,
+    answer_from_counts,
     format_completion,
     format_trace,
     make_count_items,
@@ -159,6 +160,22 @@ def test_count_items_ask_one_count_about_the_split_scenes():
     assert [i.scene for i in items] != math_scenes
     with pytest.raises(ValueError, match="n must be >= 0"):
         make_count_items(-1, 0)
+
+
+def test_answer_from_counts_recomposes_the_reference_procedure(splits):
+    """The true counts give every item's answer; other counts go through the same operations: a removal takes the
+    stated count, an added ``k`` stays the question's."""
+    for items in splits.values():
+        for item in items:
+            assert answer_from_counts(item.steps, [s.value for s in item.steps if s.is_count]) == item.answer
+    remove_then_add = (Step("shapes", 4), Step("red", 2), Step("4-2", 2), Step("2+2", 4))
+    assert answer_from_counts(remove_then_add, [4, 1]) == 5  # 4 - 1 + 2
+    twice = (Step("shapes", 4), Step("red", 1), Step("4-1", 3), Step("circles", 2), Step("3-2", 1))
+    assert answer_from_counts(twice, [3, 1, 1]) == 1  # 3 - 1 - 1
+    add = (Step("blue", 0), Step("0+3", 3))
+    assert answer_from_counts(add, [1]) == 4
+    with pytest.raises(ValueError, match="2 counts for a trace with 1 count steps"):
+        answer_from_counts(add, [1, 2])
 
 
 def test_bad_arguments():

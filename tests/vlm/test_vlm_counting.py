@@ -1,5 +1,5 @@
 """The counting diagnostics of ``python -m benchmarks.vlm_counting``: the probe by hand, the trace tally on the
-committed reasoning checkpoint."""
+committed reasoning checkpoint, the readers that write 1 by hand."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 
 from benchmarks import vlm_counting
 from mmrl.data.shapes import COLOURS
+from mmrl.data.shapes_math import MathItem, Step
 
 CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "shapes_vlm_reason"
 
@@ -36,3 +37,21 @@ def test_trace_tally_of_the_committed_checkpoint():
         assert 0.0 <= row["right"] <= 1.0 and 0.0 <= row["says_1"] <= 1.0
     assert rows[1]["right"] == rows[1]["says_1"]  # at a true count of 1, right means "says 1"
     assert len(result["probe"]) == len(COLOURS) and all(0.0 <= a <= 1.0 for a in result["probe"])
+
+
+def test_readers_that_write_1_by_hand():
+    """Two questions: a removal of a colour counted 2 (writing 1 for it is wrong) and one of a shape counted 1
+    (writing 1 is right for both readers), so the readers score 1/2 and 1/2; a compare of shapes 2 and 1 is wrong
+    only for the reader that writes 1 for shapes too."""
+
+    def item(steps, answer):
+        return MathItem(None, "q", answer, steps, "t", None)  # type: ignore[arg-type]
+
+    colour = item((Step("shapes", 3), Step("red", 2), Step("3-2", 1)), 1)
+    shape = item((Step("shapes", 3), Step("circles", 1), Step("3-1", 2)), 2)
+    compare = item((Step("squares", 2), Step("circles", 1), Step("2-1", 1)), 1)
+    assert vlm_counting.prior_readers([colour, shape]) == {
+        "colour counts 1": 0.5,
+        "colour and shape counts 1": 0.5,
+    }
+    assert vlm_counting.prior_readers([compare]) == {"colour counts 1": 1.0, "colour and shape counts 1": 0.0}
