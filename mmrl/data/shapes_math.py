@@ -123,7 +123,7 @@ def answer_from_counts(steps: Sequence[Step], counts: Sequence[int]) -> int:
     question (``add k``) when every count is used. ``counts`` = the true counts gives the reference answer.
 
     Raises:
-        ValueError: ``counts`` does not have one value per count step.
+        ValueError: ``counts`` does not have one value per count step, or ``steps`` has no arithmetic step.
     """
     wanted = sum(step.is_count for step in steps)
     if len(counts) != wanted:
@@ -299,14 +299,19 @@ def _add_phrase(k: int, colour: str | None, shape: str) -> str:
     return f"{ADD_WORDS[k]} {colour + ' ' if colour else ''}{noun}"
 
 
+def _counted(scene: Scene, attribute: Literal["colour", "shape"], word: str) -> tuple[int, str, str]:
+    """``(count, step label, noun phrase)`` of the objects with colour or shape ``word``: ``(2, "red", "red
+    shapes")``, ``(1, "circles", "circles")``."""
+    if attribute == "colour":
+        return _count(scene, colour=word), word, f"{word} shapes"
+    return _count(scene, shape=word), f"{word}s", f"{word}s"
+
+
 def _remove(scene: Scene, rng: np.random.Generator, attribute: Literal["colour", "shape"]) -> Question:
     total = len(scene.objects)
-    if attribute == "colour":
-        colour = _pick(rng, [o.colour for o in scene.objects], COLOURS)
-        removed, label, phrase = _count(scene, colour=colour), colour, f"{colour} shapes"
-    else:
-        shape = _pick(rng, [o.shape for o in scene.objects], SHAPES)
-        removed, label, phrase = _count(scene, shape=shape), f"{shape}s", f"{shape}s"
+    vocab = COLOURS if attribute == "colour" else SHAPES
+    word = _pick(rng, [getattr(o, attribute) for o in scene.objects], vocab)
+    removed, label, phrase = _counted(scene, attribute, word)
     left = total - removed
     steps = (Step("shapes", total), Step(label, removed), Step(f"{total}-{removed}", left))
     return f"Remove all {phrase}. How many shapes are left?", steps, left
@@ -403,12 +408,8 @@ def _count_one(
         return "How many shapes are there?", (Step("shapes", total),), total
     # any colour or shape, present or not: a question about a colour of the scene would let a model that names
     # a colour it sees, whatever was asked, be right most of the time
-    if attribute == "colour":
-        colour = COLOURS[rng.integers(len(COLOURS))]
-        value, label, phrase = _count(scene, colour=colour), colour, f"{colour} shapes"
-    else:
-        shape = SHAPES[rng.integers(len(SHAPES))]
-        value, label, phrase = _count(scene, shape=shape), f"{shape}s", f"{shape}s"
+    vocab = COLOURS if attribute == "colour" else SHAPES
+    value, label, phrase = _counted(scene, attribute, vocab[rng.integers(len(vocab))])
     return f"How many {phrase} are there?", (Step(label, value),), value
 
 

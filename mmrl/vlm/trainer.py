@@ -777,11 +777,13 @@ def load_examples(
     if which == "eval":
         return load(source or d.eval, d.eval_limit, cfg.run.seed + 1)
     examples = load(d.train, d.train_limit, cfg.run.seed)
+    seen = {example.prompt_id for example in examples}
     for mixed, limit in d.train_mix.items():
-        seen = {example.prompt_id for example in examples}
         added = load(mixed, limit, cfg.run.seed)
-        if any(example.prompt_id in seen for example in added):
+        ids = {example.prompt_id for example in added}
+        if ids & seen:
             raise ValueError(f"data.train_mix[{mixed!r}] repeats prompt ids of the sources before it")
+        seen |= ids
         examples += added
     return examples
 
