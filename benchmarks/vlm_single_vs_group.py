@@ -2,6 +2,7 @@
 
     python -m benchmarks.vlm_single_vs_group [--config configs/demo/vlm_shapes_reason.yaml] [--rollouts 2048]
         [--seeds 3] [--group-prompts 4] [--metric eval/lenient_accuracy] [--threads N]
+        [--variants single group] [--set KEY=VALUE ...]
 
 From a demo config (default: shapes-math reasoning, ``configs/demo/vlm_shapes_reason.yaml``; the convention demo
 ``configs/demo/vlm_shapes_single.yaml`` with ``--metric eval/accuracy``) trains three variants with the same
@@ -12,7 +13,9 @@ rollouts per step (``8 x group-prompts``) and the same total:
 * ``group``: GRPO with G = 8.
 
 All three keep the rest of the recipe (its rewards, and its process credit if it has one: group then normalises
-the step scores within each group).
+the step scores within each group). ``--set KEY=VALUE`` overrides the config for every variant (for example
+``trainer.process_credit.single_groups=kind``, which changes the single variants only); ``--variants`` runs a
+subset (``group`` is always run: its final accuracy is the target).
 
 and reports the held-out ``--metric`` against rollouts consumed (mean over seeds, with the spread of the final
 value), the entropy and completion length at the end (no collapse), and the rollouts single needed to reach
@@ -52,6 +55,11 @@ def variants(group_prompts: int) -> dict[str, list[str]]:
     }
 
 
+def selected(requested: list[str]) -> list[str]:
+    """The variants to train, in the table's order; group is always one of them (its final accuracy is the target)."""
+    return [name for name in variants(1) if name in requested or name == "group"]
+
+
 def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/demo/vlm_shapes_reason.yaml")
@@ -63,18 +71,37 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads of every run (default: the config's)"
     )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=list(variants(1)),
+        default=list(variants(1)),
+        help="variants to train (group is always added: its final accuracy is the target)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config overrides applied to every variant",
+    )
     args = parser.parse_args(argv)
+    chosen = selected(args.variants)
     per_step = G * args.group_prompts
     steps = max(1, args.rollouts // per_step)
     curves: dict[str, list[list[tuple[int, float]]]] = {}
     entropy: dict[str, list[float]] = {}
     length: dict[str, list[float]] = {}
     for name, extra in variants(args.group_prompts).items():
+        if name not in chosen:
+            continue
         for seed in range(args.seeds):
             cfg = load_config(
                 VLMRLVRConfig,
                 args.config,
                 [
+                    *args.overrides,
                     *extra,
                     f"run.name=bench_{name}_{seed}",
                     f"run.seed={seed}",
