@@ -355,14 +355,14 @@ class ReasonSFTTrainer(VLMSFTTrainer):
 def render_card(report: dict[str, Any]) -> str:
     """The model card: how the checkpoint was made and what it scores on the two held-out sets."""
     cfg = flat_settings(report["config"])
+    sampled = cfg["samples"] > 0
     columns = (
         "lenient",
         "strict",
         "format",
         "perception",
         "wrong_with_right_counts",
-        "pass@1",
-        f"pass@{cfg['samples']}",
+        *(("pass@1", f"pass@{cfg['samples']}") if sampled else ()),
     )
     names = {
         "heldout": "held-out scenes, training templates",
@@ -378,10 +378,30 @@ def render_card(report: dict[str, Any]) -> str:
         for name, value in r["per_template"].items()
     )
     at_k = f"pass@{cfg['samples']}"
+    curve_columns = ["step", "SFT minutes", "lenient", "perception", *([at_k] if sampled else [])]
+    curve_columns.append("lenient, held-out templates")
     curve = "\n".join(
         f"| {p['step']} | {p['train_minutes']:.1f} | {p['heldout']['lenient']:.1%} | {p['heldout']['perception']:.1%} "
-        f"| {p['heldout'].get(at_k, float('nan')):.1%} | {p['heldout_templates']['lenient']:.1%} |"
+        + (f"| {p['heldout'].get(at_k, float('nan')):.1%} " if sampled else "")
+        + f"| {p['heldout_templates']['lenient']:.1%} |"
         for p in report["curve"]
+    )
+    # reports written before these settings existed ran a constant schedule without count questions
+    if cfg.get("lr_schedule", "constant") == "cosine":
+        final = cfg.get("final_lr_fraction", 0.0)
+        schedule = f"cosine decay to {f'{final:g} x lr' if final else '0'} at the last step after {cfg['warmup_steps']}"
+    else:
+        schedule = f"constant after {cfg['warmup_steps']}"
+    counts = (
+        f"; {cfg.get('count_fraction', 0.0):.0%} of a task batch's items are one-step count questions "
+        "(`shapes_math.make_count_items`)"
+        if cfg.get("count_fraction", 0.0)
+        else ""
+    )
+    scoring = (
+        f"`pass@k`: lenient, {cfg['samples']}\nsamples per question at temperature 1 (unbiased estimator)."
+        if sampled
+        else "No samples at temperature 1\nwere drawn (`data.samples: 0`): greedy scores only."
     )
     examples = "\n".join(
         f"- {e['question']} (answer {e['answer']}): `{e['completion']}`"
@@ -412,12 +432,10 @@ model = AutoModelForImageTextToText.from_pretrained("{cfg["out"]}")
   (`mmrl.vlm.sft.pretrain_vision`), held-out token accuracy colour {
         report["vision_pretraining"]["colour"]:.1%}, shape
   {report["vision_pretraining"]["shape"]:.1%}
-- then {cfg["steps"]} steps of {cfg["batch_size"]} items, AdamW lr {cfg["lr"]} (constant after {
-        cfg["warmup_steps"]
-    }
+- then {cfg["steps"]} steps of {cfg["batch_size"]} items, AdamW lr {cfg["lr"]} ({schedule}
   warm-up steps), loss on the completion only; {
         cfg["caption_fraction"]:.0%} of the batches are the perception task
-  "list the objects from left to right." -> `<answer>red circle, blue square</answer>`
+  "list the objects from left to right." -> `<answer>red circle, blue square</answer>`{counts}
 - data: {cfg["train_items"]} training items (training scenes, training templates), {cfg["image_size"]}x{
         cfg["image_size"]
     } scenes
@@ -429,10 +447,7 @@ model = AutoModelForImageTextToText.from_pretrained("{cfg["out"]}")
     }). Greedy: `lenient` = the `<answer>` span read as a
 number, number words accepted (`numeric`, `number_words=True`, `require_answer_tag=True`); `strict` = the span is
 exactly the digits (`exact_match`); `format` = `<think>...</think><answer>...</answer>` only; `perception` = share of
-the counts the reference trace needs that the model's trace states correctly. `pass@k`: lenient, {
-        cfg["samples"]
-    }
-samples per question at temperature 1 (unbiased estimator).
+the counts the reference trace needs that the model's trace states correctly. {scoring}
 
 | set | {" | ".join(columns)} |
 |---|{"---|" * len(columns)}
@@ -466,8 +481,8 @@ Greedy completions on the first held-out questions:
 
 Scored on the first {cfg["curve_items"]} questions of each set every `trainer.eval_every` steps:
 
-| step | SFT minutes | lenient | perception | pass@{cfg["samples"]} | lenient, held-out templates |
-|---|---|---|---|---|---|
+| {" | ".join(curve_columns)} |
+|---|{"---|" * (len(curve_columns) - 1)}
 {curve}
 
 Re-score with `python -m mmrl.vlm.sft_reason --eval-only --out {

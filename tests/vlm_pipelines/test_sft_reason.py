@@ -41,6 +41,27 @@ def test_committed_card_states_its_report():
     assert heldout["format"] > 0.9
 
 
+def test_card_states_the_schedule_the_count_share_and_only_the_scores_it_has():
+    """A cosine run with count questions and no temperature-1 samples: the card says so, and every table row has
+    its header's columns (no pass@k column without samples)."""
+    report = json.loads((CHECKPOINT / "sft_report.json").read_text())
+    report["config"] = {**report["config"], "lr_schedule": "cosine", "count_fraction": 0.9, "samples": 0}
+    for split in report["heldout"].values():
+        for key in ("pass@1", "pass@8"):
+            split.pop(key, None)
+    for point in report["curve"]:
+        point["heldout"].pop("pass@8", None)
+    card = render_card(report)
+    assert "(cosine decay to 0 at the last step after 50" in card and "(constant after" not in card
+    assert "90% of a task batch's items are one-step count questions" in card
+    assert "pass@" not in card and "greedy scores only" in card
+    for table in card.split("\n\n"):
+        rows = [line for line in table.splitlines() if line.startswith("|")]
+        assert len({line.count("|") for line in rows}) <= 1, table
+    committed = render_card(json.loads((CHECKPOINT / "sft_report.json").read_text()))
+    assert "(constant after 50" in committed and "count questions" not in committed and "pass@8" in committed
+
+
 def _tiny_run(tmp_path: Path, *overrides: str) -> Path:
     """A 4-step run of a 1-layer model on 40 items; returns its published folder."""
     out = tmp_path / "m"
