@@ -435,21 +435,33 @@ def make_math_items(
     split: MathSplit = "train",
     *,
     fraction: float = HELDOUT_FRACTION,
+    templates: Sequence[str] | None = None,
 ) -> list[MathItem]:
-    """``n`` shapes-math items of a split, deterministic under ``(n, seed, size, split, fraction)``.
+    """``n`` shapes-math items of a split, deterministic under ``(n, seed, size, split, fraction, templates)``.
 
     Item ``i`` asks template ``templates[i % T]`` of the split (training templates for ``train`` and ``heldout``,
-    held-out templates for ``heldout_templates``) about a fresh random scene of the split's scenes (training
-    scenes for ``train``, held-out scenes otherwise); scenes of the other split, or that cannot be asked the
-    template, are skipped.
+    held-out templates for ``heldout_templates``; ``templates`` names a subset of them, in :data:`TEMPLATES`
+    order whatever order it is given in) about a fresh random scene of the split's scenes (training scenes for
+    ``train``, held-out scenes otherwise); scenes of the other split, or that cannot be asked the template, are
+    skipped. With every template of the split named the draws are those of ``templates=None``.
 
     Raises:
-        ValueError: ``n < 0``, an unknown split, or ``fraction`` outside (0, 1).
+        ValueError: ``n < 0``, an unknown split, ``fraction`` outside (0, 1), or ``templates`` empty or naming a
+            template that is not the split's.
     """
     _check_draw(n, split, fraction)
-    templates = [t for t in TEMPLATES if t.heldout == (split == "heldout_templates")]
+    split_templates = [t for t in TEMPLATES if t.heldout == (split == "heldout_templates")]
+    if templates is not None:
+        names = [t.name for t in split_templates]
+        unknown = sorted(set(templates) - set(names))
+        if unknown or not templates:
+            raise ValueError(
+                f"templates of shapes_math split {split!r} must be a non-empty subset of {names}; got "
+                f"{list(templates)}" + (f" ({unknown} not among them)" if unknown else "")
+            )
+        split_templates = [t for t in split_templates if t.name in templates]
     rng = np.random.default_rng([seed, 0x3A7, size, SPLITS.index(split)])
-    return _draw_items(templates, n, rng, size, split != "train", fraction)
+    return _draw_items(split_templates, n, rng, size, split != "train", fraction)
 
 
 def make_count_items(

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
+from pydantic import field_validator
 
 import rewards
 from mmrl.config import Config, Field, RunConfig
@@ -50,6 +51,7 @@ from mmrl.data.shapes_math import (
     make_math_items,
     perception_accuracy,
     read_trace,
+    template_names,
 )
 from mmrl.loop import run_recipe
 from mmrl.sections import SupervisedRecipeConfig
@@ -86,6 +88,21 @@ class MathDataSection(Config):
         8, ge=0, description="Samples per question for pass@k at temperature 1 (0: greedy only)."
     )
     max_new_tokens: int = Field(48, ge=1, description="Completion budget of the evaluation.")
+    templates: list[str] | None = Field(
+        None,
+        description="The training templates the SFT items are drawn from (shapes_math.TEMPLATES, training ones): "
+        "null = all seven. A subset leaves the others for RL to learn from its reward; the held-out sets are "
+        "scored on every template whatever is trained.",
+    )
+
+    @field_validator("templates")
+    @classmethod
+    def _training_templates(cls, templates: list[str] | None) -> list[str] | None:
+        names = template_names(heldout=False)
+        if templates is not None and (not templates or set(templates) - set(names)):
+            raise ValueError(f"must be a non-empty subset of the training templates {names}")
+        return templates
+
     balance_counts: bool = Field(
         False,
         description="Draw training items so that the colour and shape counts their traces state are equally often "
@@ -272,7 +289,7 @@ class ReasonSFTTrainer(VLMSFTTrainer):
 
     def build_data(self) -> None:
         data, size, seed = self.cfg.data, self.cfg.model.image_size, self.cfg.run.seed
-        self.train_items = make_math_items(data.train_items, seed, size, "train")
+        self.train_items = make_math_items(data.train_items, seed, size, "train", templates=data.templates)
         self.count_weights = count_balancing_weights(self.train_items) if data.balance_counts else None
         # one-step count items after the shapes-math ones, so indices below len(train_items) keep their meaning
         count_items = (
@@ -398,6 +415,11 @@ def render_card(report: dict[str, Any]) -> str:
         if cfg.get("count_fraction", 0.0)
         else ""
     )
+    trained = (
+        f"the training templates {', '.join(cfg['templates'])} only: the others are never shown in SFT"
+        if cfg.get("templates")
+        else "training templates"
+    )
     scoring = (
         f"`pass@k`: lenient, {cfg['samples']}\nsamples per question at temperature 1 (unbiased estimator)."
         if sampled
@@ -436,7 +458,7 @@ model = AutoModelForImageTextToText.from_pretrained("{cfg["out"]}")
   warm-up steps), loss on the completion only; {
         cfg["caption_fraction"]:.0%} of the batches are the perception task
   "list the objects from left to right." -> `<answer>red circle, blue square</answer>`{counts}
-- data: {cfg["train_items"]} training items (training scenes, training templates), {cfg["image_size"]}x{
+- data: {cfg["train_items"]} training items (training scenes, {trained}), {cfg["image_size"]}x{
         cfg["image_size"]
     } scenes
 

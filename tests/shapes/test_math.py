@@ -139,6 +139,27 @@ def test_templates_cover_the_operations():
     assert chained and all(len([s for s in i.steps if not s.is_count]) == 2 for i in chained)
 
 
+def test_a_template_subset_draws_only_those_templates_balanced(splits):
+    """``templates=`` keeps the split's other rules (scenes, balance, answers) and draws only the named templates,
+    in TEMPLATES order whatever order they are named in; naming all of them repeats the default draws."""
+    one_op = ["compare_shapes", "remove_colour", "add_shape"]
+    items = make_math_items(90, seed=3, size=64, split="train", templates=one_op)
+    assert [i.template for i in items[:3]] == ["remove_colour", "add_shape", "compare_shapes"]
+    assert Counter(i.template for i in items) == {"remove_colour": 30, "add_shape": 30, "compare_shapes": 30}
+    for item in items:
+        assert _expected(item.question, item.scene) == item.answer, item.question
+        assert not is_heldout_scene(item.scene)
+    every = make_math_items(180, seed=3, size=64, split="train", templates=template_names(heldout=False))
+    assert [(i.question, i.answer) for i in every] == [(i.question, i.answer) for i in splits["train"]]
+    assert {
+        i.template for i in make_math_items(8, 0, split="heldout_templates", templates=["compare_colours"])
+    } == {"compare_colours"}
+    with pytest.raises(ValueError, match=r"\['compare_colours'\] not among them"):
+        make_math_items(3, 0, split="train", templates=["remove_colour", "compare_colours"])
+    with pytest.raises(ValueError, match="non-empty subset"):
+        make_math_items(3, 0, split="train", templates=[])
+
+
 def test_count_items_ask_one_count_about_the_split_scenes():
     """One-step count questions: the answer recomputed from the question and the scene, a trace of the one count,
     the three kinds in turn, training scenes only for ``train``, deterministic and not make_math_items' draws."""

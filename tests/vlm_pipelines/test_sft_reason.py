@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoProcessor
 
-from mmrl.config import load_config
+from mmrl.config import ConfigError, load_config
 from mmrl.data.shapes_math import MathItem, Step, make_math_items
 from mmrl.vlm.sft_reason import (
     ReasonBatcher,
@@ -45,7 +45,13 @@ def test_card_states_the_schedule_the_count_share_and_only_the_scores_it_has():
     """A cosine run with count questions and no temperature-1 samples: the card says so, and every table row has
     its header's columns (no pass@k column without samples)."""
     report = json.loads((CHECKPOINT / "sft_report.json").read_text())
-    report["config"] = {**report["config"], "lr_schedule": "cosine", "count_fraction": 0.9, "samples": 0}
+    report["config"] = {
+        **report["config"],
+        "lr_schedule": "cosine",
+        "count_fraction": 0.9,
+        "samples": 0,
+        "templates": ["remove_colour", "add_shape"],
+    }
     for split in report["heldout"].values():
         for key in ("pass@1", "pass@8"):
             split.pop(key, None)
@@ -55,11 +61,23 @@ def test_card_states_the_schedule_the_count_share_and_only_the_scores_it_has():
     assert "(cosine decay to 0 at the last step after 50" in card and "(constant after" not in card
     assert "90% of a task batch's items are one-step count questions" in card
     assert "pass@" not in card and "greedy scores only" in card
+    assert "the training templates remove_colour, add_shape only: the others are never shown in SFT" in card
     for table in card.split("\n\n"):
         rows = [line for line in table.splitlines() if line.startswith("|")]
         assert len({line.count("|") for line in rows}) <= 1, table
     committed = render_card(json.loads((CHECKPOINT / "sft_report.json").read_text()))
     assert "(constant after 50" in committed and "count questions" not in committed and "pass@8" in committed
+    assert "(training scenes, training templates)" in committed
+
+
+def test_sft_templates_must_be_training_templates():
+    """``data.templates``: a subset of the seven training templates; a held-out template or an empty list is refused
+    by the config, naming the key."""
+    cfg = load_config(ReasonSFTConfig, overrides=["data.templates=[add_shape,remove_colour]"])
+    assert cfg.data.templates == ["add_shape", "remove_colour"]
+    for bad in ("[remove_colour,compare_colours]", "[]"):
+        with pytest.raises(ConfigError, match=r"data\.templates"):
+            load_config(ReasonSFTConfig, overrides=[f"data.templates={bad}"])
 
 
 def _tiny_run(tmp_path: Path, *overrides: str) -> Path:
