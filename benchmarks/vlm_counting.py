@@ -94,12 +94,12 @@ def measure(path: str, args: argparse.Namespace) -> dict[str, Any]:
     processor = AutoProcessor.from_pretrained(path)
     model = AutoModelForImageTextToText.from_pretrained(path).eval()
     items = make_math_items(args.questions, args.seed, args.size, "heldout")
-    train = mean_token_features(model, processor, range(args.probe_train), args.size)
-    test = mean_token_features(model, processor, range(10**6, 10**6 + args.probe_test), args.size)
-    return {
-        "trace": trace_counts(model, processor, items, args.max_new_tokens),
-        "probe": probe_accuracy(train, test, args.ridge).tolist(),
-    }
+    result: dict[str, Any] = {"trace": trace_counts(model, processor, items, args.max_new_tokens)}
+    if args.probe_train:
+        train = mean_token_features(model, processor, range(args.probe_train), args.size)
+        test = mean_token_features(model, processor, range(10**6, 10**6 + args.probe_test), args.size)
+        result["probe"] = probe_accuracy(train, test, args.ridge).tolist()
+    return result
 
 
 #: The readers of :func:`prior_readers`: which count steps they write as 1 (the rest stated right).
@@ -133,11 +133,15 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     parser.add_argument("--seed", type=int, default=1, help="held-out set (the SFT run's seed + 1)")
     parser.add_argument("--size", type=int, default=64, help="scene side in pixels")
     parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--probe-train", type=int, default=3000)
+    parser.add_argument(
+        "--probe-train", type=int, default=3000, help="scenes the probe is fitted on (0: no probe)"
+    )
     parser.add_argument("--probe-test", type=int, default=1000)
     parser.add_argument("--ridge", type=float, default=1e-2)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
+    if args.probe_train < 0 or (args.probe_train and args.probe_test < 1):
+        parser.error("--probe-train must be >= 0 (0: no probe) and --probe-test >= 1 when there is a probe")
     torch.set_num_threads(args.threads)
     for split in ("heldout", "heldout_templates"):
         readers = prior_readers(make_math_items(args.questions, args.seed, args.size, split))
@@ -155,12 +159,13 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
                 f"  true count {label:2s}: {row['steps']:4d} steps, right {row['right']:6.1%}, "
                 f"says 1 {row['says_1']:6.1%}"
             )
-        probe = result["probe"]
-        print(
-            "  probe of the mean image token, count right per colour: "
-            + " ".join(f"{c} {a:.1%}" for c, a in zip(COLOURS, probe, strict=True))
-            + f" (mean {sum(probe) / len(probe):.1%})"
-        )
+        if "probe" in result:
+            probe = result["probe"]
+            print(
+                "  probe of the mean image token, count right per colour: "
+                + " ".join(f"{c} {a:.1%}" for c, a in zip(COLOURS, probe, strict=True))
+                + f" (mean {sum(probe) / len(probe):.1%})"
+            )
     return results
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from benchmarks import vlm_counting
@@ -37,6 +38,16 @@ def test_trace_tally_of_the_committed_checkpoint():
         assert 0.0 <= row["right"] <= 1.0 and 0.0 <= row["says_1"] <= 1.0
     assert rows[1]["right"] == rows[1]["says_1"]  # at a true count of 1, right means "says 1"
     assert len(result["probe"]) == len(COLOURS) and all(0.0 <= a <= 1.0 for a in result["probe"])
+
+
+def test_no_probe_scores_the_traces_only(capsys):
+    """``--probe-train 0``: the trace tally without the probe; a negative size is refused by name."""
+    results = vlm_counting.main([str(CHECKPOINT), "--questions", "12", "--probe-train", "0"])
+    assert "probe" not in results[str(CHECKPOINT)] and results[str(CHECKPOINT)]["trace"]
+    assert "probe of the mean image token" not in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        vlm_counting.main(["--probe-train", "-1"])
+    assert "--probe-train must be >= 0" in capsys.readouterr().err
 
 
 def test_readers_that_write_1_by_hand():
