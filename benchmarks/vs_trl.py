@@ -2,6 +2,7 @@
 
     pip install -e ".[bench]"        # TRL
     python -m benchmarks.vs_trl [--task vqa|reason] [--seeds 3] [--marks ...] [--threads 1] [--out FILE]
+        [--set KEY=VALUE ...]            # overrides of the recipe for every variant
     python -m benchmarks.vs_trl --summarize FILE      # the tables again, from a (possibly partial) results file
 
 Two tasks, each from its committed SFT checkpoint and its demo recipe, read at run time (so a change of the demo
@@ -170,12 +171,22 @@ def config_overrides(
 
 
 def _config(
-    config: str, variant: str, seed: int, threads: int, steps: int | None = None, order: str = "trl"
+    config: str,
+    variant: str,
+    seed: int,
+    threads: int,
+    steps: int | None = None,
+    order: str = "trl",
+    recipe_overrides: Sequence[str] = (),
 ) -> Any:
+    """The run's config: the recipe ``config`` with ``recipe_overrides`` (``--set``, every variant), then the
+    variant's own settings (:func:`config_overrides`), which win."""
     from mmrl.config import load_config
     from mmrl.vlm.config import VLMRLVRConfig
 
-    return load_config(VLMRLVRConfig, config, config_overrides(variant, seed, threads, steps, order))
+    return load_config(
+        VLMRLVRConfig, config, [*recipe_overrides, *config_overrides(variant, seed, threads, steps, order)]
+    )
 
 
 def _trainable_state(model: Any) -> dict[str, Any]:
@@ -381,14 +392,21 @@ def run_mmrl(cfg: Any, marks: dict[int, int], save: Callable[[int, dict[str, Any
 
 
 def train_worker(
-    variant: str, seed: int, threads: int, marks: Sequence[int], out_dir: Path, config: str, order: str
+    variant: str,
+    seed: int,
+    threads: int,
+    marks: Sequence[int],
+    out_dir: Path,
+    config: str,
+    order: str,
+    recipe_overrides: Sequence[str] = (),
 ) -> dict:
     """One training run (in its own process): trained weights at the marks, step times, peak RSS."""
     import torch
 
     torch.set_num_threads(threads)
     steps = mark_steps(marks)
-    cfg = _config(config, variant, seed, threads, max(steps), order)
+    cfg = _config(config, variant, seed, threads, max(steps), order, recipe_overrides)
 
     def save(step: int, state: dict[str, Any]) -> None:
         torch.save(state, out_dir / f"{variant}_seed{seed}_r{steps[step]}.pt")
@@ -409,7 +427,13 @@ def train_worker(
 
 
 def eval_worker(
-    seed: int, threads: int, marks: Sequence[int], out_dir: Path, config: str, scores: dict[str, str]
+    seed: int,
+    threads: int,
+    marks: Sequence[int],
+    out_dir: Path,
+    config: str,
+    scores: dict[str, str],
+    recipe_overrides: Sequence[str] = (),
 ) -> dict:
     """mmrl's greedy evaluation (``VLMRLVRTrainer.evaluate``, the seed's held-out questions) of the start and of
     every saved state of the seed's runs: ``scores`` (``{column: metric key}``) of each, ``accuracy`` = the
@@ -420,7 +444,9 @@ def eval_worker(
     from mmrl.vlm.trainer import VLMRLVRTrainer
 
     torch.set_num_threads(threads)
-    trainer = VLMRLVRTrainer(_config(config, "mmrl_single", seed, threads), None)
+    trainer = VLMRLVRTrainer(
+        _config(config, "mmrl_single", seed, threads, recipe_overrides=recipe_overrides), None
+    )
     trainer.setup(for_training=False)
     start = _trainable_state(trainer.model)
 
@@ -602,6 +628,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="the questions of each mmrl step: trl = shuffled passes without replacement, as TRL's sampler "
         "(default); recipe = the recipe's own selection",
     )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="overrides of the recipe for every variant (the variants' own settings still win), e.g. "
+        "trainer.process_credit.single_groups=kind",
+    )
     parser.add_argument("--out", default=None, help="results file (JSON lines), appended run by run")
     parser.add_argument(
         "--work-dir", default=None, help="folder for the saved weights (default: a temp folder)"
@@ -616,14 +651,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.summarize:
         return summarize([json.loads(line) for line in Path(args.summarize).read_text().splitlines() if line])
     mark_steps(args.marks)  # refuse bad marks before any run starts
+    _config(args.config, "mmrl_single", 0, args.threads, recipe_overrides=args.overrides)  # and a bad --set
     default_wait_policy()  # before any torch import: on a busy machine the workers inherit PASSIVE
     if args.worker is not None:
         work = Path(args.work_dir)
         if args.worker == "eval":
-            result = eval_worker(args.seed, args.threads, args.marks, work, args.config, task.scores)
+            result = eval_worker(
+                args.seed, args.threads, args.marks, work, args.config, task.scores, args.overrides
+            )
         else:
             result = train_worker(
-                args.worker, args.seed, args.threads, args.marks, work, args.config, args.order
+                args.worker,
+                args.seed,
+                args.threads,
+                args.marks,
+                work,
+                args.config,
+                args.order,
+                args.overrides,
             )
         print(json.dumps(result))
         return result
@@ -643,10 +688,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.config,
         "--order",
         args.order,
+        *(["--set", *args.overrides] if args.overrides else []),
     ]
     records = []
     print(
-        f"task {args.task} ({args.config}); order {args.order}; results: {out}; weights: {work}; "
+        f"task {args.task} ({args.config}{'; ' + ' '.join(args.overrides) if args.overrides else ''}); "
+        f"order {args.order}; results: {out}; weights: {work}; "
         f"threads {args.threads}",
         flush=True,
     )

@@ -11,6 +11,7 @@ pytest.importorskip("trl")
 
 from benchmarks import vs_trl
 from mmrl.checkpoint import load_trainable
+from mmrl.config import ConfigError
 from mmrl.vlm.trainer import VLMRLVRTrainer, load_examples
 
 
@@ -70,6 +71,22 @@ def test_mmrl_variants_walk_shuffled_passes_as_trls_sampler_unless_told_the_reci
         assert vs_trl._config(config, variant, 0, 1, order="recipe").allocation.selection == "uniform"
     with pytest.raises(ValueError, match="unknown order 'random'"):
         vs_trl.config_overrides("mmrl_single", 0, 1, order="random")
+
+
+def test_recipe_overrides_reach_every_variant_and_the_variants_own_settings_win():
+    """``--set``: the recipe changed for all three variants (TRL reads its lr from the same config), except what a
+    variant itself fixes (group's process credit is off, single stays single); a bad key stops the benchmark
+    before any run."""
+    config = vs_trl.TASKS["reason"].config
+    recipe = ["trainer.process_credit.single_groups=kind", "trainer.lr=1e-4", "trainer.mode=group"]
+    single = vs_trl._config(config, "mmrl_single", 0, 1, recipe_overrides=recipe)
+    group = vs_trl._config(config, "mmrl_group", 0, 1, recipe_overrides=recipe)
+    trl = vs_trl._config(config, "trl", 0, 1, recipe_overrides=recipe)
+    assert single.trainer.process_credit.single_groups == "kind" and single.trainer.mode == "single"
+    assert group.trainer.process_credit.reward is None and group.trainer.mode == "group"
+    assert single.trainer.lr == group.trainer.lr == trl.trainer.lr == 1e-4
+    with pytest.raises(ConfigError, match=r"trainer\.lrr"):
+        vs_trl.main(["--task", "reason", "--set", "trainer.lrr=1", "--seeds", "1"])
 
 
 def test_reason_variants_take_the_reasoning_demo_recipe():
