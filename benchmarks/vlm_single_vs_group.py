@@ -29,6 +29,7 @@ import json
 import statistics
 from pathlib import Path
 
+from benchmarks.options import add_set_option
 from mmrl.config import load_config
 from mmrl.run import read_metrics
 from mmrl.vlm.config import VLMRLVRConfig
@@ -78,13 +79,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         default=list(variants(1)),
         help="variants to train (group is always added: its final accuracy is the target)",
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        nargs="+",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config overrides applied to every variant",
+    add_set_option(
+        parser,
+        "config overrides applied to every variant",
     )
     args = parser.parse_args(argv)
     chosen = selected(args.variants)

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.options import add_set_option
 from pipelines.threads import default_wait_policy
 
 G = 8
@@ -628,13 +629,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="the questions of each mmrl step: trl = shuffled passes without replacement, as TRL's sampler "
         "(default); recipe = the recipe's own selection",
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        nargs="+",
-        default=[],
-        metavar="KEY=VALUE",
-        help="overrides of the recipe for every variant (the variants' own settings still win), e.g. "
+    add_set_option(
+        parser,
+        "overrides of the recipe for every variant (the variants' own settings still win), e.g. "
         "trainer.process_credit.single_groups=kind",
     )
     parser.add_argument("--out", default=None, help="results file (JSON lines), appended run by run")
