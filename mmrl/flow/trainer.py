@@ -1124,8 +1124,8 @@ def evaluate(
 ) -> dict[str, float]:
     """Score the base model, or a checkpoint's LoRA on it, on a prompt file; write scores and a grid.
 
-    Writes ``out_dir/scores.jsonl`` (prompt, image index, every reward), ``out_dir/summary.json`` and
-    ``out_dir/grid.png``.
+    Writes ``out_dir/scores.jsonl`` (prompt, image index, every reward and component), ``out_dir/summary.json``
+    (the means of each) and ``out_dir/grid.png``.
     """
     if prompts_file is not None:
         cfg = cfg.model_copy(update={"eval_prompts": prompts_file})
@@ -1152,6 +1152,10 @@ def evaluate(
         "reward_mean": float(total.mean()),
     }
     summary.update({f"{spec.key}_mean": float(raw[:, k].mean()) for k, spec in enumerate(trainer.eval_specs)})
+    # each reward's components (the shapes verifier's object / count / colour / position), as in scores.jsonl
+    summary.update(
+        {f"{name.removeprefix('reward/')}_mean": float(v.mean()) for name, v in components.items()}
+    )
     for name, (extra_prompts, specs, rewards, _) in trainer.extra_eval.items():
         extra_ro = trainer.generate(extra_prompts, images_per_prompt)
         extra_raw, _ = trainer.score_with(specs, rewards, extra_ro.images, extra_ro.prompts)

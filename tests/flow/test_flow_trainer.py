@@ -292,6 +292,8 @@ def test_eval_writes_scores_and_grid(model_dir, tmp_path):
     assert summary["images"] == 4 and 0.0 <= summary["reward_mean"] <= 1.0
     lines = [json.loads(line) for line in (tmp_path / "eval/scores.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in lines] == ["a photo of a red circle"] * 2 + ["a photo of two squares"] * 2
+    for key in ("shapes", "shapes/object", "shapes/count", "shapes/colour", "shapes/position"):
+        assert summary[f"{key}_mean"] == pytest.approx(sum(r[key] for r in lines) / len(lines)), key
     assert (tmp_path / "eval/grid.png").is_file()
     empty = tmp_path / "empty.txt"
     empty.write_text("\n")
