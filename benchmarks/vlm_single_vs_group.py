@@ -90,9 +90,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     curves: dict[str, list[list[tuple[int, float]]]] = {}
     entropy: dict[str, list[float]] = {}
     length: dict[str, list[float]] = {}
-    for name, extra in variants(args.group_prompts).items():
-        if name not in chosen:
-            continue
+    settings = variants(args.group_prompts)
+    for name in chosen:
+        extra = settings[name]
         for seed in range(args.seeds):
             cfg = load_config(
                 VLMRLVRConfig,

@@ -69,6 +69,7 @@ __all__ = [
     "make_math_items",
     "perception_accuracy",
     "read_trace",
+    "split_templates",
     "stated_counts",
     "template_names",
 ]
@@ -450,18 +451,28 @@ def make_math_items(
             template that is not the split's.
     """
     _check_draw(n, split, fraction)
-    split_templates = [t for t in TEMPLATES if t.heldout == (split == "heldout_templates")]
-    if templates is not None:
-        names = [t.name for t in split_templates]
-        unknown = sorted(set(templates) - set(names))
-        if unknown or not templates:
-            raise ValueError(
-                f"templates of shapes_math split {split!r} must be a non-empty subset of {names}; got "
-                f"{list(templates)}" + (f" ({unknown} not among them)" if unknown else "")
-            )
-        split_templates = [t for t in split_templates if t.name in templates]
     rng = np.random.default_rng([seed, 0x3A7, size, SPLITS.index(split)])
-    return _draw_items(split_templates, n, rng, size, split != "train", fraction)
+    return _draw_items(split_templates(split, templates), n, rng, size, split != "train", fraction)
+
+
+def split_templates(split: MathSplit, names: Sequence[str] | None = None) -> list[Template]:
+    """The templates a split draws from (:data:`TEMPLATES` order): the held-out ones for ``heldout_templates``,
+    the training ones otherwise, or the subset of them that ``names`` names.
+
+    Raises:
+        ValueError: ``names`` empty or naming a template that is not the split's.
+    """
+    templates = [t for t in TEMPLATES if t.heldout == (split == "heldout_templates")]
+    if names is None:
+        return templates
+    allowed = [t.name for t in templates]
+    unknown = sorted(set(names) - set(allowed))
+    if unknown or not names:
+        raise ValueError(
+            f"templates of shapes_math split {split!r} must be a non-empty subset of {allowed}"
+            + (f" ({unknown} not among them)" if unknown else "")
+        )
+    return [t for t in templates if t.name in names]
 
 
 def make_count_items(

@@ -51,7 +51,7 @@ from mmrl.data.shapes_math import (
     make_math_items,
     perception_accuracy,
     read_trace,
-    template_names,
+    split_templates,
 )
 from mmrl.loop import run_recipe
 from mmrl.sections import SupervisedRecipeConfig
@@ -98,9 +98,7 @@ class MathDataSection(Config):
     @field_validator("templates")
     @classmethod
     def _training_templates(cls, templates: list[str] | None) -> list[str] | None:
-        names = template_names(heldout=False)
-        if templates is not None and (not templates or set(templates) - set(names)):
-            raise ValueError(f"must be a non-empty subset of the training templates {names}")
+        split_templates("train", templates)  # raises, naming the allowed ones, for an unknown or empty subset
         return templates
 
     balance_counts: bool = Field(
@@ -395,8 +393,14 @@ def render_card(report: dict[str, Any]) -> str:
         for name, value in r["per_template"].items()
     )
     at_k = f"pass@{cfg['samples']}"
-    curve_columns = ["step", "SFT minutes", "lenient", "perception", *([at_k] if sampled else [])]
-    curve_columns.append("lenient, held-out templates")
+    curve_columns = [
+        "step",
+        "SFT minutes",
+        "lenient",
+        "perception",
+        *([at_k] if sampled else []),
+        "lenient, held-out templates",
+    ]
     curve = "\n".join(
         f"| {p['step']} | {p['train_minutes']:.1f} | {p['heldout']['lenient']:.1%} | {p['heldout']['perception']:.1%} "
         + (f"| {p['heldout'].get(at_k, float('nan')):.1%} " if sampled else "")
