@@ -5,7 +5,11 @@ One store keyed by prompt id holds, per prompt:
 - decayed success/failure evidence ``(s, f)`` for rewards in [0, 1]. The Beta posterior is
   ``alpha = s + k * m``, ``beta = f + k * (1 - m)``: a shrinkage prior of strength ``k`` centred on the current
   global success rate ``m`` (so an unseen prompt starts at the population mean without an initialisation pass,
-  and the prior follows the population as the policy improves);
+  and the prior follows the population as the policy improves). With ``prior_groups`` (prompt id -> group, e.g.
+  the question's template) the centre of a grouped prompt is its group's running mean shrunk to ``m`` with the
+  same strength, ``m_g = (S_g + k * m) / (N_g + k)`` (``S_g, N_g``: the group's reward sum and count), a two-level
+  hierarchical prior: with one rollout per prompt and few revisits a prompt's baseline is then its kind's
+  success rate, not everyone's;
 - a decayed running mean / variance for continuous rewards (weighted Welford / Chan merge);
 - the number of observations and the last step seen.
 
@@ -17,7 +21,7 @@ Forgetting (discounting old evidence as the policy drifts) happens at each updat
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -47,6 +51,8 @@ class PromptStats:
         rho: default forgetting factor in (0, 1]; 1 keeps all evidence.
         prior_strength: pseudo-count ``k`` of the shrinkage prior (MoPPS uses a Beta(1, 1) prior: k = 2).
         prior_mean: success rate assumed before any reward has been seen.
+        prior_groups: optional group of each prompt id; a grouped prompt's prior is centred on its group's
+            running mean (module docstring). Prompts not in it keep the global centre.
         device: where the tensors live.
 
     Example:
@@ -60,6 +66,7 @@ class PromptStats:
         rho: float = 1.0,
         prior_strength: float = 2.0,
         prior_mean: float = 0.5,
+        prior_groups: Mapping[Hashable, Hashable] | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
         if not 0 < rho <= 1:
@@ -78,6 +85,12 @@ class PromptStats:
         # Global totals (no forgetting) behind the shrinkage prior's centre.
         self._global_sum = 0.0
         self._global_count = 0.0
+        # Group totals (no forgetting, like the global ones) behind a grouped prompt's prior centre.
+        self._group_names: list[Hashable] = sorted(set((prior_groups or {}).values()), key=repr)
+        group_index = {name: g for g, name in enumerate(self._group_names)}
+        self._group_of = {pid: group_index[name] for pid, name in (prior_groups or {}).items()}
+        self._group_sum = torch.zeros(len(self._group_names), dtype=torch.float64, device=self.device)
+        self._group_count = torch.zeros(len(self._group_names), dtype=torch.float64, device=self.device)
 
     # ------------------------------------------------------------------ lookup
     def __len__(self) -> int:
@@ -115,6 +128,25 @@ class PromptStats:
         """Centre of the shrinkage prior: the mean of every reward seen, pulled to ``prior_mean`` by k."""
         k = self.prior_strength
         return (self._global_sum + k * self.prior_mean) / (self._global_count + k)
+
+    def _groups(self, prompt_ids: Sequence[Hashable]) -> torch.Tensor:
+        """``[n]`` group index of each id, -1 for an ungrouped one."""
+        return torch.tensor(
+            [self._group_of.get(p, -1) for p in prompt_ids], dtype=torch.long, device=self.device
+        )
+
+    def prior_centre(self, prompt_ids: Sequence[Hashable]) -> torch.Tensor:
+        """``[n]`` centre of each prompt's shrinkage prior: ``m_g = (S_g + k * m) / (N_g + k)`` for a grouped
+        prompt, the global mean ``m`` otherwise."""
+        m = self.global_mean()
+        groups = self._groups(prompt_ids)
+        centre = torch.full((len(prompt_ids),), m, dtype=torch.float64, device=self.device)
+        grouped = groups >= 0
+        if bool(grouped.any()):
+            g = groups[grouped]
+            k = self.prior_strength
+            centre[grouped] = (self._group_sum[g] + k * m) / (self._group_count[g] + k)
+        return centre
 
     # ------------------------------------------------------------------ update
     def update(
@@ -191,6 +223,10 @@ class PromptStats:
         d["last_step"][uniq] = float(step)
         self._global_sum += float(rewards.sum())
         self._global_count += float(rewards.numel())
+        groups = self._groups(prompt_ids)
+        grouped = groups >= 0
+        self._group_sum.index_add_(0, groups[grouped], rewards[grouped])
+        self._group_count.index_add_(0, groups[grouped], torch.ones_like(rewards[grouped]))
 
     def update_distributed(
         self,
@@ -219,7 +255,7 @@ class PromptStats:
     def alpha_beta(self, prompt_ids: Sequence[Hashable]) -> tuple[torch.Tensor, torch.Tensor]:
         """``([n], [n])`` Beta posterior parameters; unseen prompts get the shrinkage prior alone."""
         idx, known = self._lookup(prompt_ids)
-        k, m = self.prior_strength, self.global_mean()
+        k, m = self.prior_strength, self.prior_centre(prompt_ids)
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         s = torch.where(known, self._data["success"][idx] if len(self) else zero, zero)
         f = torch.where(known, self._data["failure"][idx] if len(self) else zero, zero)
@@ -233,16 +269,14 @@ class PromptStats:
     def mean_var(self, prompt_ids: Sequence[Hashable]) -> tuple[torch.Tensor, torch.Tensor]:
         """``([n], [n])`` decayed running mean and variance of continuous rewards, shrunk towards the global mean.
 
-        ``mean = (w * mu + k * m) / (w + k)``; the variance is the weighted population variance (0 when unseen).
+        ``mean = (w * mu + k * m) / (w + k)`` with ``m`` the prompt's prior centre; the variance is the weighted
+        population variance (0 when unseen).
         """
         idx, known = self._lookup(prompt_ids)
-        k, m = self.prior_strength, self.global_mean()
+        k, m = self.prior_strength, self.prior_centre(prompt_ids)
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         if len(self) == 0:
-            n = len(prompt_ids)
-            return torch.full((n,), m, dtype=torch.float64, device=self.device), torch.zeros(
-                n, dtype=torch.float64
-            )
+            return m, torch.zeros(len(prompt_ids), dtype=torch.float64, device=self.device)
         w = torch.where(known, self._data["weight"][idx], zero)
         mu = torch.where(known, self._data["mean"][idx], zero)
         m2 = torch.where(known, self._data["m2"][idx], zero)
@@ -279,6 +313,14 @@ class PromptStats:
             "rho": self.rho,
             "prior_strength": self.prior_strength,
             "prior_mean": self.prior_mean,
+            "group_totals": self._group_totals(),
+        }
+
+    def _group_totals(self) -> dict[Hashable, tuple[float, float]]:
+        """``{group: (reward sum, count)}`` of every group of ``prior_groups``."""
+        return {
+            name: (float(self._group_sum[g]), float(self._group_count[g]))
+            for g, name in enumerate(self._group_names)
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -293,6 +335,23 @@ class PromptStats:
         self.rho = float(state.get("rho", self.rho))
         self.prior_strength = float(state.get("prior_strength", self.prior_strength))
         self.prior_mean = float(state.get("prior_mean", self.prior_mean))
+        self._load_group_totals(state.get("group_totals", {}), replace=True)
+
+    def _load_group_totals(self, totals: Mapping[Hashable, tuple[float, float]], replace: bool) -> None:
+        """Set (``replace``) or add the ``{group: (reward sum, count)}`` totals of a state or another store."""
+        unknown = set(totals) - set(self._group_names)
+        if unknown:
+            raise ValueError(
+                f"PromptStats: totals of groups {sorted(unknown, key=repr)} that this store's prior_groups do not "
+                f"name (it has {self._group_names}); build the store with the same prior_groups"
+            )
+        if replace:
+            self._group_sum.zero_()
+            self._group_count.zero_()
+        for g, name in enumerate(self._group_names):
+            total, count = totals.get(name, (0.0, 0.0))
+            self._group_sum[g] += total
+            self._group_count[g] += count
 
     def merge(self, other: PromptStats) -> None:
         """Add ``other``'s evidence into this store (in place).
@@ -325,3 +384,4 @@ class PromptStats:
         d["last_step"][idx] = torch.maximum(d["last_step"][idx], o["last_step"].to(self.device))
         self._global_sum += other._global_sum
         self._global_count += other._global_count
+        self._load_group_totals(other._group_totals(), replace=False)

@@ -260,6 +260,14 @@ class VLMAllocation(AllocationConfig):
         "(+1 each for mc_grpo). Single mode: one rollout per prompt.",
     )
     rho: float = Field(0.9, gt=0, le=1, description="Forgetting factor of the per-prompt baseline.")
+    prior_groups: Literal["none", "kind"] = Field(
+        "none",
+        description="Centre of each question's shrinkage prior (the single-rollout baseline of a question seen "
+        "rarely or never): none = the running mean of every reward; kind = the running mean of the questions of "
+        "its kind (the shapes worlds' template), itself shrunk to every reward's mean with prior_strength "
+        "(mmrl/core/stats.py). With one rollout per question and few revisits a question's baseline is then what "
+        "its kind scores, not the whole population.",
+    )
 
 
 #: keys of the VLM trainer section that moved to the shared allocation section: old -> new name

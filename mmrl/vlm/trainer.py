@@ -212,7 +212,27 @@ class VLMRLVRTrainer(TrainerBase):
         self.optimizer = torch.optim.AdamW(
             self.trainable, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay
         )
-        self.stats = PromptStats(rho=cfg.allocation.rho, prior_strength=cfg.allocation.prior_strength)
+        by_kind = {
+            key: value
+            for key, value in (
+                ("allocation.prior_groups", cfg.allocation.prior_groups),
+                ("trainer.process_credit.single_groups", cfg.trainer.process_credit.single_groups),
+            )
+            if value == "kind"
+        }
+        if by_kind and not any(ex.kind for ex in self.train_set):
+            raise ValueError(
+                f"{', '.join(by_kind)}: kind groups questions by their kind, and the questions of {d.train} have "
+                "none (the generated shapes worlds give each its template); set it back to its default"
+            )
+        kinds = (
+            {ex.prompt_id: ex.kind for ex in self.train_set}
+            if cfg.allocation.prior_groups == "kind"
+            else None
+        )
+        self.stats = PromptStats(
+            rho=cfg.allocation.rho, prior_strength=cfg.allocation.prior_strength, prior_groups=kinds
+        )
         self.resume()
         # 5. the rollout source; a pool starts from the weights held now (so after a resume)
         if cfg.pool.enabled:

@@ -1,5 +1,7 @@
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mmrl.core.stats import PromptStats, spo_rho
 
@@ -102,3 +104,63 @@ def test_bad_input():
         s.update(["a", "b"], torch.tensor([1.0]), step=0)
     with pytest.raises(ValueError, match="rho"):
         PromptStats(rho=0.0)
+
+
+def test_grouped_prior_is_the_groups_mean_shrunk_to_the_global_mean_hand_values():
+    groups = {"a1": "add", "a2": "add", "r1": "remove"}
+    s = PromptStats(rho=1.0, prior_strength=2.0, prior_mean=0.5, prior_groups=groups)
+    s.update(["a1", "a1", "r1", "x"], torch.tensor([1.0, 1.0, 0.0, 0.0]), step=0)
+    # global m = (2 + 2 * .5) / (4 + 2) = .5; add: (2 + 2 * .5) / (2 + 2) = .75; remove: (0 + 1) / (1 + 2) = 1/3
+    centre = s.prior_centre(["a2", "r1", "x", "unseen"])
+    assert centre.tolist() == pytest.approx([0.75, 1 / 3, 0.5, 0.5])
+    # an unseen prompt of a group gets the group's centre alone; a seen one adds its own evidence to it
+    assert s.success_prob(["a2", "unseen"]).tolist() == pytest.approx([0.75, 0.5])
+    a, b = s.alpha_beta(["r1"])
+    assert (float(a), float(b)) == pytest.approx((0 + 2 / 3, 1 + 4 / 3))
+    mean, _ = s.mean_var(["a1", "a2"])
+    assert mean.tolist() == pytest.approx([(2 * 1.0 + 2 * 0.75) / 4, 0.75])
+    # without groups the same rewards give every unseen prompt the global mean
+    plain = PromptStats(rho=1.0, prior_strength=2.0, prior_mean=0.5)
+    plain.update(["a1", "a1", "r1", "x"], torch.tensor([1.0, 1.0, 0.0, 0.0]), step=0)
+    assert plain.success_prob(["a2"]).tolist() == pytest.approx([0.5])
+
+
+def test_grouped_prior_survives_state_dict_and_merge():
+    groups = {"a": "g1", "b": "g1", "c": "g2"}
+    ids = ["a", "b", "c", "a", "c"]
+    r = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.25])
+    whole = PromptStats(prior_groups=groups)
+    whole.update(ids, r, step=0)
+    restored = PromptStats(prior_groups=groups)
+    restored.load_state_dict(whole.state_dict())
+    q = ["a", "b", "c", "new"]
+    torch.testing.assert_close(restored.alpha_beta(q), whole.alpha_beta(q))
+    left, right = PromptStats(prior_groups=groups), PromptStats(prior_groups=groups)
+    left.update(ids[:2], r[:2], step=0)
+    right.update(ids[2:], r[2:], step=0)
+    left.merge(right)
+    torch.testing.assert_close(left.prior_centre(q), whole.prior_centre(q))
+    with pytest.raises(ValueError, match="prior_groups"):
+        PromptStats().load_state_dict(whole.state_dict())
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["a", "b", "c", "d"]), st.floats(0, 1)), min_size=1, max_size=30))
+def test_grouped_centre_lies_between_the_global_mean_and_the_groups_own_mean(rows):
+    """m_g is a convex combination of the group's data mean and the global centre, and a store whose groups
+    cover no prompt behaves exactly as one without groups."""
+    groups = {"a": "g1", "b": "g1", "c": "g2"}
+    ids = [pid for pid, _ in rows]
+    rewards = torch.tensor([r for _, r in rows], dtype=torch.float64)
+    grouped, plain, empty = PromptStats(prior_groups=groups), PromptStats(), PromptStats(prior_groups={})
+    for store in (grouped, plain, empty):
+        store.update(ids, rewards, step=0)
+    m = grouped.global_mean()
+    for pid, name in groups.items():
+        own = [r for p, r in rows if groups.get(p) == name]
+        centre = float(grouped.prior_centre([pid]))
+        low, high = min([m, *own]), max([m, *own])
+        assert low - 1e-12 <= centre <= high + 1e-12
+    assert float(grouped.prior_centre(["d"])) == pytest.approx(m)
+    q = ["a", "b", "c", "d", "new"]
+    torch.testing.assert_close(empty.alpha_beta(q), plain.alpha_beta(q))

@@ -1,5 +1,6 @@
 """The VLM RLVR trainer on a tiny random Qwen2.5-VL: single and group modes, LoRA-only updates, checkpoints."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -330,3 +331,58 @@ def test_reasoning_rl_from_the_committed_checkpoint_raises_lenient_heldout_accur
 
 REASON_STEPS = 60
 REASON_GAIN = 0.07
+
+
+def test_prior_groups_kind_centres_each_questions_baseline_on_its_template(tmp_path):
+    """``allocation.prior_groups: kind``: the baseline of a question not yet seen is the running mean of its
+    template's rewards (shrunk to every reward's mean), so two unseen questions of different templates get
+    different baselines; with the default (none) both get the global mean. Data without kinds are refused."""
+    overrides = [
+        "run.progress=false",
+        f"run.output_dir={tmp_path}",
+        "data.train_limit=40",
+        "data.eval_limit=4",
+        "allocation.prompts_per_step=8",
+    ]
+    grouped = VLMRLVRTrainer(
+        load_config(
+            VLMRLVRConfig, "configs/demo/vlm_shapes_reason.yaml", [*overrides, "allocation.prior_groups=kind"]
+        ),
+        None,
+    )
+    grouped.setup()
+    by_kind: dict[str, list[str]] = {}
+    for example in grouped.train_set:
+        by_kind.setdefault(example.kind, []).append(example.prompt_id)
+    (kind_a, ids_a), (kind_b, ids_b) = sorted(by_kind.items())[:2]
+    assert len(ids_a) >= 2 and len(ids_b) >= 2 and kind_a != kind_b
+    grouped.stats.update([ids_a[0], ids_b[0]], torch.tensor([1.0, 0.0]), step=0)
+    k = grouped.cfg.allocation.prior_strength
+    m = grouped.stats.global_mean()  # (1 + k / 2) / (2 + k) = 0.5
+    expected = [(1.0 + k * m) / (1 + k), (0.0 + k * m) / (1 + k)]
+    assert grouped.stats.success_prob([ids_a[1], ids_b[1]]).tolist() == pytest.approx(expected)
+    plain = VLMRLVRTrainer(load_config(VLMRLVRConfig, "configs/demo/vlm_shapes_reason.yaml", overrides), None)
+    plain.setup()
+    plain.stats.update([ids_a[0], ids_b[0]], torch.tensor([1.0, 0.0]), step=0)
+    assert plain.stats.success_prob([ids_a[1], ids_b[1]]).tolist() == pytest.approx([m, m])
+
+    rows = [{"question": f"How many? ({n})", "answer": "2"} for n in range(8)]
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    no_kinds = load_config(
+        VLMRLVRConfig,
+        "configs/demo/vlm_shapes_reason.yaml",
+        [
+            *overrides,
+            f"data.train={questions}",
+            f"data.eval={questions}",
+            "data.image_column=null",
+            "data.extra_eval={}",
+            "rewards=[{name: numeric}]",
+            "eval_rewards=[]",
+            "trainer.process_credit.reward=null",
+            "allocation.prior_groups=kind",
+        ],
+    )
+    with pytest.raises(ValueError, match=r"allocation.prior_groups: kind .* have none"):
+        VLMRLVRTrainer(no_kinds, None).setup()
