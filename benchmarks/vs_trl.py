@@ -87,7 +87,7 @@ TASKS = {
     ),
     "reason": Task(
         "configs/demo/vlm_shapes_reason.yaml",
-        (1024, 2048, 4096),
+        (1024, 2048, 3072, 6144),
         {"lenient": "eval/lenient_accuracy", "templates": "eval/templates/lenient_accuracy"},
     ),
 }
@@ -618,7 +618,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         nargs="+",
         default=None,
         help="rollouts at which the trained weights are saved and evaluated; the last is the run's length "
-        "(default: vqa 1024 2048 3072 6144, reason 1024 2048 4096)",
+        "(default for both tasks: 1024 2048 3072 6144)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every run and evaluation")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
