@@ -114,6 +114,17 @@ RECIPES: dict[str, Recipe] = {
         ("trainer.objective=awm", "trainer.awm.timesteps=2", "trainer.awm.advantage_max=5.0"),
         "AWM with NFT's two regression points per image and unscaled advantages (A, not A / 5)",
     ),
+    "awm_2pt": Recipe(
+        FLAT,
+        ("trainer.objective=awm", "trainer.awm.timesteps=2"),
+        "AWM at the paper's defaults (advantages A / 5, ghuber) but NFT's two regression points per image: the "
+        "paper's scaling at awm_tuned's cost per step",
+    ),
+    "awm_paper_distill": Recipe(
+        FLAT,
+        ("trainer.objective=awm", "trainer.guidance_distill.weight=1.0"),
+        "AWM at the paper's defaults plus guidance distillation toward the base's CFG-3 velocity (weight 1)",
+    ),
     "nft_branch": Recipe(
         BRANCH, (), "the demo with branching rollouts (trees of 8 leaves split at steps 0, 2)"
     ),
