@@ -139,8 +139,10 @@ class PromptStats:
         """``[n]`` centre of each prompt's shrinkage prior: ``m_g = (S_g + k * m) / (N_g + k)`` for a grouped
         prompt, the global mean ``m`` otherwise."""
         m = self.global_mean()
-        groups = self._groups(prompt_ids)
         centre = torch.full((len(prompt_ids),), m, dtype=torch.float64, device=self.device)
+        if not self._group_of:
+            return centre
+        groups = self._groups(prompt_ids)
         grouped = groups >= 0
         if bool(grouped.any()):
             g = groups[grouped]
@@ -223,10 +225,11 @@ class PromptStats:
         d["last_step"][uniq] = float(step)
         self._global_sum += float(rewards.sum())
         self._global_count += float(rewards.numel())
-        groups = self._groups(prompt_ids)
-        grouped = groups >= 0
-        self._group_sum.index_add_(0, groups[grouped], rewards[grouped])
-        self._group_count.index_add_(0, groups[grouped], torch.ones_like(rewards[grouped]))
+        if self._group_of:
+            groups = self._groups(prompt_ids)
+            grouped = groups >= 0
+            self._group_sum.index_add_(0, groups[grouped], rewards[grouped])
+            self._group_count.index_add_(0, groups[grouped], torch.ones_like(rewards[grouped]))
 
     def update_distributed(
         self,

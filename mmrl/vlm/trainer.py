@@ -212,14 +212,14 @@ class VLMRLVRTrainer(TrainerBase):
         self.optimizer = torch.optim.AdamW(
             self.trainable, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay
         )
-        by_kind = {
-            key: value
+        by_kind = [
+            key
             for key, value in (
                 ("allocation.prior_groups", cfg.allocation.prior_groups),
                 ("trainer.process_credit.single_groups", cfg.trainer.process_credit.single_groups),
             )
             if value == "kind"
-        }
+        ]
         if by_kind and not any(ex.kind for ex in self.train_set):
             raise ValueError(
                 f"{', '.join(by_kind)}: kind groups questions by their kind, and the questions of {d.train} have "
