@@ -69,9 +69,11 @@ __all__ = [
     "make_math_items",
     "perception_accuracy",
     "read_trace",
+    "slip_operation",
     "split_templates",
     "stated_counts",
     "template_names",
+    "trace_operations",
 ]
 
 MathSplit = Literal["train", "heldout", "heldout_templates"]
@@ -170,6 +172,12 @@ def read_trace(completion: str) -> list[Step]:
     return steps
 
 
+def trace_operations(steps: Sequence[Step]) -> str:
+    """The operators of the arithmetic steps in order, ``"-+"`` for ``shapes 4. red 2. 4-2=2. 2+2=4``: the
+    procedure of a trace, whatever its counts."""
+    return "".join("+" if "+" in step.label else "-" for step in steps if not step.is_count)
+
+
 def stated_counts(completion: str) -> dict[str, int]:
     """``{label: value}`` of the count steps of a completion's trace, the first one of each label."""
     said: dict[str, int] = {}
@@ -240,6 +248,36 @@ class MathItem:
         else:
             raise ValueError(f"unknown trace style {style!r}; use one of {list(TRACE_STYLES)}")
         return f"<think>{'. '.join(parts)}</think><answer>{self.answer}</answer>"
+
+
+def slip_operation(item: MathItem, which: int) -> MathItem | None:
+    """``item`` as a careless teacher writes it: arithmetic step ``which`` (0 = the first) takes the other
+    operator, and every later result and the answer follow from it, ``shapes 4. red 2. 4+2=6`` ->
+    ``<answer>6</answer>`` for "Remove all red shapes. How many shapes are left?". The counts stay right, so the
+    slip is one of procedure, fixable from the question's words. ``None`` when the slipped trace would reach a
+    negative number (``1-3``: no teacher writes it) or ``which`` is not an arithmetic step of the trace.
+    """
+    steps: list[Step] = []
+    result: int | None = None
+    arithmetic = -1
+    for step in item.steps:
+        if step.is_count:
+            steps.append(step)
+            continue
+        arithmetic += 1
+        op = "+" if "+" in step.label else "-"
+        left, right = (int(part) for part in step.label.split(op))
+        if result is not None:
+            left = result
+        if arithmetic == which:
+            op = "-" if op == "+" else "+"
+        result = left + right if op == "+" else left - right
+        if result < 0:
+            return None
+        steps.append(Step(f"{left}{op}{right}", result))
+    if result is None or arithmetic < which or which < 0:
+        return None
+    return MathItem(item.image, item.question, result, tuple(steps), item.template, item.scene)
 
 
 def _left_to_right(scene: Scene) -> list[SceneObject]:

@@ -1,10 +1,12 @@
 """Supervised fine-tuning of the tiny shapes VLM on shapes-math reasoning traces: a base that reasons a little
 (recipe ``vlm_sft_reason``).
 
-    mmrl train configs/pretrain/shapes_vlm_reason.yaml                                 # the committed checkpoint
+    mmrl train configs/pretrain/shapes_vlm_reason_slips.yaml                           # the demo's base
+    mmrl train configs/pretrain/shapes_vlm_reason.yaml                                 # the same, clean traces
     python -m mmrl.vlm.sft_reason --eval-only --out checkpoints/shapes_vlm_reason      # re-score it
 
-1. generate training shapes-math items (``mmrl.data.shapes_math``, training scenes and templates) and held-out
+1. generate training shapes-math items (``mmrl.data.shapes_math``, training scenes and templates; with
+   ``data.teacher_slips`` that share of them as a careless teacher writes them, one operator flipped) and held-out
    items (held-out scenes with the training templates; held-out scenes with the held-out templates);
 2. train a tokenizer on their text and build the tiny Qwen2.5-VL (``pipelines.vlm.tiny``) with random weights;
    pretrain the vision tower alone on dense per-token colour/shape labels (``mmrl.vlm.sft.pretrain_vision``);
@@ -25,7 +27,8 @@ What is scored (:func:`reasoning_report`), on held-out items, greedy unless said
 * ``format``: ``<think>...</think><answer>...</answer>`` and nothing else (``rewards.build("format")``);
 * ``perception``: share of the reference's count steps the trace states correctly
   (``shapes_math.perception_accuracy``); ``wrong_with_right_counts``: the share of wrong answers whose trace
-  states every count right (the composition failed, not the reading);
+  states every count right (the composition failed, not the reading); ``operations``: the share of traces whose
+  arithmetic steps use the reference's operators in its order (``shapes_math.trace_operations``);
 * ``pass@1`` / ``pass@k``: lenient accuracy of one / any of ``k`` samples at temperature 1 (the unbiased
   estimator of Chen et al. 2021, arXiv 2107.03374, eq. 1, from ``k`` samples per question).
 """
@@ -38,6 +41,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from pydantic import field_validator
 
@@ -51,7 +55,9 @@ from mmrl.data.shapes_math import (
     make_math_items,
     perception_accuracy,
     read_trace,
+    slip_operation,
     split_templates,
+    trace_operations,
 )
 from mmrl.loop import run_recipe
 from mmrl.sections import SupervisedRecipeConfig
@@ -105,6 +111,16 @@ class MathDataSection(Config):
         False,
         description="Draw training items so that the colour and shape counts their traces state are equally often "
         "0, 1, 2 and 3+ (count_balancing_weights); the natural mix is mostly 1, a prior a model can answer from.",
+    )
+    teacher_slips: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Share of the training traces written by a careless teacher (shapes_math.slip_operation): "
+        "one arithmetic step takes the other operator (shapes 4. red 2. 4+2=6 for 'Remove all red shapes') and "
+        "the answer follows it; the counts stay right. A base trained on them knows the right procedure and a "
+        "wrong one, both reachable from the question's words: headroom that a verifiable reward can take. Items "
+        "whose slipped trace would go negative stay right.",
     )
     trace: TraceStyle = Field(
         "steps",
@@ -169,6 +185,21 @@ def count_balancing_weights(items: Sequence[MathItem]) -> torch.Tensor:
     tally = Counter(v for vs in values for v in vs)
     total = sum(tally.values())
     return torch.tensor([sum(total / tally[v] for v in vs) / len(vs) if vs else 1.0 for vs in values])
+
+
+def with_teacher_slips(items: Sequence[MathItem], share: float, seed: int) -> list[MathItem]:
+    """``items`` with each one, with probability ``share``, replaced by a slipped trace
+    (:func:`~mmrl.data.shapes_math.slip_operation` of one of its arithmetic steps, drawn uniformly); items whose
+    slip would go negative stay right. Deterministic under ``seed``."""
+    rng = np.random.default_rng([seed, 0x511])
+    slipped = []
+    for item in items:
+        arithmetic = sum(not step.is_count for step in item.steps)
+        which = int(rng.integers(arithmetic))
+        if rng.random() < share:
+            item = slip_operation(item, which) or item
+        slipped.append(item)
+    return slipped
 
 
 def _prompt(item: MathItem) -> VLMPrompt:
@@ -241,6 +272,11 @@ def reasoning_report(
     seen = [perception_accuracy(text, item.steps) for text, item in zip(greedy, items, strict=True)]
     report: dict[str, Any] = {name: sum(v) / len(v) for name, v in scores.items()}
     report["perception"] = sum(c for c, _ in seen) / max(sum(t for _, t in seen), 1)
+    # the procedure, whatever the counts: the trace's operators are the question's
+    report["operations"] = sum(
+        trace_operations(read_trace(text)) == trace_operations(item.steps)
+        for text, item in zip(greedy, items, strict=True)
+    ) / len(items)
     # the counts by what they count: every object, a colour, a shape
     said = [{step.label: step.value for step in read_trace(text) if step.is_count} for text in greedy]
     for kind, labels in (
@@ -288,6 +324,8 @@ class ReasonSFTTrainer(VLMSFTTrainer):
     def build_data(self) -> None:
         data, size, seed = self.cfg.data, self.cfg.model.image_size, self.cfg.run.seed
         self.train_items = make_math_items(data.train_items, seed, size, "train", templates=data.templates)
+        if data.teacher_slips:
+            self.train_items = with_teacher_slips(self.train_items, data.teacher_slips, seed)
         self.count_weights = count_balancing_weights(self.train_items) if data.balance_counts else None
         # one-step count items after the shapes-math ones, so indices below len(train_items) keep their meaning
         count_items = (
@@ -371,20 +409,26 @@ def render_card(report: dict[str, Any]) -> str:
     """The model card: how the checkpoint was made and what it scores on the two held-out sets."""
     cfg = flat_settings(report["config"])
     sampled = cfg["samples"] > 0
-    columns = (
-        "lenient",
-        "strict",
-        "format",
-        "perception",
-        "wrong_with_right_counts",
-        *(("pass@1", f"pass@{cfg['samples']}") if sampled else ()),
+    scored = report["heldout"]["heldout"]
+    columns = tuple(
+        column
+        for column in (
+            "lenient",
+            "strict",
+            "format",
+            "perception",
+            "operations",
+            "wrong_with_right_counts",
+            *(("pass@1", f"pass@{cfg['samples']}") if sampled else ()),
+        )
+        if column in scored  # reports written before a column existed do not have it
     )
     names = {
         "heldout": "held-out scenes, training templates",
         "heldout_templates": "held-out scenes and templates",
     }
     rows = "\n".join(
-        f"| {names[split]} | " + " | ".join(f"{r[c]:.1%}" for c in columns if c in r) + " |"
+        f"| {names[split]} | " + " | ".join(f"{r[c]:.1%}" for c in columns) + " |"
         for split, r in report["heldout"].items()
     )
     per_template = "\n".join(
@@ -417,6 +461,14 @@ def render_card(report: dict[str, Any]) -> str:
         f"; {cfg.get('count_fraction', 0.0):.0%} of a task batch's items are one-step count questions "
         "(`shapes_math.make_count_items`)"
         if cfg.get("count_fraction", 0.0)
+        else ""
+    )
+    slips = (
+        f"; {cfg['teacher_slips']:.0%} of the training traces were drawn with a teacher's slip "
+        "(`shapes_math.slip_operation`: one arithmetic step takes the other operator, `shapes 4. red 2. 4+2=6` "
+        "for 'Remove all red shapes', and the answer follows it; the counts stay right), so the model learns the "
+        "right procedure and a wrong one"
+        if cfg.get("teacher_slips", 0.0)
         else ""
     )
     trained = (
@@ -464,7 +516,7 @@ model = AutoModelForImageTextToText.from_pretrained("{cfg["out"]}")
   "list the objects from left to right." -> `<answer>red circle, blue square</answer>`{counts}
 - data: {cfg["train_items"]} training items (training scenes, {trained}), {cfg["image_size"]}x{
         cfg["image_size"]
-    } scenes
+    } scenes{slips}
 
 ## Held-out scores
 
@@ -473,7 +525,8 @@ model = AutoModelForImageTextToText.from_pretrained("{cfg["out"]}")
     }). Greedy: `lenient` = the `<answer>` span read as a
 number, number words accepted (`numeric`, `number_words=True`, `require_answer_tag=True`); `strict` = the span is
 exactly the digits (`exact_match`); `format` = `<think>...</think><answer>...</answer>` only; `perception` = share of
-the counts the reference trace needs that the model's trace states correctly. {scoring}
+the counts the reference trace needs that the model's trace states correctly; `operations` = share of traces whose
+arithmetic steps use the reference's operators in its order (the procedure, whatever the counts). {scoring}
 
 | set | {" | ".join(columns)} |
 |---|{"---|" * len(columns)}

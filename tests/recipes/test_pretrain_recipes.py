@@ -23,6 +23,7 @@ RECIPE_OF = {
     "shapes_flow.yaml": "flow_pretrain_shapes",
     "shapes_vlm.yaml": "vlm_sft_shapes",
     "shapes_vlm_reason.yaml": "vlm_sft_reason",
+    "shapes_vlm_reason_slips.yaml": "vlm_sft_reason",
 }
 
 

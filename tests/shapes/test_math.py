@@ -24,7 +24,9 @@ from mmrl.data.shapes_math import (
     make_math_items,
     perception_accuracy,
     read_trace,
+    slip_operation,
     template_names,
+    trace_operations,
 )
 from mmrl.data.shapes_vqa import is_heldout_scene
 from mmrl.data.vqa import load_vqa
@@ -197,6 +199,44 @@ def test_answer_from_counts_recomposes_the_reference_procedure(splits):
     assert answer_from_counts(add, [1]) == 4
     with pytest.raises(ValueError, match="2 counts for a trace with 1 count steps"):
         answer_from_counts(add, [1, 2])
+
+
+def test_slip_operation_flips_one_operator_and_the_answer_follows(splits):
+    """A teacher's slip: the chosen arithmetic step takes the other operator, later steps start from its result,
+    the answer is the last result; the counts are the reference's. Hand values, then every item of the splits."""
+
+    def item(*steps: Step) -> MathItem:
+        return MathItem(None, "q", steps[-1].value, steps, "t", None)  # type: ignore[arg-type]
+
+    remove = item(Step("shapes", 4), Step("red", 2), Step("4-2", 2))
+    slipped = slip_operation(remove, 0)
+    assert slipped.steps == (Step("shapes", 4), Step("red", 2), Step("4+2", 6)) and slipped.answer == 6
+    assert slipped.completion == "<think>shapes 4. red 2. 4+2=6</think><answer>6</answer>"
+    chain = item(Step("shapes", 4), Step("red", 1), Step("4-1", 3), Step("squares", 1), Step("3-1", 2))
+    assert slip_operation(chain, 0).steps[2:] == (Step("4+1", 5), Step("squares", 1), Step("5-1", 4))
+    assert slip_operation(chain, 1).steps[2:] == (Step("4-1", 3), Step("squares", 1), Step("3+1", 4))
+    assert trace_operations(chain.steps) == "--" and trace_operations(slip_operation(chain, 1).steps) == "-+"
+    # a slip no teacher writes (below zero), or a step the trace does not have
+    assert slip_operation(item(Step("red", 1), Step("1+3", 4)), 0) is None
+    assert slip_operation(remove, 1) is None and slip_operation(remove, -1) is None
+    for items in splits.values():
+        for each in items:
+            for which in range(len(trace_operations(each.steps))):
+                wrong = slip_operation(each, which)
+                if wrong is None:
+                    continue
+                assert [s for s in wrong.steps if s.is_count] == [s for s in each.steps if s.is_count]
+                assert wrong.answer == wrong.steps[-1].value >= 0
+                flipped = [
+                    a != b
+                    for a, b in zip(trace_operations(wrong.steps), trace_operations(each.steps), strict=True)
+                ]
+                assert flipped.count(True) == 1 and flipped.index(True) == which
+                assert (wrong.question, wrong.template, wrong.scene) == (
+                    each.question,
+                    each.template,
+                    each.scene,
+                )
 
 
 def test_bad_arguments():

@@ -11,17 +11,22 @@ import torch
 from transformers import AutoProcessor
 
 from mmrl.config import ConfigError, load_config
-from mmrl.data.shapes_math import MathItem, Step, make_math_items
+from mmrl.data.shapes_math import MathItem, Step, make_math_items, trace_operations
 from mmrl.vlm.sft_reason import (
     ReasonBatcher,
     ReasonSFTConfig,
+    ReasonSFTTrainer,
     count_balancing_weights,
     main,
     pass_at_k,
     render_card,
+    with_teacher_slips,
 )
 
-CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "shapes_vlm_reason"
+CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
+CHECKPOINT = CHECKPOINTS / "shapes_vlm_reason"
+#: the base of the reasoning demo: the same SFT with half of the teacher's traces slipped
+SLIPS_CHECKPOINT = CHECKPOINTS / "shapes_vlm_reason_slips"
 
 
 @pytest.mark.parametrize(("n", "c", "k"), [(8, 0, 1), (8, 3, 1), (8, 3, 8), (8, 1, 4), (5, 5, 2)])
@@ -30,15 +35,57 @@ def test_pass_at_k_is_the_unbiased_estimator(n, c, k):
     assert pass_at_k(n, c, k) == pytest.approx(expected)
 
 
-def test_committed_card_states_its_report():
-    report = json.loads((CHECKPOINT / "sft_report.json").read_text())
-    card = (CHECKPOINT / "card.md").read_text()
+@pytest.mark.parametrize("checkpoint", [CHECKPOINT, SLIPS_CHECKPOINT], ids=lambda path: path.name)
+def test_committed_card_states_its_report(checkpoint):
+    report = json.loads((checkpoint / "sft_report.json").read_text())
+    card = (checkpoint / "card.md").read_text()
     assert card == render_card(report)
     heldout = report["heldout"]["heldout"]
     assert f"{heldout['lenient']:.1%}" in card and report["command"] in card
     # the base reasons a little: headroom between greedy and pass@8, format learned
     assert 0.3 < heldout["lenient"] < 0.8 and heldout["pass@8"] > heldout["lenient"] + 0.2
     assert heldout["format"] > 0.9
+
+
+def test_slips_base_takes_the_wrong_procedure_often_and_says_how_it_was_made():
+    """The demo's base writes the question's operators in well under the traces where the clean base does, at the
+    same training otherwise; its card names the slips."""
+    slipped = json.loads((SLIPS_CHECKPOINT / "sft_report.json").read_text())
+    assert slipped["config"]["data"]["teacher_slips"] == 0.5
+    assert slipped["heldout"]["heldout"]["operations"] < 0.75
+    assert (
+        "50% of the training traces were drawn with a teacher's slip"
+        in (SLIPS_CHECKPOINT / "card.md").read_text()
+    )
+    assert "teacher's slip" not in (CHECKPOINT / "card.md").read_text()
+
+
+def test_teacher_slips_replace_that_share_of_the_training_traces():
+    """``data.teacher_slips``: each training item is slipped with that probability (one of its arithmetic steps,
+    drawn uniformly), deterministically; a slip that would go negative leaves the item right; 0 changes nothing.
+    The trainer's pool, so the tokenizer corpus and the batches, holds the slipped traces."""
+    items = make_math_items(600, seed=0)
+    assert with_teacher_slips(items, 0.0, seed=0) == items
+    half = with_teacher_slips(items, 0.5, seed=0)
+    assert half == with_teacher_slips(items, 0.5, seed=0) and half != with_teacher_slips(items, 0.5, seed=1)
+    changed = [
+        trace_operations(a.steps) != trace_operations(b.steps) for a, b in zip(items, half, strict=True)
+    ]
+    everything = with_teacher_slips(items, 1.0, seed=0)
+    possible = [
+        trace_operations(a.steps) != trace_operations(b.steps) for a, b in zip(items, everything, strict=True)
+    ]
+    assert 0.4 < sum(changed) / sum(possible) < 0.6 and 0.6 < sum(possible) / len(items) < 0.95
+    for clean, slipped in zip(items, half, strict=True):
+        assert [s for s in slipped.steps if s.is_count] == [s for s in clean.steps if s.is_count]
+    cfg = load_config(ReasonSFTConfig, overrides=["data.train_items=40", "data.teacher_slips=1.0"])
+    trainer = ReasonSFTTrainer(cfg, None)
+    trainer.build_data()
+    assert trainer.train_items == with_teacher_slips(make_math_items(40, seed=0), 1.0, seed=0)
+    assert trainer.train_items[0].completion == "<think>shapes 3. blue 1. 3+1=4</think><answer>4</answer>"
+    assert trainer.train_items[0].completion in trainer.corpus()
+    with pytest.raises(ConfigError, match=r"data\.teacher_slips"):
+        load_config(ReasonSFTConfig, overrides=["data.teacher_slips=1.5"])
 
 
 def test_card_states_the_schedule_the_count_share_and_only_the_scores_it_has():
