@@ -53,7 +53,9 @@ def test_slips_base_takes_the_wrong_procedure_often_and_says_how_it_was_made():
     slipped = json.loads((SLIPS_CHECKPOINT / "sft_report.json").read_text())
     assert slipped["config"]["data"]["teacher_slips"] == 0.5
     clean = json.loads((CHECKPOINT / "sft_report.json").read_text())
-    assert slipped["heldout"]["heldout"]["operations"] < 0.75 < 0.9 < clean["heldout"]["heldout"]["operations"]
+    assert (
+        slipped["heldout"]["heldout"]["operations"] < 0.75 < 0.9 < clean["heldout"]["heldout"]["operations"]
+    )
     assert (
         "50% of the training traces were drawn with a teacher's slip"
         in (SLIPS_CHECKPOINT / "card.md").read_text()
