@@ -232,11 +232,7 @@ def test_slip_operation_flips_one_operator_and_the_answer_follows(splits):
                     for a, b in zip(trace_operations(wrong.steps), trace_operations(each.steps), strict=True)
                 ]
                 assert flipped.count(True) == 1 and flipped.index(True) == which
-                assert (wrong.question, wrong.template, wrong.scene) == (
-                    each.question,
-                    each.template,
-                    each.scene,
-                )
+                assert wrong.question == each.question and wrong.scene is each.scene
 
 
 def test_bad_arguments():
