@@ -105,6 +105,17 @@ class Step:
     def is_count(self) -> bool:
         return not any(op in self.label for op in "+-")
 
+    @property
+    def operator(self) -> str:
+        """``"+"`` or ``"-"`` for an arithmetic step, ``""`` for a count."""
+        return "+" if "+" in self.label else "-" if "-" in self.label else ""
+
+    @property
+    def operands(self) -> tuple[int, int]:
+        """``(a, b)`` of an arithmetic step ``"a-b"`` / ``"a+b"``."""
+        left, right = self.label.split(self.operator)
+        return int(left), int(right)
+
     def __str__(self) -> str:
         return f"{self.label}={self.value}" if not self.is_count else f"{self.label} {self.value}"
 
@@ -138,11 +149,9 @@ def answer_from_counts(steps: Sequence[Step], counts: Sequence[int]) -> int:
         if step.is_count:
             unused.append(next(stated))
             continue
-        op = "+" if "+" in step.label else "-"
-        literal = int(step.label.split(op)[1])
         left = result if result is not None else unused.pop(0)
-        right = unused.pop(0) if unused else literal
-        result = left + right if op == "+" else left - right
+        right = unused.pop(0) if unused else step.operands[1]
+        result = left + right if step.operator == "+" else left - right
     if result is None:
         raise ValueError("a trace without an arithmetic step has no answer to recompute")
     return result
@@ -175,7 +184,7 @@ def read_trace(completion: str) -> list[Step]:
 def trace_operations(steps: Sequence[Step]) -> str:
     """The operators of the arithmetic steps in order, ``"-+"`` for ``shapes 4. red 2. 4-2=2. 2+2=4``: the
     procedure of a trace, whatever its counts."""
-    return "".join("+" if "+" in step.label else "-" for step in steps if not step.is_count)
+    return "".join(step.operator for step in steps)
 
 
 def stated_counts(completion: str) -> dict[str, int]:
@@ -257,6 +266,8 @@ def slip_operation(item: MathItem, which: int) -> MathItem | None:
     slip is one of procedure, fixable from the question's words. ``None`` when the slipped trace would reach a
     negative number (``1-3``: no teacher writes it) or ``which`` is not an arithmetic step of the trace.
     """
+    if not 0 <= which < len(trace_operations(item.steps)):
+        return None
     steps: list[Step] = []
     result: int | None = None
     arithmetic = -1
@@ -265,18 +276,14 @@ def slip_operation(item: MathItem, which: int) -> MathItem | None:
             steps.append(step)
             continue
         arithmetic += 1
-        op = "+" if "+" in step.label else "-"
-        left, right = (int(part) for part in step.label.split(op))
+        left, right = step.operands
         if result is not None:
             left = result
-        if arithmetic == which:
-            op = "-" if op == "+" else "+"
+        op = step.operator if arithmetic != which else "-" if step.operator == "+" else "+"
         result = left + right if op == "+" else left - right
         if result < 0:
             return None
         steps.append(Step(f"{left}{op}{right}", result))
-    if result is None or arithmetic < which or which < 0:
-        return None
     return MathItem(item.image, item.question, result, tuple(steps), item.template, item.scene)
 
 

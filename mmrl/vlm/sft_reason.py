@@ -194,8 +194,7 @@ def with_teacher_slips(items: Sequence[MathItem], share: float, seed: int) -> li
     rng = np.random.default_rng([seed, 0x511])
     slipped = []
     for item in items:
-        arithmetic = sum(not step.is_count for step in item.steps)
-        which = int(rng.integers(arithmetic))
+        which = int(rng.integers(len(trace_operations(item.steps))))
         if rng.random() < share:
             item = slip_operation(item, which) or item
         slipped.append(item)
@@ -272,13 +271,14 @@ def reasoning_report(
     seen = [perception_accuracy(text, item.steps) for text, item in zip(greedy, items, strict=True)]
     report: dict[str, Any] = {name: sum(v) / len(v) for name, v in scores.items()}
     report["perception"] = sum(c for c, _ in seen) / max(sum(t for _, t in seen), 1)
+    traces = [read_trace(text) for text in greedy]
     # the procedure, whatever the counts: the trace's operators are the question's
     report["operations"] = sum(
-        trace_operations(read_trace(text)) == trace_operations(item.steps)
-        for text, item in zip(greedy, items, strict=True)
+        trace_operations(trace) == trace_operations(item.steps)
+        for trace, item in zip(traces, items, strict=True)
     ) / len(items)
     # the counts by what they count: every object, a colour, a shape
-    said = [{step.label: step.value for step in read_trace(text) if step.is_count} for text in greedy]
+    said = [{step.label: step.value for step in trace if step.is_count} for trace in traces]
     for kind, labels in (
         ("total", {"shapes"}),
         ("colour", set(COLOURS)),
