@@ -21,8 +21,9 @@ interleaved (quiet, loaded, next policy, ...) so drifts of the machine hit every
   ``run.threads_policy=adaptive`` (pipelines/threads.py);
 * ``threads1``: one torch thread (``run.threads=1``), nothing to wait for.
 
-Reported per model and policy: the median quiet and loaded step time, the slowdown (loaded / quiet), the quiet
-time relative to the default policy's, the wait policy the process ran with and, per step, whether the adaptive
+Reported per model and policy: the median quiet and loaded step time, the slowdown (loaded / quiet), the
+slowdown of each round on its own (that round's loaded median over its quiet median: the spread a single run of
+the benchmark shows), the quiet time relative to the default policy's, the wait policy the process ran with and, per step, whether the adaptive
 short spin was on.
 Goal: loaded <= 2.2x quiet, with no loss at quiet.
 """
@@ -181,6 +182,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     if not 0 <= args.competitor_from_step <= args.steps:
         parser.error(f"--competitor-from-step must be within 0..--steps ({args.steps})")
     samples: dict[tuple[str, str, bool], list[float]] = {}
+    round_medians: dict[tuple[str, str, bool], list[float]] = {}
     seen: dict[tuple[str, str, bool], set[str]] = {}
     for _ in range(args.repeats):
         for model in args.models:
@@ -191,6 +193,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                     if loaded and args.competitor_from_step:  # only the steps beside the competitor
                         times = times[args.competitor_from_step - 1 :]
                     samples.setdefault((model, policy, loaded), []).extend(times)
+                    round_medians.setdefault((model, policy, loaded), []).append(statistics.median(times))
                     wait = " ".join(f"{k}={v}" for k, v in result["wait"].items()) or "libgomp default"
                     seen.setdefault((model, policy, loaded), set()).add(wait)
                     print(
@@ -203,7 +206,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                     )
     report: dict[str, object] = {}
     print(
-        f"\n{'model':5s} {'policy':9s} {'quiet s':>8s} {'loaded s':>14s} {'slowdown':>9s} {'quiet vs default':>17s}"
+        f"\n{'model':5s} {'policy':9s} {'quiet s':>8s} {'loaded s':>14s} {'slowdown':>9s} {'per round':>16s}"
+        f" {'quiet vs default':>17s}"
     )
     for model in args.models:
         base = statistics.median(samples[(model, "default", False)]) if "default" in args.policies else None
@@ -211,18 +215,30 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             quiet_times, loaded_times = samples[(model, policy, False)], samples[(model, policy, True)]
             quiet, loaded = statistics.median(quiet_times), statistics.median(loaded_times)
             rel = quiet / base if base else float("nan")
+            per_round = [
+                loaded_median / quiet_median
+                for quiet_median, loaded_median in zip(
+                    round_medians[(model, policy, False)], round_medians[(model, policy, True)], strict=True
+                )
+            ]
             report[f"{model}/{policy}"] = {
                 "quiet_s": quiet,
                 "loaded_s": loaded,
                 "quiet_range": [min(quiet_times), max(quiet_times)],
                 "loaded_range": [min(loaded_times), max(loaded_times)],
                 "slowdown": loaded / quiet,
+                "slowdown_per_round": per_round,
                 "quiet_vs_default": rel,
                 "wait_quiet": sorted(seen[(model, policy, False)]),
                 "wait_loaded": sorted(seen[(model, policy, True)]),
             }
             spread = f"{loaded:.2f} ({min(loaded_times):.2f}-{max(loaded_times):.2f})"
-            print(f"{model:5s} {policy:9s} {quiet:8.2f} {spread:>14s} {loaded / quiet:8.2f}x {rel:16.2f}x")
+            rounds = f"{min(per_round):.2f}-{max(per_round):.2f}x"
+            # without the default policy in the run there is nothing to compare the quiet time with
+            versus_default = f"{rel:.2f}x" if base else "-"
+            print(
+                f"{model:5s} {policy:9s} {quiet:8.2f} {spread:>14s} {loaded / quiet:8.2f}x {rounds:>16s} {versus_default:>17s}"
+            )
     return report
 
 
