@@ -8,6 +8,7 @@ from pydantic import model_validator
 
 from mmrl.config import Config, Field, RunConfig
 from mmrl.core.estimators import check_estimator
+from mmrl.flow.objectives import check_objective
 from mmrl.schedule import LRSchedule, learning_rate
 from mmrl.sections import AllocationConfig, LoraSettings, PoolSettings, RewardSpec, check_reward_keys
 
@@ -232,12 +233,12 @@ class GuidanceDistillSettings(Config):
 
 
 class FlowTrainerConfig(Config):
-    objective: Literal["grpo", "nft", "rwr", "awm"] = Field(
+    objective: str = Field(
         "grpo",
-        description="grpo: clipped ratio on SDE log-probs; nft: DiffusionNFT (likelihood-free); rwr: "
-        "advantage-weighted flow matching on the preferred samples (RAFT-style, likelihood-free); awm: Advantage "
-        "Weighted Matching, the flow-matching loss weighted by every sample's advantage (likelihood-free; "
-        "settings in trainer.awm).",
+        description="A registered flow objective (mmrl/flow/objectives/): grpo: clipped ratio on SDE log-probs; "
+        "nft: DiffusionNFT (likelihood-free); rwr: advantage-weighted flow matching on the preferred samples "
+        "(RAFT-style, likelihood-free); awm: Advantage Weighted Matching, the flow-matching loss weighted by every "
+        "sample's advantage (likelihood-free; settings in trainer.awm).",
     )
     steps: int = Field(100, ge=1, description="Training steps (one rollout batch each).")
     lr: float = Field(3e-4, gt=0, description="AdamW learning rate.")
@@ -400,6 +401,7 @@ class FlowGRPOConfig(Config):
         check_reward_keys(self.rewards, "rewards")
         check_reward_keys(self.eval_rewards or [], "eval_rewards")
         estimator = check_estimator(self.trainer.advantage, self.trainer.advantage_options)
+        objective = check_objective(self.trainer.objective)
         if estimator.odd_groups and self.allocation.method != "uniform":
             raise ValueError(
                 f"trainer.advantage={estimator.name} needs odd, equal group sizes: use allocation.method=uniform"
@@ -443,10 +445,10 @@ class FlowGRPOConfig(Config):
                     "timesteps or raise num_steps / timestep_fraction"
                 )
         distill = self.trainer.guidance_distill
-        if distill.weight > 0 and self.trainer.objective == "grpo":
+        if distill.weight > 0 and objective.trains_on != "final_samples":
             raise ValueError(
-                "trainer.guidance_distill.weight applies to the regression objectives (nft, awm, rwr), not grpo: "
-                "set trainer.objective or the weight to 0"
+                "trainer.guidance_distill.weight applies to the objectives that regress on the final samples "
+                f"(nft, awm, rwr), not {objective.name}: set trainer.objective or the weight to 0"
             )
         if distill.refresh_every is not None and (distill.weight == 0 or self.model.lora is not None):
             raise ValueError(
@@ -454,7 +456,7 @@ class FlowGRPOConfig(Config):
                 "full fine-tune: it needs trainer.guidance_distill.weight > 0 and model.lora=null (got weight "
                 f"{distill.weight}, model.lora {'set' if self.model.lora is not None else 'null'})"
             )
-        if self.trainer.objective == "grpo" and self.sampling.sde_kind == "cps" and w is None:
+        if objective.trains_on == "transitions" and self.sampling.sde_kind == "cps" and w is None:
             raise ValueError(
                 "sde_kind=cps adds no noise at the last step: set sampling.sde_window < num_steps"
             )

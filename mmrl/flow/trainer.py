@@ -7,10 +7,11 @@ One training step:
 2. roll out groups with SDE log-probs (pipelines/flow/rollout.py), SDE steps in a window when configured;
 3. score the images (rewards/), fold the rewards into the statistics store;
 4. advantages per prompt group (GRPO / Dr.GRPO / RLOO / global std; GDPO for several rewards), clipped;
-5. GRPO: re-score the stored SDE transitions under the current weights, clipped ratio loss + KL on the SDE means
-   to the reference (the LoRA switched off) (Flow-GRPO, arXiv 2505.05470 eq. 8-10);
-   NFT: DiffusionNFT's negative-aware flow-matching loss on the final images (arXiv 2509.16117);
-   AWM: the advantage-weighted flow-matching loss on the final images (arXiv 2509.25050, mmrl/flow/awm.py).
+5. update the weights with the objective ``trainer.objective`` names (mmrl/flow/objectives/, one file each):
+   GRPO's clipped ratio on the re-scored SDE transitions + KL on the SDE means (Flow-GRPO, arXiv 2505.05470
+   eq. 8-10), or a velocity regression on the final images: DiffusionNFT (arXiv 2509.16117), AWM (arXiv
+   2509.25050), RWR; the regression path (:meth:`FlowGRPOTrainer.regress`) adds the reference KL and the guidance
+   distillation to any of them.
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ from mmrl.distributed import (
     shard_model,
 )
 from mmrl.ema import EMA
-from mmrl.flow.awm import awm_update
 from mmrl.flow.batch import FlowSamples, StepBatch
 from mmrl.flow.config import FlowGRPOConfig
+from mmrl.flow.objectives import get_objective
 from mmrl.flow.pooled import PooledFlowSource, pooled_worker_factory
 from mmrl.flow.rollouts import LoopFlowSource
 from mmrl.images import make_grid, tensor_to_pil
@@ -61,7 +62,6 @@ from pipelines.flow.adapters import Conditioning, FlowAdapter, list_adapters, lo
 from pipelines.flow.branch import TreeRollout, prune_transitions
 from pipelines.flow.explore import ExploreConfig, spearman
 from pipelines.flow.rollout import Rollout, SamplingConfig, TransitionBatch, rescore, rollout
-from pipelines.flow.sde import sde_noise_scale
 from pipelines.pool.protocol import WeightUpdate
 from pipelines.pool.weights import make_update
 from rewards.base import checked_score
@@ -93,13 +93,15 @@ def sample_records(
 
 
 class FlowGRPOTrainer(TrainerBase):
-    """GRPO / DiffusionNFT over any flow adapter, with the core's selection, allocation and advantages."""
+    """Flow-matching RL over any flow adapter (a registered model family) with any registered objective (GRPO,
+    DiffusionNFT, AWM, RWR), with the core's selection, allocation and advantages."""
 
     show = ("reward/mean", "eval/reward_mean")
 
     def __init__(self, cfg: FlowGRPOConfig, run: Run | None = None) -> None:
         super().__init__(cfg, run)
         self.nfe_total = 0
+        self.objective = get_objective(cfg.trainer.objective)
 
     # ------------------------------------------------------------------ setup
     def setup(self, for_training: bool = True) -> None:
@@ -410,7 +412,7 @@ class FlowGRPOTrainer(TrainerBase):
     def sde_window(self, step: int) -> tuple[int, int] | None:
         """SDE steps ``(start, stop)`` of training step ``step``'s rollouts (``None``: every step is SDE)."""
         s = self.cfg.sampling
-        if self.cfg.trainer.objective != "grpo" and s.rollout == "flat":
+        if self.objective.trains_on == "final_samples" and s.rollout == "flat":
             # the likelihood-free objectives regress on the final images, so these must be clean ODE samples:
             # SDE noise left in them by a late window is learned back and compounds step after step
             return (0, 0)
@@ -488,7 +490,7 @@ class FlowGRPOTrainer(TrainerBase):
             batch = self._score_groups(samples)
         self.rollout_source.prefetch(self.step)  # later steps' requests, chosen with this step's statistics
         batch = replace(batch, sample_lags=source.sample_lags)
-        if self.cfg.pool.enabled and self.cfg.trainer.objective == "grpo":
+        if self.cfg.pool.enabled and self.objective.trains_on == "transitions":
             # pooled samples may be stale: their loss terms get importance weights (1 at lag 0)
             lags = source.sample_lags[batch.transitions.sample_index]
             transitions, weights = self._stale_weights(batch.transitions, lags)
@@ -628,21 +630,24 @@ class FlowGRPOTrainer(TrainerBase):
             )
         if cfg.sampling.rollout != "flat":
             refused.append("sampling.rollout=branch: pruned trees train a per-rank number of transitions")
-        if cfg.trainer.objective == "rwr" or cfg.trainer.drop_zero_advantage:
-            refused.append(
-                "trainer.objective=rwr / trainer.drop_zero_advantage: a per-rank number of samples"
-            )
+        if not self.objective.same_count_per_rank:
+            refused.append(f"trainer.objective={self.objective.name}: a per-rank number of samples")
+        if cfg.trainer.drop_zero_advantage:
+            refused.append("trainer.drop_zero_advantage: a per-rank number of samples")
         if refused:
             raise ValueError(
                 "FSDP launch (configs/accelerate/fsdp.yaml) of the flow trainer does not support: "
                 + "; ".join(refused)
             )
 
-    def _minibatches(self, n: int) -> Iterator[tuple[torch.Tensor | None, float, bool]]:
+    # ------------------------------------------------------------------ the update path of the objectives
+    # (mmrl/flow/objectives/: each objective's update calls these, so minibatching, gradient accumulation, the
+    # reference KL, the guidance distillation and the optimizer steps are the same for every objective)
+    def minibatches(self, n: int) -> Iterator[tuple[torch.Tensor | None, float, bool]]:
         """Shuffled minibatches of ``n`` items, each with its loss scale ``1 / accumulated minibatches`` and whether
-        an optimizer step follows it (``gradient_accumulation`` minibatches per step, 0: one step at the end). Under data parallelism every rank
-        takes the largest rank's number of turns, with ``None`` for turns it has no items for, so that the
-        gradient averaging of each optimizer step pairs up across ranks."""
+        an optimizer step follows it (``gradient_accumulation`` minibatches per step, 0: one step at the end).
+        Under data parallelism every rank takes the largest rank's number of turns, with ``None`` for turns it has
+        no items for, so that the gradient averaging of each optimizer step pairs up across ranks."""
         t = self.cfg.trainer
         batches = list(torch.randperm(n, generator=self.generator).split(t.minibatch_size)) if n else []
         turns = self.dist.max_over_ranks(len(batches))
@@ -655,13 +660,15 @@ class FlowGRPOTrainer(TrainerBase):
                 )
             yield idx, 1.0 / accum, (i + 1) % accum == 0 or i + 1 == turns
 
-    def _idle_update(self) -> None:
+    def idle_update(self) -> None:
         """This rank has nothing to train on: take part in the other ranks' optimizer steps (none alone)."""
-        for _, _, step_after in self._minibatches(0):
+        for _, _, step_after in self.minibatches(0):
             if step_after:
-                self._optimizer_step()
+                self.step_optimizer()
 
-    def _optimizer_step(self) -> None:
+    def step_optimizer(self) -> None:
+        """One optimizer step on the accumulated gradients at this training step's learning rate (clipped to
+        ``trainer.max_grad_norm``), then the EMA of the weights."""
         t = self.cfg.trainer
         # a function of the training step, so a resumed run continues a cosine exactly
         lr = learning_rate(self.step, t.lr, t.steps, schedule=t.lr_schedule)
@@ -670,84 +677,7 @@ class FlowGRPOTrainer(TrainerBase):
             # warmed up over training steps, so the first evaluations average trained weights, not the start
             self.ema.update(num_updates=self.step)
 
-    def grpo_update(
-        self, trans: TransitionBatch, adv_t: torch.Tensor, weights: torch.Tensor | None = None
-    ) -> None:
-        """Clipped-ratio loss on re-scored transitions + KL on SDE means, one optimizer step per accumulation;
-        ``weights [N]`` (stale samples' importance weights) multiply each transition's clipped-ratio term."""
-        t = self.cfg.trainer
-        if weights is None:
-            weights = torch.ones(len(trans))
-        if t.drop_zero_advantage:
-            keep = torch.nonzero(adv_t != 0).flatten()
-            if keep.numel() == 0:
-                self.metrics.add("train/skipped_no_signal", 1.0)
-                self._idle_update()
-                return
-            trans, adv_t, weights = trans.select(keep), adv_t[keep], weights[keep]
-        trained = self.adapter.trains_at(trans.sigma)
-        if not trained.all():  # steps of an expert that is not trained (Wan2.2) carry no gradient
-            if not trained.any():
-                self.metrics.add("train/skipped_no_signal", 1.0)
-                self._idle_update()
-                return
-            keep = torch.nonzero(trained).flatten()
-            trans, adv_t, weights = trans.select(keep), adv_t[keep], weights[keep]
-        cfg_scale = None if t.train_cfg else 1.0
-        nfe_each = self.adapter.nfe_per_sample(trans.guidance_scale if t.train_cfg else 1.0)
-        if t.train_cfg or trans.guidance_scale <= 1.0:
-            old_logp = trans.log_probs
-        else:
-            # CFG-free training of CFG-sampled transitions: the behaviour policy of the ratio is the CFG-free one.
-            with torch.no_grad():
-                old_logp = torch.cat(
-                    [
-                        rescore(self.adapter, trans.select(idx), 1.0)[0].cpu()
-                        for idx in torch.arange(len(trans)).split(t.minibatch_size)
-                    ]
-                )
-            self.nfe_total += len(trans)
-        self.adapter.transformer.train()
-        n = len(trans)
-        for _ in range(t.ppo_epochs):
-            for idx, scale, step_after in self._minibatches(n):
-                if idx is None:
-                    if step_after:
-                        self._optimizer_step()
-                    continue
-                mb = trans.select(idx)
-                logp, mean, std = rescore(self.adapter, mb, cfg_scale)
-                a = adv_t[idx].to(logp.device)
-                old = old_logp[idx].to(logp.device)
-                per_sample = loss_lib.clipped_surrogate(logp, old, a, t.epsilon_low, t.epsilon_high)
-                loss = (per_sample * weights[idx].to(per_sample.device)).mean()
-                self.nfe_total += len(mb) * nfe_each
-                if t.beta > 0:
-                    with torch.no_grad(), self.reference_policy():
-                        _, ref_mean, _ = rescore(self.adapter, mb, cfg_scale)
-                    kl = loss_lib.gaussian_mean_kl(mean, ref_mean, self._kl_scale(mb, std))
-                    loss = loss + t.beta * kl.mean()
-                    self.metrics.add("policy/kl", kl.mean(), count=len(mb))
-                    self.nfe_total += len(mb) * nfe_each
-                (loss * scale).backward()
-                self.metrics.add("loss", loss, count=len(mb))
-                self.metrics.add("policy/ratio_mean", torch.exp(logp - old).mean(), count=len(mb))
-                self.metrics.add_dict(
-                    loss_lib.clip_fractions(logp, old, a, t.epsilon_low, t.epsilon_high), count=len(mb)
-                )
-                if step_after:
-                    self._optimizer_step()
-
-    def _kl_scale(self, mb: TransitionBatch, std: torch.Tensor) -> torch.Tensor:
-        """The ``s`` of ``||mu - mu_ref||^2 / (2 s^2)``: the transition std (``kl_form: exact``) or the SDE noise
-        scale ``sigma_t`` that Flow-GRPO's code divides by (``kl_form: flow_grpo``, ``std / sqrt|dt|``)."""
-        if self.cfg.trainer.kl_form == "exact":
-            return std
-        shape = (-1, *([1] * (std.ndim - 1)))
-        sigma, sigma_next = mb.sigma.to(std.device).view(shape), mb.sigma_next.to(std.device).view(shape)
-        return sde_noise_scale(sigma, sigma_next, mb.noise_level, mb.sde_kind)
-
-    def _noised(
+    def regression_points(
         self,
         x0: torch.Tensor,
         groups: torch.Tensor,
@@ -789,62 +719,6 @@ class FlowGRPOTrainer(TrainerBase):
         keep = self.adapter.trains_at(sigma)
         return rows[keep], sigma[keep], x_t[keep], target[keep]
 
-    def nft_update(
-        self, x0: torch.Tensor, cond: Conditioning, adv: torch.Tensor, groups: torch.Tensor
-    ) -> None:
-        """DiffusionNFT on the final samples ``x0 [B, ...]``: ``r = clip(0.5 + 0.5 A / A_max, 0, 1)`` is each
-        image's optimality probability."""
-        t = self.cfg.trainer
-        optimality = (0.5 + 0.5 * adv / t.adv_clip_max).clamp(0, 1)
-        rows, sigma, x_t, target = self._noised(x0, groups)
-        cond = cond.select(rows)
-        with torch.no_grad(), self.sampling_weights():
-            self.adapter.transformer.eval()
-            v_old = torch.cat(
-                [
-                    self.adapter.velocity(
-                        x_t[idx].to(self.device),
-                        sigma[idx].to(self.device),
-                        cond.select(idx),
-                        self._regression_guidance(cond),
-                    ).cpu()
-                    for idx in torch.arange(rows.numel()).split(t.minibatch_size)
-                ]
-            )
-        self.nfe_total += rows.numel()
-
-        def loss_fn(v: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-            return loss_lib.diffusion_nft_loss(
-                v,
-                v_old[idx].to(v.device),
-                target[idx].to(v.device),
-                optimality[rows[idx]].to(v.device),
-                t.nft_beta,
-                sigma=sigma[idx].to(v.device) if t.nft_adaptive_weight else None,
-            )
-
-        self._regress(x_t, sigma, cond, loss_fn)
-
-    def rwr_update(
-        self, x0: torch.Tensor, cond: Conditioning, adv: torch.Tensor, groups: torch.Tensor
-    ) -> None:
-        """Advantage-weighted flow matching on the final samples (weights ``max(A, 0)``): only the images the
-        reward prefers to their group are regressed on."""
-        weights = adv.clamp(min=0)
-        keep = torch.nonzero(weights > 0).flatten()
-        if keep.numel() == 0:
-            self.metrics.add("train/skipped_no_signal", 1.0)
-            self._idle_update()
-            return
-        rows, sigma, x_t, target = self._noised(x0[keep], groups[keep])
-        cond = cond.select(keep).select(rows)
-        w = weights[keep][rows]
-
-        def loss_fn(v: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-            return loss_lib.reward_weighted_fm_loss(v, target[idx].to(v.device), w[idx].to(v.device))
-
-        self._regress(x_t, sigma, cond, loss_fn)
-
     def sampling_weights(self) -> AbstractContextManager[None]:
         """The sampling ("old") policy's weights, swapped in for the block.
 
@@ -856,14 +730,14 @@ class FlowGRPOTrainer(TrainerBase):
         """
         return self.old_policy.swapped() if self.old_policy is not None else nullcontext()
 
-    def _regression_guidance(self, cond: Conditioning) -> float:
+    def regression_guidance(self, cond: Conditioning) -> float:
         """Guidance of the regressed velocity. With ``train_cfg`` it is the guided velocity the images were sampled
         with: regressing the conditional velocity alone on CFG samples teaches it the guidance, which sampling
         then applies again (w * w), and the shapes model collapsed to 0% within 50 steps that way."""
         w = self.cfg.sampling.guidance_scale
         return w if self.cfg.trainer.train_cfg and cond.uncond is not None else 1.0
 
-    def _regress(
+    def regress(
         self,
         x_t: torch.Tensor,
         sigma: torch.Tensor,
@@ -876,12 +750,12 @@ class FlowGRPOTrainer(TrainerBase):
         (``trainer.guidance_distill``); one optimizer step per ``gradient_accumulation`` minibatches (0: per
         call)."""
         t = self.cfg.trainer
-        guidance = self._regression_guidance(cond)
+        guidance = self.regression_guidance(cond)
         distill_weight = t.guidance_distill.weight_at(self.step, t.steps)
-        for idx, scale, step_after in self._minibatches(x_t.shape[0]):
+        for idx, scale, step_after in self.minibatches(x_t.shape[0]):
             if idx is None:
                 if step_after:
-                    self._optimizer_step()
+                    self.step_optimizer()
                 continue
             x, s, c = x_t[idx].to(self.device), sigma[idx].to(self.device), cond.select(idx)
             if t.beta > 0:
@@ -890,7 +764,7 @@ class FlowGRPOTrainer(TrainerBase):
                     v_ref = self.adapter.velocity(x, s, c, guidance)
                 self.nfe_total += len(idx)
             if distill_weight > 0:
-                v_uncond, v_cond = self._teacher_velocities(x, s, c)
+                v_uncond, v_cond = self.teacher_velocities(x, s, c)
             self.adapter.transformer.train()
             v = self.adapter.velocity(x, s, c, guidance)
             loss = loss_fn(v, idx).mean()
@@ -908,11 +782,11 @@ class FlowGRPOTrainer(TrainerBase):
             (loss * scale).backward()
             self.metrics.add("loss", loss, count=len(idx))
             if step_after:
-                self._optimizer_step()
+                self.step_optimizer()
         self.nfe_total += x_t.shape[0]
 
     @torch.no_grad()
-    def _teacher_velocities(
+    def teacher_velocities(
         self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The teacher's (:meth:`teacher_policy`) unconditional (the negative prompt) and conditional velocities
@@ -933,15 +807,7 @@ class FlowGRPOTrainer(TrainerBase):
             self.metrics.add("policy/teacher_refreshed", 1.0)
         batch = self.collect()
         start = time.perf_counter()
-        objective = self.cfg.trainer.objective
-        if objective == "grpo":
-            self.grpo_update(batch.transitions, batch.adv, batch.weights)
-        elif objective == "nft":
-            self.nft_update(batch.final_latents, batch.cond, batch.sample_adv, batch.groups)
-        elif objective == "awm":
-            awm_update(self, batch.final_latents, batch.cond, batch.sample_adv, batch.groups)
-        else:
-            self.rwr_update(batch.final_latents, batch.cond, batch.sample_adv, batch.groups)
+        self.objective.update(self, batch)
         if self.old_policy is not None:
             self.old_policy.update()
         self.metrics.add("time/train_s", time.perf_counter() - start)

@@ -1,6 +1,7 @@
 """The flow GRPO trainer on a tiny random shapes model: one-step invariants, LoRA format, NFT, eval, resume."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -8,6 +9,8 @@ import torch
 from mmrl.config import load_config
 from mmrl.data.shapes import all_prompts
 from mmrl.flow.config import FlowGRPOConfig, GuidanceDistillSettings
+from mmrl.flow.objectives.grpo import kl_scale
+from mmrl.flow.objectives.rwr import rwr_update
 from mmrl.flow.trainer import FlowGRPOTrainer, evaluate, main
 from mmrl.run import Run, read_metrics
 from pipelines.flow.rollout import rollout
@@ -148,18 +151,74 @@ def test_rwr_objective_trains_on_clean_ode_samples_with_guided_regression(model_
     # the likelihood-free objectives sample without SDE noise; GRPO keeps its window
     assert trainer.sampling_config().sde_window == (0, 0)
     batch = trainer.collect()
-    assert trainer._regression_guidance(batch.cond) == 2.0
-    assert trainer._regression_guidance(batch.cond.select([0])) == 2.0
+    assert trainer.regression_guidance(batch.cond) == 2.0
+    assert trainer.regression_guidance(batch.cond.select([0])) == 2.0
     before = [p.detach().clone() for p in trainer.trainable]
-    trainer.rwr_update(batch.final_latents, batch.cond, batch.sample_adv, batch.groups)
+    rwr_update(trainer, batch)
     moved = any(not torch.equal(b, p) for b, p in zip(before, trainer.trainable, strict=True))
     assert moved == bool((batch.sample_adv > 0).any())
     # nothing preferred in any group: no update at all
     before = [p.detach().clone() for p in trainer.trainable]
-    trainer.rwr_update(batch.final_latents, batch.cond, torch.zeros_like(batch.sample_adv), batch.groups)
+    rwr_update(trainer, replace(batch, sample_adv=torch.zeros_like(batch.sample_adv)))
     assert all(torch.equal(b, p) for b, p in zip(before, trainer.trainable, strict=True))
     grpo = FlowGRPOTrainer(make_cfg(model_dir, tmp_path, "g", "sampling.window_schedule=fixed"), None)
     assert grpo.sde_window(0) == (0, 2)
+
+
+def test_objectives_are_registered_with_what_the_step_needs_and_unknown_names_are_refused(
+    model_dir, tmp_path
+):
+    from mmrl.flow.objectives import get_objective, list_objectives, register_objective
+
+    assert list_objectives() == ["awm", "grpo", "nft", "rwr"]
+    assert get_objective("grpo").trains_on == "transitions"
+    assert {get_objective(name).trains_on for name in ("nft", "awm", "rwr")} == {"final_samples"}
+    assert [name for name in list_objectives() if not get_objective(name).same_count_per_rank] == ["rwr"]
+    with pytest.raises(
+        ValueError, match=r"trainer\.objective: unknown flow objective 'ppo'; registered: \['awm'"
+    ):
+        make_cfg(model_dir, tmp_path, "bad", "trainer.objective=ppo")
+    with pytest.raises(ValueError, match="flow objective 'nft' is already registered"):
+        register_objective("nft", "another", trains_on="final_samples")(lambda trainer, batch: None)
+
+
+def test_a_new_objective_is_one_registration_and_trains_through_the_shared_regression(
+    model_dir, tmp_path, monkeypatch
+):
+    from mmrl.flow.objectives import registry
+
+    monkeypatch.setattr(registry, "_OBJECTIVES", dict(registry._OBJECTIVES))  # registered for this test only
+    calls = []
+
+    @registry.register_objective("plain_fm", "flow matching on every sample", trains_on="final_samples")
+    def plain_fm(trainer, batch):
+        calls.append(len(batch.prompts))
+        rows, sigma, x_t, target = trainer.regression_points(batch.final_latents, batch.groups)
+
+        def loss_fn(v, idx):
+            return ((v - target[idx].to(v.device)) ** 2).flatten(1).mean(1)
+
+        trainer.regress(x_t, sigma, batch.cond.select(rows), loss_fn)
+
+    cfg = make_cfg(
+        model_dir,
+        tmp_path,
+        "plainfm",
+        "trainer.objective=plain_fm",
+        "trainer.steps=1",
+        "trainer.guidance_distill.weight=0.5",  # accepted: it regresses on the final samples
+    )
+    trainer = FlowGRPOTrainer(cfg, None)
+    trainer.setup()
+    assert trainer.sampling_config().sde_window == (0, 0)  # clean ODE samples, as for nft / awm / rwr
+    before = [p.detach().clone() for p in trainer.trainable]
+    metrics = trainer.train_step()
+    assert calls == [8]
+    assert (
+        metrics["loss"] > 0 and metrics["policy/guidance_gap"] > 0
+    )  # the trainer's distillation term joined
+    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.trainable, strict=True))
+    trainer.cleanup()
 
 
 def test_regression_points_share_sigma_and_noise_within_a_prompt_group(model_dir, tmp_path):
@@ -176,7 +235,7 @@ def test_regression_points_share_sigma_and_noise_within_a_prompt_group(model_dir
         )
         trainer = FlowGRPOTrainer(cfg, None)
         trainer.setup()
-        rows, sigma, x_t, target = trainer._noised(x0, groups)
+        rows, sigma, x_t, target = trainer.regression_points(x0, groups)
         assert rows.tolist() == [0, 1, 2, 3, 4, 5] * 2
         eps = target + x0[rows]  # v* = eps - x0
         torch.testing.assert_close(
@@ -248,7 +307,7 @@ def test_kl_form_flow_grpo_divides_by_the_noise_scale_exact_by_the_step_std(mode
         sigma, sigma_next = trans.sigma.view(-1, 1, 1, 1), trans.sigma_next.view(-1, 1, 1, 1)
         # Flow-GRPO's std_dev_t = a sqrt(s / (1 - s)), the next sigma standing in for s = 1
         flow_grpo_scale = 0.7 * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_next, sigma)))
-        torch.testing.assert_close(trainer._kl_scale(trans, std), std if form == "exact" else flow_grpo_scale)
+        torch.testing.assert_close(kl_scale(form, trans, std), std if form == "exact" else flow_grpo_scale)
         trainer.train_step()
         kls[form] = trainer.train_step()["policy/kl"]  # same seed: the same rollouts, the KL in two forms
         trainer.cleanup()
@@ -408,7 +467,7 @@ def test_awm_step_trains_on_policy_in_each_rollout_mode(model_dir, tmp_path, rol
 
 def test_awm_advantage_sign_moves_the_sample_fit_and_zero_advantages_move_nothing(model_dir, tmp_path):
     from mmrl.core.losses import awm_log_likelihood
-    from mmrl.flow.awm import awm_update
+    from mmrl.flow.objectives.awm import awm_update
 
     cfg = make_cfg(
         model_dir,
@@ -423,13 +482,13 @@ def test_awm_advantage_sign_moves_the_sample_fit_and_zero_advantages_move_nothin
     trainer.setup()
     batch = trainer.collect()
     points = {}
-    noised = trainer._noised
+    noised = trainer.regression_points
 
     def remember(*args, **kwargs):
         points["value"] = noised(*args, **kwargs)
         return points["value"]
 
-    trainer._noised = remember
+    trainer.regression_points = remember
 
     def log_p_of_sample(sample):  # mean AWM log-likelihood of one sample's points, at the update's points
         rows, sigma, x_t, target = points["value"]
@@ -440,16 +499,18 @@ def test_awm_advantage_sign_moves_the_sample_fit_and_zero_advantages_move_nothin
 
     # zero advantages: zero gradient, and Adam without weight decay leaves the weights exactly where they were
     before = [p.detach().clone() for p in trainer.trainable]
-    awm_update(trainer, batch.final_latents, batch.cond, torch.zeros(8), batch.groups)
+    awm_update(trainer, replace(batch, sample_adv=torch.zeros(8)))
     assert all(torch.equal(b, p) for b, p in zip(before, trainer.trainable, strict=True))
     for sign in (1.0, -1.0):  # only sample 3 weighted: its points fit better (A > 0) or worse (A < 0)
         adv = torch.zeros(8)
         adv[3] = sign
         state = [p.detach().clone() for p in trainer.trainable]
         trainer.optimizer.state.clear()  # each sign's step from a fresh Adam: no momentum of the other sign
-        trainer._noised = lambda *a, **k: points["value"]  # the same points for the update and the check
+        trainer.regression_points = lambda *a, **k: points[
+            "value"
+        ]  # the same points for the update and the check
         start = log_p_of_sample(3)
-        awm_update(trainer, batch.final_latents, batch.cond, adv, batch.groups)
+        awm_update(trainer, replace(batch, sample_adv=adv))
         assert (log_p_of_sample(3) - start) * sign > 0
         with torch.no_grad():
             for p, s in zip(trainer.trainable, state, strict=True):
@@ -457,7 +518,7 @@ def test_awm_advantage_sign_moves_the_sample_fit_and_zero_advantages_move_nothin
 
 
 def test_awm_points_are_stratified_and_shared_within_a_prompt_group(model_dir, tmp_path):
-    from mmrl.flow.awm import stratified_steps
+    from mmrl.flow.objectives.awm import stratified_steps
 
     # 10 steps, fraction 0.9: steps 1..8 cut into 6 strata {1} {2} {3, 4} {5} {6} {7, 8}
     steps = stratified_steps(500, 6, 10, 0.9, torch.Generator().manual_seed(0))
@@ -472,7 +533,7 @@ def test_awm_points_are_stratified_and_shared_within_a_prompt_group(model_dir, t
     schedule = trainer.adapter.sigmas(10, 32, 32, None).float()
     x0, groups = torch.randn(6, 3, 8, 8), torch.tensor([0, 0, 0, 1, 1, 1])
     draw = lambda n: stratified_steps(n, 6, 10, 0.9, trainer.generator)  # noqa: E731
-    rows, sigma, _, target = trainer._noised(x0, groups, 6, draw)
+    rows, sigma, _, target = trainer.regression_points(x0, groups, 6, draw)
     assert rows.tolist() == list(range(6)) * 6
     sigma = sigma.view(6, 6)  # [T, B]
     for k in range(6):
@@ -537,30 +598,33 @@ def test_guidance_distillation_pulls_the_cfg_free_velocity_toward_the_frozen_tea
     trainer = FlowGRPOTrainer(cfg, None)
     trainer.setup()
     batch = trainer.collect()
-    rows, sigma, x_t, _ = trainer._noised(batch.final_latents, batch.groups)
+    rows, sigma, x_t, _ = trainer.regression_points(batch.final_latents, batch.groups)
     cond = batch.cond.select(rows)
     # the teacher is the start weights with CFG 3 on the negative prompt: what sampling at scale 3 would use
     guided = trainer.adapter.encode(batch.prompts, cfg=True).select(rows)
     with torch.no_grad():
         expected = trainer.adapter.velocity(x_t, sigma, guided, 3.0)
     nfe = trainer.nfe_total
-    v_uncond, v_cond = trainer._teacher_velocities(x_t, sigma, cond)
+    v_uncond, v_cond = trainer.teacher_velocities(x_t, sigma, cond)
     assert trainer.nfe_total - nfe == 2 * len(rows)
     torch.testing.assert_close(v_uncond + 3.0 * (v_cond - v_uncond), expected, rtol=1e-4, atol=1e-5)
 
     # with the objective's own term switched off, the distillation alone closes the gap step by step
     gaps = []
     for _ in range(6):
-        trainer._regress(x_t, sigma, cond, lambda v, idx: v.sum(dim=tuple(range(1, v.ndim))) * 0.0)
+        trainer.regress(x_t, sigma, cond, lambda v, idx: v.sum(dim=tuple(range(1, v.ndim))) * 0.0)
         gaps.append(trainer.metrics.reduce()["policy/guidance_gap"])
     assert gaps[0] > 0 and gaps[-1] < 0.7 * gaps[0], gaps
     # the teacher stays where it was: the same velocities after the updates
     with torch.no_grad():
-        torch.testing.assert_close(trainer._teacher_velocities(x_t, sigma, cond)[1], v_cond)
+        torch.testing.assert_close(trainer.teacher_velocities(x_t, sigma, cond)[1], v_cond)
 
 
 def test_guidance_distillation_config_errors_name_the_key(model_dir, tmp_path):
-    with pytest.raises(ValueError, match=r"trainer\.guidance_distill\.weight applies to the regression"):
+    with pytest.raises(
+        ValueError,
+        match=r"trainer\.guidance_distill\.weight applies to the objectives that regress on the final samples \(nft, awm, rwr\), not grpo",
+    ):
         make_cfg(model_dir, tmp_path, "bad", "trainer.guidance_distill.weight=1.0")  # objective grpo
     with pytest.raises(ValueError, match=r"trainer\.guidance_distill\.guidance_scale"):
         make_cfg(
@@ -715,9 +779,9 @@ def test_self_teacher_is_refreshed_from_the_ema_every_n_steps_and_resumes(model_
         )
     # the distillation's target is that teacher's CFG-3 velocity, not the start model's
     batch = trainer.collect()
-    rows, sigma, x_t, _ = trainer._noised(batch.final_latents, batch.groups)
+    rows, sigma, x_t, _ = trainer.regression_points(batch.final_latents, batch.groups)
     cond, guided = batch.cond.select(rows), trainer.adapter.encode(batch.prompts, cfg=True).select(rows)
-    v_uncond, v_cond = trainer._teacher_velocities(x_t, sigma, cond)
+    v_uncond, v_cond = trainer.teacher_velocities(x_t, sigma, cond)
     with torch.no_grad(), trainer.evaluation_weights():
         expected = trainer.adapter.velocity(x_t, sigma, guided, 3.0)
     with torch.no_grad(), trainer.reference_policy():  # trainer.beta's reference stays the start weights

@@ -33,9 +33,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from mmrl.core import losses as loss_lib
-from pipelines.flow.adapters import Conditioning
+from mmrl.flow.objectives.registry import register_objective
 
 if TYPE_CHECKING:
+    from mmrl.flow.batch import StepBatch
     from mmrl.flow.trainer import FlowGRPOTrainer
 
 __all__ = ["awm_update", "stratified_steps"]
@@ -69,13 +70,18 @@ def stratified_steps(
     return edges[:-1].unsqueeze(1) + offset.long()
 
 
-def awm_update(
-    trainer: FlowGRPOTrainer, x0: torch.Tensor, cond: Conditioning, adv: torch.Tensor, groups: torch.Tensor
-) -> None:
-    """One AWM update of ``trainer``'s weights on the final samples ``x0 [B, ...]`` with advantages ``adv [B]``
-    (``groups [B]``: prompt group of each sample), through the trainer's minibatched regression (the reference
-    KL, gradient accumulation and optimizer steps are the trainer's)."""
+@register_objective(
+    "awm",
+    "Advantage Weighted Matching: the flow-matching loss weighted by every sample's advantage (settings in "
+    "trainer.awm)",
+    trains_on="final_samples",
+)
+def awm_update(trainer: FlowGRPOTrainer, batch: StepBatch) -> None:
+    """One AWM update of ``trainer``'s weights on the final samples ``batch.final_latents [B, ...]`` with
+    advantages ``batch.sample_adv [B]``, through the trainer's minibatched regression (the reference KL, the
+    guidance distillation, gradient accumulation and optimizer steps are the trainer's)."""
     t = trainer.cfg.trainer
+    adv = batch.sample_adv
     settings = t.awm
     num_steps = trainer.cfg.sampling.num_steps
 
@@ -85,15 +91,17 @@ def awm_update(
             n_owners, settings.timesteps, num_steps, settings.timestep_fraction, trainer.generator
         )
 
-    rows, sigma, x_t, target = trainer._noised(x0, groups, settings.timesteps, draw)
-    cond = cond.select(rows)
+    rows, sigma, x_t, target = trainer.regression_points(
+        batch.final_latents, batch.groups, settings.timesteps, draw
+    )
+    cond = batch.cond.select(rows)
     scaled_adv = adv.clamp(-t.adv_clip_max, t.adv_clip_max) * (settings.advantage_max / t.adv_clip_max)
     point_adv = scaled_adv[rows].float()  # [N]
 
     # 2. the sampling policy at the points, where it differs from the weights about to be trained
     v_old = old_logp = None
     if trainer.old_policy is not None or t.gradient_accumulation > 0:
-        guidance = trainer._regression_guidance(cond)
+        guidance = trainer.regression_guidance(cond)
         with torch.no_grad(), trainer.sampling_weights():
             trainer.adapter.transformer.eval()
             v_old = torch.cat(
@@ -134,4 +142,4 @@ def awm_update(
             trainer.metrics.add("policy/kl_old", kl_old.detach().mean(), count=n)
         return loss
 
-    trainer._regress(x_t, sigma, cond, loss_fn)
+    trainer.regress(x_t, sigma, cond, loss_fn)
