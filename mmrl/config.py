@@ -149,6 +149,11 @@ def _describe(schema: type[BaseModel], err: ValidationError) -> str:
             hint = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
             suggestion = f" Did you mean {hint[0]!r}?" if hint else ""
             lines.append(f"unknown key {key!r}.{suggestion} Allowed here: {allowed}")
+        elif e["type"] == "value_error" and isinstance(e.get("input"), dict):
+            # a section's own check across its keys: the message names them, and repeating the whole section
+            # (the whole config at the top level) would bury it
+            message = str(e.get("ctx", {}).get("error", e["msg"]))
+            lines.append(f"{key}: {message}" if key else message)
         else:
             field_help = ""
             parent = _model_at(schema, loc[:-1])

@@ -1,6 +1,7 @@
 from typing import Literal
 
 import pytest
+from pydantic import model_validator
 
 from mmrl.config import Config, ConfigError, Field, RunConfig, apply_overrides, load_config, to_yaml
 
@@ -50,6 +51,39 @@ def test_bad_literal_and_type_name_the_key(tmp_path):
         load_config(Recipe, None, ["trainer.lr=-1"])
     with pytest.raises(ConfigError, match=r"trainer\.steps"):
         load_config(Recipe, None, ["trainer.steps=many"])
+
+
+class Checked(Config):
+    """Checks across keys, in a section and at the top level, as the recipes' configs do."""
+
+    low: int = 1
+    high: int = 2
+
+    @model_validator(mode="after")
+    def _check(self) -> "Checked":
+        if self.low > self.high:
+            raise ValueError(f"low ({self.low}) must be <= high ({self.high})")
+        return self
+
+
+class CheckedRecipe(Config):
+    section: Checked = Field(default_factory=Checked)
+    name: str = "x"
+
+    @model_validator(mode="after")
+    def _check(self) -> "CheckedRecipe":
+        if self.name == "bad":
+            raise ValueError("name: 'bad' is not allowed")
+        return self
+
+
+def test_checks_across_keys_say_their_message_without_repeating_the_config(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(CheckedRecipe, None, ["section.low=5"])
+    assert str(err.value) == "invalid config:\n  section: low (5) must be <= high (2)"
+    with pytest.raises(ConfigError) as err:
+        load_config(CheckedRecipe, None, ["name=bad"])
+    assert str(err.value) == "invalid config:\n  name: 'bad' is not allowed"
 
 
 @pytest.mark.parametrize(
