@@ -10,7 +10,10 @@ def model_not_found(what: str, model_id_or_path: str, error: BaseException) -> O
     naming both places looked at (a relative path is relative to the working directory) and the loader's
     own reason."""
     reason = " ".join(f"{type(error).__name__}: {error}".split())
+    if Path(model_id_or_path).is_absolute():
+        where = "there is no such folder"
+    else:
+        where = f"there is no such folder under {Path.cwd()} (a relative path is relative to the working directory)"
     return OSError(
-        f"cannot load the {what} {model_id_or_path!r}: there is no such folder under {Path.cwd()} (a relative "
-        f"path is relative to the working directory) and the Hugging Face Hub could not supply it ({reason})"
+        f"cannot load the {what} {model_id_or_path!r}: {where} and the Hugging Face Hub could not supply it ({reason})"
     )

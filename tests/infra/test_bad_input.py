@@ -208,6 +208,6 @@ def test_missing_vlm_path_names_the_folder_and_the_hub(tmp_path) -> None:
 
     missing = tmp_path / "no_such_model"
     with pytest.raises(
-        OSError, match=rf"cannot load the VLM '{missing}': there is no such folder under .*Hub could not"
+        OSError, match=rf"cannot load the VLM '{missing}': there is no such folder and the .*Hub could not"
     ):
-        load_vlm(str(missing))
+        load_vlm(str(missing))  # an absolute path: the working directory is not named
