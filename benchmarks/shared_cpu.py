@@ -23,8 +23,8 @@ interleaved (quiet, loaded, next policy, ...) so drifts of the machine hit every
 
 Reported per model and policy: the median quiet and loaded step time, the slowdown (loaded / quiet), the
 slowdown of each round on its own (that round's loaded median over its quiet median: the spread a single run of
-the benchmark shows), the quiet time relative to the default policy's, the wait policy the process ran with and, per step, whether the adaptive
-short spin was on.
+the benchmark shows), the quiet time relative to the default policy's, the wait policy the process ran with and,
+per step, whether the adaptive short spin was on.
 Goal: loaded <= 2.2x quiet, with no loss at quiet.
 """
 
@@ -236,8 +236,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             rounds = f"{min(per_round):.2f}-{max(per_round):.2f}x"
             # without the default policy in the run there is nothing to compare the quiet time with
             versus_default = f"{rel:.2f}x" if base else "-"
+            slowdown = f"{loaded / quiet:8.2f}x"
             print(
-                f"{model:5s} {policy:9s} {quiet:8.2f} {spread:>14s} {loaded / quiet:8.2f}x {rounds:>16s} {versus_default:>17s}"
+                f"{model:5s} {policy:9s} {quiet:8.2f} {spread:>14s} {slowdown} {rounds:>16s} {versus_default:>17s}"
             )
     return report
 

@@ -623,7 +623,8 @@ def test_guidance_distillation_pulls_the_cfg_free_velocity_toward_the_frozen_tea
 def test_guidance_distillation_config_errors_name_the_key(model_dir, tmp_path):
     with pytest.raises(
         ValueError,
-        match=r"trainer\.guidance_distill\.weight applies to the objectives that regress on the final samples \(nft, awm, rwr\), not grpo",
+        match=r"trainer\.guidance_distill\.weight applies to the objectives that regress on the final samples "
+        r"\(nft, awm, rwr\), not grpo",
     ):
         make_cfg(model_dir, tmp_path, "bad", "trainer.guidance_distill.weight=1.0")  # objective grpo
     with pytest.raises(ValueError, match=r"trainer\.guidance_distill\.guidance_scale"):
