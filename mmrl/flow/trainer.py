@@ -730,6 +730,24 @@ class FlowGRPOTrainer(TrainerBase):
         """
         return self.old_policy.swapped() if self.old_policy is not None else nullcontext()
 
+    @torch.no_grad()
+    def sampling_velocities(self, x_t: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """The sampling ("old") policy's velocities ``[N, ...]`` (on the CPU) at the regression points ``x_t [N,
+        ...]``, ``sigma [N]``, with the regression's guidance, in minibatches; counted in the NFE."""
+        guidance = self.regression_guidance(cond)
+        with self.sampling_weights():
+            self.adapter.transformer.eval()
+            velocities = torch.cat(
+                [
+                    self.adapter.velocity(
+                        x_t[idx].to(self.device), sigma[idx].to(self.device), cond.select(idx), guidance
+                    ).cpu()
+                    for idx in torch.arange(x_t.shape[0]).split(self.cfg.trainer.minibatch_size)
+                ]
+            )
+        self.nfe_total += x_t.shape[0]
+        return velocities
+
     def regression_guidance(self, cond: Conditioning) -> float:
         """Guidance of the regressed velocity. With ``train_cfg`` it is the guided velocity the images were sampled
         with: regressing the conditional velocity alone on CFG samples teaches it the guidance, which sampling

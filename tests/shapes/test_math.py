@@ -232,7 +232,8 @@ def test_slip_operation_flips_one_operator_and_the_answer_follows(splits):
                     for a, b in zip(trace_operations(wrong.steps), trace_operations(each.steps), strict=True)
                 ]
                 assert flipped.count(True) == 1 and flipped.index(True) == which
-                assert wrong.question == each.question and wrong.scene is each.scene
+                assert (wrong.question, wrong.template) == (each.question, each.template)
+                assert wrong.scene is each.scene
 
 
 def test_bad_arguments():

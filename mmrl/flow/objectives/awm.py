@@ -101,20 +101,7 @@ def awm_update(trainer: FlowGRPOTrainer, batch: StepBatch) -> None:
     # 2. the sampling policy at the points, where it differs from the weights about to be trained
     v_old = old_logp = None
     if trainer.old_policy is not None or t.gradient_accumulation > 0:
-        guidance = trainer.regression_guidance(cond)
-        with torch.no_grad(), trainer.sampling_weights():
-            trainer.adapter.transformer.eval()
-            v_old = torch.cat(
-                [
-                    trainer.adapter.velocity(
-                        x_t[idx].to(trainer.device), sigma[idx].to(trainer.device), cond.select(idx), guidance
-                    )
-                    .float()
-                    .cpu()
-                    for idx in torch.arange(rows.numel()).split(t.minibatch_size)
-                ]
-            )
-        trainer.nfe_total += rows.numel()
+        v_old = trainer.sampling_velocities(x_t, sigma, cond).float()
         old_logp = loss_lib.awm_log_likelihood(
             v_old, target, sigma, settings.weighting, settings.ghuber_power
         )

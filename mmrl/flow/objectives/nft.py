@@ -39,20 +39,7 @@ def nft_update(trainer: FlowGRPOTrainer, batch: StepBatch) -> None:
     optimality = (0.5 + 0.5 * batch.sample_adv / t.adv_clip_max).clamp(0, 1)
     rows, sigma, x_t, target = trainer.regression_points(batch.final_latents, batch.groups)
     cond = batch.cond.select(rows)
-    with torch.no_grad(), trainer.sampling_weights():
-        trainer.adapter.transformer.eval()
-        v_old = torch.cat(
-            [
-                trainer.adapter.velocity(
-                    x_t[idx].to(trainer.device),
-                    sigma[idx].to(trainer.device),
-                    cond.select(idx),
-                    trainer.regression_guidance(cond),
-                ).cpu()
-                for idx in torch.arange(rows.numel()).split(t.minibatch_size)
-            ]
-        )
-    trainer.nfe_total += rows.numel()
+    v_old = trainer.sampling_velocities(x_t, sigma, cond)
 
     def loss_fn(v: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         return loss_lib.diffusion_nft_loss(

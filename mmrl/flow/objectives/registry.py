@@ -117,7 +117,9 @@ def check_objective(name: str, where: str = "trainer.objective") -> FlowObjectiv
     Raises:
         ValueError: naming ``where`` and the registered names.
     """
-    _load_providers()
-    if name not in _OBJECTIVES:
-        raise ValueError(f"{where}: unknown flow objective {name!r}; registered: {list_objectives()}")
-    return _OBJECTIVES[name]
+    try:
+        return get_objective(name)
+    except KeyError:
+        raise ValueError(
+            f"{where}: unknown flow objective {name!r}; registered: {list_objectives()}"
+        ) from None
