@@ -8,7 +8,7 @@ from pydantic import model_validator
 
 from mmrl.config import Config, Field, RunConfig
 from mmrl.core.estimators import check_estimator
-from mmrl.flow.objectives import check_objective
+from mmrl.flow.objectives import check_objective, list_objectives
 from mmrl.schedule import LRSchedule, learning_rate
 from mmrl.sections import AllocationConfig, LoraSettings, PoolSettings, RewardSpec, check_reward_keys
 
@@ -434,21 +434,14 @@ class FlowGRPOConfig(Config):
                 "pool.enabled takes flat rollouts from the pool: set sampling.rollout=flat and explore.enabled=false "
                 f"(got sampling.rollout={self.sampling.rollout}, explore.enabled={self.explore.enabled})"
             )
-        if self.trainer.objective == "awm":
-            awm = self.trainer.awm
-            steps = int(awm.timestep_fraction * self.sampling.num_steps) - 1  # steps 1 .. floor(f * n) - 1
-            if awm.timesteps > steps:
-                raise ValueError(
-                    f"trainer.awm.timesteps ({awm.timesteps}) exceeds the {max(steps, 0)} sampler steps it draws "
-                    f"from (steps 1 .. floor(trainer.awm.timestep_fraction * sampling.num_steps) - 1 with "
-                    f"timestep_fraction={awm.timestep_fraction}, num_steps={self.sampling.num_steps}): lower "
-                    "timesteps or raise num_steps / timestep_fraction"
-                )
+        if objective.check_config is not None:
+            objective.check_config(self)
         distill = self.trainer.guidance_distill
         if distill.weight > 0 and objective.trains_on != "final_samples":
             raise ValueError(
                 "trainer.guidance_distill.weight applies to the objectives that regress on the final samples "
-                f"(nft, awm, rwr), not {objective.name}: set trainer.objective or the weight to 0"
+                f"({', '.join(list_objectives('final_samples'))}), not {objective.name}: set trainer.objective or "
+                "the weight to 0"
             )
         if distill.refresh_every is not None and (distill.weight == 0 or self.model.lora is not None):
             raise ValueError(

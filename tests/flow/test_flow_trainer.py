@@ -172,7 +172,7 @@ def test_objectives_are_registered_with_what_the_step_needs_and_unknown_names_ar
 
     assert list_objectives() == ["awm", "grpo", "nft", "rwr"]
     assert get_objective("grpo").trains_on == "transitions"
-    assert {get_objective(name).trains_on for name in ("nft", "awm", "rwr")} == {"final_samples"}
+    assert list_objectives("final_samples") == ["awm", "nft", "rwr"]
     assert [name for name in list_objectives() if not get_objective(name).same_count_per_rank] == ["rwr"]
     with pytest.raises(
         ValueError, match=r"trainer\.objective: unknown flow objective 'ppo'; registered: \['awm'"
@@ -219,6 +219,27 @@ def test_a_new_objective_is_one_registration_and_trains_through_the_shared_regre
     )  # the trainer's distillation term joined
     assert any(not torch.equal(b, p) for b, p in zip(before, trainer.trainable, strict=True))
     trainer.cleanup()
+
+
+def test_an_objective_checks_its_own_settings_when_a_config_names_it(model_dir, tmp_path, monkeypatch):
+    from mmrl.flow.objectives import registry
+
+    monkeypatch.setattr(registry, "_OBJECTIVES", dict(registry._OBJECTIVES))
+    seen = []
+
+    def needs_eight_steps(cfg):
+        seen.append(cfg.trainer.objective)
+        if cfg.sampling.num_steps < 8:
+            raise ValueError(f"sampling.num_steps ({cfg.sampling.num_steps}): eight_steps needs at least 8")
+
+    registry.register_objective(
+        "eight_steps", "needs 8 sampler steps", trains_on="final_samples", check_config=needs_eight_steps
+    )(lambda trainer, batch: None)
+    with pytest.raises(ValueError, match=r"sampling\.num_steps \(4\): eight_steps needs at least 8"):
+        make_cfg(model_dir, tmp_path, "eight", "trainer.objective=eight_steps", "sampling.num_steps=4")
+    make_cfg(model_dir, tmp_path, "eight", "trainer.objective=eight_steps", "sampling.num_steps=8")
+    make_cfg(model_dir, tmp_path, "nft", "trainer.objective=nft", "sampling.num_steps=4")  # not its check
+    assert seen == ["eight_steps", "eight_steps"]
 
 
 def test_regression_points_share_sigma_and_noise_within_a_prompt_group(model_dir, tmp_path):
@@ -624,7 +645,7 @@ def test_guidance_distillation_config_errors_name_the_key(model_dir, tmp_path):
     with pytest.raises(
         ValueError,
         match=r"trainer\.guidance_distill\.weight applies to the objectives that regress on the final samples "
-        r"\(nft, awm, rwr\), not grpo",
+        r"\(awm, nft, rwr\), not grpo",
     ):
         make_cfg(model_dir, tmp_path, "bad", "trainer.guidance_distill.weight=1.0")  # objective grpo
     with pytest.raises(ValueError, match=r"trainer\.guidance_distill\.guidance_scale"):

@@ -37,9 +37,10 @@ from mmrl.flow.objectives.registry import register_objective
 
 if TYPE_CHECKING:
     from mmrl.flow.batch import StepBatch
+    from mmrl.flow.config import FlowGRPOConfig
     from mmrl.flow.trainer import FlowGRPOTrainer
 
-__all__ = ["awm_update", "stratified_steps"]
+__all__ = ["awm_update", "check_awm_config", "stratified_steps"]
 
 
 def stratified_steps(
@@ -70,11 +71,31 @@ def stratified_steps(
     return edges[:-1].unsqueeze(1) + offset.long()
 
 
+def check_awm_config(cfg: FlowGRPOConfig) -> None:
+    """Config-time form of :func:`stratified_steps`'s requirement: ``trainer.awm.timesteps`` distinct sampler
+    steps must fit in ``1 .. floor(timestep_fraction * sampling.num_steps) - 1``.
+
+    Raises:
+        ValueError: naming ``trainer.awm.timesteps`` and the steps available.
+    """
+    settings = cfg.trainer.awm
+    num_steps = cfg.sampling.num_steps
+    available = int(settings.timestep_fraction * num_steps) - 1
+    if settings.timesteps > available:
+        raise ValueError(
+            f"trainer.awm.timesteps ({settings.timesteps}) exceeds the {max(available, 0)} sampler steps it draws "
+            f"from (steps 1 .. floor(trainer.awm.timestep_fraction * sampling.num_steps) - 1 with "
+            f"timestep_fraction={settings.timestep_fraction}, num_steps={num_steps}): lower timesteps or raise "
+            "num_steps / timestep_fraction"
+        )
+
+
 @register_objective(
     "awm",
     "Advantage Weighted Matching: the flow-matching loss weighted by every sample's advantage (settings in "
     "trainer.awm)",
     trains_on="final_samples",
+    check_config=check_awm_config,
 )
 def awm_update(trainer: FlowGRPOTrainer, batch: StepBatch) -> None:
     """One AWM update of ``trainer``'s weights on the final samples ``batch.final_latents [B, ...]`` with

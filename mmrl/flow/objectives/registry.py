@@ -14,7 +14,7 @@ Adding one: a module ``mmrl/flow/objectives/<name>.py`` with ::
         ...
         trainer.regress(x_t, sigma, batch.cond.select(rows), loss_fn)
 
-listed in ``_PROVIDERS`` below (or imported before the config is loaded); configs name it in
+(``check_config=fn`` adds the objective's own config checks), listed in ``_PROVIDERS`` below (or imported before the config is loaded); configs name it in
 ``trainer.objective``, and it works with every model family and rollout mode (flat, branch, explore, pool).
 """
 
@@ -27,11 +27,13 @@ from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from mmrl.flow.batch import StepBatch
+    from mmrl.flow.config import FlowGRPOConfig
     from mmrl.flow.trainer import FlowGRPOTrainer
 
 __all__ = ["FlowObjective", "check_objective", "get_objective", "list_objectives", "register_objective"]
 
 Update = Callable[["FlowGRPOTrainer", "StepBatch"], None]
+CheckConfig = Callable[["FlowGRPOConfig"], None]
 TrainsOn = Literal["transitions", "final_samples"]
 
 
@@ -50,6 +52,9 @@ class FlowObjective:
         same_count_per_rank: False when the objective trains a data-dependent subset of the batch (RWR: the
             preferred samples only), so data-parallel ranks may hold different numbers of points, which an FSDP
             launch cannot pair up.
+        check_config: ``check_config(cfg)``, the objective's own checks of a whole config (its settings section
+            against the sampler, say), run by the config's validator when ``trainer.objective`` names it; raises
+            ``ValueError`` naming the key. None: nothing beyond the shared checks.
     """
 
     name: str
@@ -57,6 +62,7 @@ class FlowObjective:
     description: str
     trains_on: TrainsOn
     same_count_per_rank: bool = True
+    check_config: CheckConfig | None = None
 
 
 _OBJECTIVES: dict[str, FlowObjective] = {}
@@ -71,7 +77,12 @@ _PROVIDERS: tuple[str, ...] = (
 
 
 def register_objective(
-    name: str, description: str, *, trains_on: TrainsOn, same_count_per_rank: bool = True
+    name: str,
+    description: str,
+    *,
+    trains_on: TrainsOn,
+    same_count_per_rank: bool = True,
+    check_config: CheckConfig | None = None,
 ) -> Callable[[Update], Update]:
     """Function decorator adding an objective to the registry under ``name`` (see :class:`FlowObjective`).
 
@@ -82,7 +93,9 @@ def register_objective(
     def wrap(update: Update) -> Update:
         if name in _OBJECTIVES and _OBJECTIVES[name].update is not update:
             raise ValueError(f"flow objective {name!r} is already registered")
-        _OBJECTIVES[name] = FlowObjective(name, update, description, trains_on, same_count_per_rank)
+        _OBJECTIVES[name] = FlowObjective(
+            name, update, description, trains_on, same_count_per_rank, check_config
+        )
         return update
 
     return wrap
@@ -93,10 +106,10 @@ def _load_providers() -> None:
         importlib.import_module(module)
 
 
-def list_objectives() -> list[str]:
-    """Names of every registered objective, sorted."""
+def list_objectives(trains_on: TrainsOn | None = None) -> list[str]:
+    """Names of the registered objectives, sorted; only those training on ``trains_on`` when given."""
     _load_providers()
-    return sorted(_OBJECTIVES)
+    return sorted(name for name, objective in _OBJECTIVES.items() if trains_on in (None, objective.trains_on))
 
 
 def get_objective(name: str) -> FlowObjective:
