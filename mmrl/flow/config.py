@@ -10,7 +10,15 @@ from mmrl.config import Config, Field, RunConfig
 from mmrl.core.estimators import check_estimator
 from mmrl.flow.objectives import check_objective, list_objectives
 from mmrl.schedule import LRSchedule, learning_rate
-from mmrl.sections import AllocationConfig, LoraSettings, PoolSettings, RewardSpec, check_reward_keys
+from mmrl.sections import (
+    AllocationConfig,
+    LoraSettings,
+    PoolSettings,
+    RewardSpec,
+    check_group_sizes,
+    check_reward_keys,
+)
+from pipelines.flow.branch import TreeConfig
 
 __all__ = [
     "AWMSettings",
@@ -402,10 +410,8 @@ class FlowGRPOConfig(Config):
         check_reward_keys(self.eval_rewards or [], "eval_rewards")
         estimator = check_estimator(self.trainer.advantage, self.trainer.advantage_options)
         objective = check_objective(self.trainer.objective)
-        if estimator.odd_groups and self.allocation.method != "uniform":
-            raise ValueError(
-                f"trainer.advantage={estimator.name} needs odd, equal group sizes: use allocation.method=uniform"
-            )
+        flat = self.sampling.rollout == "flat" and not self.explore.enabled  # else trees/the explorer size groups
+        check_group_sizes(estimator, self.allocation, self.allocation.rollouts_per_step if flat else None)
         w = self.sampling.sde_window
         if w is not None and w > self.sampling.num_steps:
             raise ValueError(
@@ -418,6 +424,16 @@ class FlowGRPOConfig(Config):
                 raise ValueError(
                     f"tree.split_steps must be non-empty and inside 0..{span - 1} (the SDE steps), got {bad}"
                 )
+            twice = sorted({step for step in self.tree.split_steps if self.tree.split_steps.count(step) > 1})
+            if twice:
+                raise ValueError(f"tree.split_steps lists {twice} more than once")
+            factors = self.tree.branch_factor
+            try:
+                TreeConfig(
+                    tuple(self.tree.split_steps), factors if isinstance(factors, int) else tuple(factors)
+                ).factors()
+            except ValueError as err:
+                raise ValueError(f"tree.branch_factor: {err}") from None
         if self.explore.enabled:
             e = self.explore
             keep = e.keep_best + e.keep_worst + (e.extra_random if e.selection == "extremes_random" else 0)
@@ -443,14 +459,26 @@ class FlowGRPOConfig(Config):
                 f"({', '.join(list_objectives('final_samples'))}), not {objective.name}: set trainer.objective or "
                 "the weight to 0"
             )
+        if distill.weight > 0 and self.trainer.train_cfg and self.sampling.guidance_scale > 1:
+            raise ValueError(
+                "trainer.guidance_distill teaches the CFG-free velocity the base's guidance, but with "
+                f"sampling.guidance_scale {self.sampling.guidance_scale} and trainer.train_cfg the regressed "
+                "velocity is the guided one (guidance applied twice): sample at sampling.guidance_scale 1, "
+                "or set the distillation weight to 0"
+            )
         if distill.refresh_every is not None and (distill.weight == 0 or self.model.lora is not None):
             raise ValueError(
                 f"trainer.guidance_distill.refresh_every ({distill.refresh_every}) refreshes the teacher of a "
                 "full fine-tune: it needs trainer.guidance_distill.weight > 0 and model.lora=null (got weight "
                 f"{distill.weight}, model.lora {'set' if self.model.lora is not None else 'null'})"
             )
-        if objective.trains_on == "transitions" and self.sampling.sde_kind == "cps" and w is None:
+        if (
+            objective.trains_on == "transitions"
+            and self.sampling.sde_kind == "cps"
+            and (w is None or w >= self.sampling.num_steps)
+        ):
             raise ValueError(
-                "sde_kind=cps adds no noise at the last step: set sampling.sde_window < num_steps"
+                "sde_kind=cps adds no noise at the last step: set sampling.sde_window < sampling.num_steps "
+                f"(got {w}, num_steps {self.sampling.num_steps})"
             )
         return self

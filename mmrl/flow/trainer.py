@@ -418,7 +418,9 @@ class FlowGRPOTrainer(TrainerBase):
             return (0, 0)
         if s.sde_window is None:
             return None
-        span = s.num_steps - s.sde_window
+        # CPS adds no noise at the last step (sigma_next = 0), so its windows end before it
+        last = s.num_steps - 1 if s.sde_kind == "cps" else s.num_steps
+        span = last - s.sde_window
         if s.window_schedule == "fixed":
             start = 0
         elif s.window_schedule == "sliding":
@@ -526,6 +528,23 @@ class FlowGRPOTrainer(TrainerBase):
         return total, adv, trans
 
     @torch.no_grad()
+    @torch.no_grad()
+    def transition_log_probs(
+        self, trans: TransitionBatch, guidance_scale: float | None = None
+    ) -> torch.Tensor:
+        """``[N]`` float32 log-probs (on the CPU) of the transitions' actions under the weights in place, in
+        minibatches, at ``guidance_scale`` (None: the scale they were sampled with)."""
+        self.adapter.transformer.eval()
+        log_probs = torch.cat(
+            [
+                rescore(self.adapter, trans.select(idx), guidance_scale)[0].float().cpu()
+                for idx in torch.arange(len(trans)).split(self.cfg.trainer.minibatch_size)
+            ]
+        )
+        scale = trans.guidance_scale if guidance_scale is None else guidance_scale
+        self.nfe_total += len(trans) * self.adapter.nfe_per_sample(scale)
+        return log_probs
+
     def _stale_weights(
         self, trans: TransitionBatch, lags: torch.Tensor
     ) -> tuple[TransitionBatch, torch.Tensor]:
@@ -535,14 +554,7 @@ class FlowGRPOTrainer(TrainerBase):
         stale = torch.nonzero(lags > 0).flatten()
         current = trans.log_probs.clone()  # behaviour log-probs: the current policy's at lag 0
         if stale.numel():
-            self.adapter.transformer.eval()
-            current[stale] = torch.cat(
-                [
-                    rescore(self.adapter, trans.select(idx))[0].float().cpu()
-                    for idx in stale.split(self.cfg.trainer.minibatch_size)
-                ]
-            )
-            self.nfe_total += stale.numel() * self.adapter.nfe_per_sample(trans.guidance_scale)
+            current[stale] = self.transition_log_probs(trans.select(stale))
         cap = self.cfg.pool.tis_cap
         weights = loss_lib.stale_sample_weights(current, trans.log_probs, lags, cap)
         ratio = torch.exp(current - trans.log_probs)
@@ -632,8 +644,8 @@ class FlowGRPOTrainer(TrainerBase):
             refused.append("sampling.rollout=branch: pruned trees train a per-rank number of transitions")
         if not self.objective.same_count_per_rank:
             refused.append(f"trainer.objective={self.objective.name}: a per-rank number of samples")
-        if cfg.trainer.drop_zero_advantage:
-            refused.append("trainer.drop_zero_advantage: a per-rank number of samples")
+        if cfg.trainer.drop_zero_advantage and self.objective.trains_on == "transitions":
+            refused.append("trainer.drop_zero_advantage: a per-rank number of transitions")
         if refused:
             raise ValueError(
                 "FSDP launch (configs/accelerate/fsdp.yaml) of the flow trainer does not support: "
@@ -643,28 +655,36 @@ class FlowGRPOTrainer(TrainerBase):
     # ------------------------------------------------------------------ the update path of the objectives
     # (mmrl/flow/objectives/: each objective's update calls these, so minibatching, gradient accumulation, the
     # reference KL, the guidance distillation and the optimizer steps are the same for every objective)
-    def minibatches(self, n: int) -> Iterator[tuple[torch.Tensor | None, float, bool]]:
-        """Shuffled minibatches of ``n`` items, each with its loss scale ``1 / accumulated minibatches`` and whether
-        an optimizer step follows it (``gradient_accumulation`` minibatches per step, 0: one step at the end).
-        Under data parallelism every rank takes the largest rank's number of turns, with ``None`` for turns it has
-        no items for, so that the gradient averaging of each optimizer step pairs up across ranks."""
+    def minibatches(self, n: int) -> Iterator[tuple[torch.Tensor, float]]:
+        """Shuffled minibatches of ``n`` items, each with its loss scale ``1 / minibatches accumulated into
+        its optimizer step``; the optimizer steps themselves are taken here, once the caller has run the
+        backward of the step's last minibatch (``gradient_accumulation`` minibatches per step, 0: one step at
+        the end).
+
+        Under data parallelism every rank takes the largest rank's number of turns; a rank without items for
+        a turn yields nothing for it but still takes the turn's optimizer step, so that the gradient
+        averaging of each step pairs up across ranks (a rank with no items at all: :meth:`idle_update`)."""
         t = self.cfg.trainer
         batches = list(torch.randperm(n, generator=self.generator).split(t.minibatch_size)) if n else []
         turns = self.dist.max_over_ranks(len(batches))
         accum = t.gradient_accumulation or turns
         for i in range(turns):
-            idx = batches[i] if i < len(batches) else None
-            if idx is None and self.dist.fsdp:
+            if i < len(batches):
+                group_start = i - i % accum
+                yield batches[i], 1.0 / min(accum, turns - group_start)  # the last group may be shorter
+            elif self.dist.fsdp:
                 raise RuntimeError(
                     "FSDP ranks hold different numbers of minibatches; their forwards would not pair up"
                 )
-            yield idx, 1.0 / accum, (i + 1) % accum == 0 or i + 1 == turns
-
-    def idle_update(self) -> None:
-        """This rank has nothing to train on: take part in the other ranks' optimizer steps (none alone)."""
-        for _, _, step_after in self.minibatches(0):
-            if step_after:
+            if (i + 1) % accum == 0 or i + 1 == turns:
                 self.step_optimizer()
+
+    def idle_update(self, passes: int = 1) -> None:
+        """This rank has nothing to train on: take part in the other ranks' optimizer steps (none alone) for
+        each of the ``passes`` passes they make over their items (``trainer.ppo_epochs`` for GRPO)."""
+        for _ in range(passes):
+            for _ in self.minibatches(0):
+                pass
 
     def step_optimizer(self) -> None:
         """One optimizer step on the accumulated gradients at this training step's learning rate (clipped to
@@ -751,8 +771,13 @@ class FlowGRPOTrainer(TrainerBase):
     def regression_guidance(self, cond: Conditioning) -> float:
         """Guidance of the regressed velocity. With ``train_cfg`` it is the guided velocity the images were sampled
         with: regressing the conditional velocity alone on CFG samples teaches it the guidance, which sampling
-        then applies again (w * w), and the shapes model collapsed to 0% within 50 steps that way."""
+        then applies again (w * w), and the shapes model collapsed to 0% within 50 steps that way. A family
+        whose guidance is an input of one forward (guidance-distilled FLUX) regresses at the sampled scale
+        either way."""
         w = self.cfg.sampling.guidance_scale
+        if not self.adapter.uses_cfg(w):
+            # no second forward: an embedded guidance input (FLUX.1 / FLUX.2 dev) is trained as sampled
+            return w
         return w if self.cfg.trainer.train_cfg and cond.uncond is not None else 1.0
 
     def regress(
@@ -770,21 +795,17 @@ class FlowGRPOTrainer(TrainerBase):
         t = self.cfg.trainer
         guidance = self.regression_guidance(cond)
         distill_weight = t.guidance_distill.weight_at(self.step, t.steps)
-        for idx, scale, step_after in self.minibatches(x_t.shape[0]):
-            if idx is None:
-                if step_after:
-                    self.step_optimizer()
-                continue
-            x, s, c = x_t[idx].to(self.device), sigma[idx].to(self.device), cond.select(idx)
+        for idx, scale in self.minibatches(x_t.shape[0]):
+            x_mb, sigma_mb, cond_mb = x_t[idx].to(self.device), sigma[idx].to(self.device), cond.select(idx)
             if t.beta > 0:
                 self.adapter.transformer.eval()
                 with torch.no_grad(), self.reference_policy():
-                    v_ref = self.adapter.velocity(x, s, c, guidance)
+                    v_ref = self.adapter.velocity(x_mb, sigma_mb, cond_mb, guidance)
                 self.nfe_total += len(idx)
             if distill_weight > 0:
-                v_uncond, v_cond = self.teacher_velocities(x, s, c)
+                v_uncond, v_cond = self.teacher_velocities(x_mb, sigma_mb, cond_mb)
             self.adapter.transformer.train()
-            v = self.adapter.velocity(x, s, c, guidance)
+            v = self.adapter.velocity(x_mb, sigma_mb, cond_mb, guidance)
             loss = loss_fn(v, idx).mean()
             if t.beta > 0:
                 kl = ((v - v_ref) ** 2).flatten(1).mean(1).mean()
@@ -799,8 +820,6 @@ class FlowGRPOTrainer(TrainerBase):
                 self.metrics.add("policy/guidance_weight", distill_weight, count=len(idx))
             (loss * scale).backward()
             self.metrics.add("loss", loss, count=len(idx))
-            if step_after:
-                self.step_optimizer()
         self.nfe_total += x_t.shape[0]
 
     @torch.no_grad()

@@ -162,3 +162,29 @@ def test_wan22_refuses_a_one_expert_pipeline_and_unknown_experts(tmp_path):
     build_tiny_pipeline("wan22", seed=0).save_pretrained(tmp_path / "wan22")
     with pytest.raises(ValueError, match="trained_expert"):
         load_adapter("wan22", str(tmp_path / "wan22"), trained_expert="middle")
+
+
+def test_guidance_distilled_flux_trains_at_the_guidance_it_samples_with(tmp_path, monkeypatch):
+    """FLUX.1 dev takes the guidance scale as an input of its one forward (no CFG pass): the likelihood-free
+    objectives regress, and GRPO without train_cfg scores, the velocity at the sampled scale, not at 1."""
+    torch.manual_seed(0)
+    build_tiny_pipeline("flux", seed=0).save_pretrained(tmp_path / "model")
+    trainer = FlowGRPOTrainer(family_config("flux", "nft", tmp_path, "sampling.guidance_scale=3.5"), None)
+    trainer.setup()
+    cond = trainer.adapter.encode(["a red circle"])
+    assert trainer.regression_guidance(cond) == 3.5
+    x, sigma = torch.randn(1, *trainer.adapter.latent_shape(32, 32)), torch.tensor([0.5])
+    assert not torch.allclose(
+        trainer.adapter.velocity(x, sigma, cond, 3.5), trainer.adapter.velocity(x, sigma, cond, 1.0)
+    )
+
+    cfg = family_config("flux", "grpo", tmp_path, "sampling.guidance_scale=3.5", "trainer.train_cfg=false")
+    trainer = FlowGRPOTrainer(cfg, None)
+    trainer.setup()
+
+    def rescored(*args, **kwargs):
+        raise AssertionError("the sampled log-probs are the behaviour log-probs: nothing to re-score")
+
+    monkeypatch.setattr(trainer, "transition_log_probs", rescored)
+    metrics = trainer.train_step()
+    assert metrics["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-4)

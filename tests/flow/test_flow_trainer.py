@@ -2,6 +2,7 @@
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -849,3 +850,88 @@ def test_self_teacher_config_errors_name_the_key(model_dir, tmp_path):
             "model.lora=null",
             "trainer.guidance_distill.refresh_every=0",
         )
+
+
+@pytest.mark.parametrize("schedule", ["sliding", "random"])
+def test_cps_windows_end_before_the_last_step_and_its_transitions_train(model_dir, tmp_path, schedule):
+    """CPS adds no noise at the last step (sigma_next = 0): a moving window never reaches it."""
+    cfg = make_cfg(
+        model_dir, tmp_path, f"cps{schedule}", "sampling.sde_kind=cps", f"sampling.window_schedule={schedule}"
+    )
+    trainer = FlowGRPOTrainer(cfg, None)
+    trainer.setup()
+    windows = {trainer.sde_window(step) for step in range(40)}
+    assert windows == {(0, 2), (1, 3)}  # 4 steps, window 2: never (2, 4)
+    trainer.train_step()
+    with pytest.raises(
+        ValueError, match=r"sde_kind=cps adds no noise at the last step: .*\(got 4, num_steps 4\)"
+    ):
+        make_cfg(model_dir, tmp_path, "cps", "sampling.sde_kind=cps", "sampling.sde_window=4")
+
+
+def test_minibatch_scales_average_each_optimizer_step_including_a_short_last_group(model_dir, tmp_path):
+    cfg = make_cfg(
+        model_dir, tmp_path, "accum", "trainer.minibatch_size=2", "trainer.gradient_accumulation=2"
+    )
+    trainer = FlowGRPOTrainer(cfg, None)
+    trainer.setup()
+    events = []
+    trainer.step_optimizer = lambda: events.append("step")
+    for idx, scale in trainer.minibatches(10):  # 5 minibatches: groups of 2, 2 and 1
+        events.append((len(idx), scale))
+    assert events == [(2, 0.5), (2, 0.5), "step", (2, 0.5), (2, 0.5), "step", (2, 1.0), "step"]
+
+
+def test_tree_and_guided_distillation_settings_are_refused_at_config_time(model_dir, tmp_path):
+    branch = ("sampling.rollout=branch", "sampling.sde_window=4")
+    with pytest.raises(ValueError, match=r"tree\.split_steps lists \[2\] more than once"):
+        make_cfg(model_dir, tmp_path, "t", *branch, "tree.split_steps=[0, 2, 2]", "tree.branch_factor=2")
+    with pytest.raises(
+        ValueError, match=r"tree\.branch_factor: every branch factor must be >= 2, got \[1, 2\]"
+    ):
+        make_cfg(model_dir, tmp_path, "t", *branch, "tree.split_steps=[0, 2]", "tree.branch_factor=[1, 2]")
+    with pytest.raises(
+        ValueError, match=r"tree\.branch_factor: branch_factor has 3 entries for 2 split steps"
+    ):
+        make_cfg(model_dir, tmp_path, "t", *branch, "tree.split_steps=[0, 2]", "tree.branch_factor=[2, 2, 2]")
+    with pytest.raises(
+        ValueError, match=r"sampling\.guidance_scale 3\.0 and trainer\.train_cfg .* applied twice"
+    ):
+        make_cfg(
+            model_dir,
+            tmp_path,
+            "g",
+            "trainer.objective=nft",
+            "trainer.guidance_distill.weight=1.0",
+            "sampling.guidance_scale=3.0",
+        )
+    make_cfg(  # CFG-free training of guided samples: the CFG-free velocity is what is distilled
+        model_dir,
+        tmp_path,
+        "g",
+        "trainer.objective=nft",
+        "trainer.guidance_distill.weight=1.0",
+        "sampling.guidance_scale=3.0",
+        "trainer.train_cfg=false",
+    )
+
+
+def test_the_shipped_fsdp_recipes_pass_the_fsdp_checks():
+    """Every flow config whose launch line names configs/accelerate/fsdp.yaml is accepted by the FSDP checks
+    (the checks read the config and the number of trained denoisers; the hub models are not loaded here)."""
+    from types import SimpleNamespace
+
+    root = Path(__file__).resolve().parents[2]
+    paths = [p for p in sorted((root / "configs" / "flow").glob("*.yaml")) if "fsdp.yaml" in p.read_text()]
+    assert len(paths) >= 2
+    for path in paths:
+        trainer = FlowGRPOTrainer(load_config(FlowGRPOConfig, path, []), None)
+        trainer.adapter = SimpleNamespace(trained_parts=lambda: ["transformer"])
+        trainer._check_fsdp()
+    grpo = load_config(
+        FlowGRPOConfig, paths[0], ["trainer.objective=grpo", "trainer.drop_zero_advantage=true"]
+    )
+    trainer = FlowGRPOTrainer(grpo, None)
+    trainer.adapter = SimpleNamespace(trained_parts=lambda: ["transformer"])
+    with pytest.raises(ValueError, match=r"trainer\.drop_zero_advantage: a per-rank number of transitions"):
+        trainer._check_fsdp()

@@ -43,42 +43,32 @@ def grpo_update(trainer: FlowGRPOTrainer, batch: StepBatch) -> None:
     t = trainer.cfg.trainer
     trans, adv_t = batch.transitions, batch.adv
     weights = batch.weights if batch.weights is not None else torch.ones(len(trans))
+    keep = torch.ones(len(trans), dtype=torch.bool)
     if t.drop_zero_advantage:
-        keep = torch.nonzero(adv_t != 0).flatten()
-        if keep.numel() == 0:
-            trainer.metrics.add("train/skipped_no_signal", 1.0)
-            trainer.idle_update()
-            return
-        trans, adv_t, weights = trans.select(keep), adv_t[keep], weights[keep]
-    trained = trainer.adapter.trains_at(trans.sigma)
-    if not trained.all():  # steps of an expert that is not trained (Wan2.2) carry no gradient
-        if not trained.any():
-            trainer.metrics.add("train/skipped_no_signal", 1.0)
-            trainer.idle_update()
-            return
-        keep = torch.nonzero(trained).flatten()
-        trans, adv_t, weights = trans.select(keep), adv_t[keep], weights[keep]
-    cfg_scale = None if t.train_cfg else 1.0
-    nfe_each = trainer.adapter.nfe_per_sample(trans.guidance_scale if t.train_cfg else 1.0)
-    if t.train_cfg or trans.guidance_scale <= 1.0:
+        keep &= adv_t != 0
+    keep &= trainer.adapter.trains_at(
+        trans.sigma
+    ).cpu()  # steps of an expert not trained (Wan2.2): no gradient
+    if not keep.any():
+        trainer.metrics.add("train/skipped_no_signal", 1.0)
+        trainer.idle_update(passes=t.ppo_epochs)
+        return
+    if not keep.all():
+        rows = torch.nonzero(keep).flatten()
+        trans, adv_t, weights = trans.select(rows), adv_t[rows], weights[rows]
+    # The ratio's log-probs are the guided ones as sampled (train_cfg, or a family without a CFG pass), else
+    # the CFG-free policy's, whose behaviour log-probs the sampling weights give again at guidance 1.
+    as_sampled = t.train_cfg or not trainer.adapter.uses_cfg(trans.guidance_scale)
+    cfg_scale = None if as_sampled else 1.0
+    nfe_each = trainer.adapter.nfe_per_sample(trans.guidance_scale if as_sampled else 1.0)
+    if as_sampled:
         old_logp = trans.log_probs
     else:
-        # CFG-free training of CFG-sampled transitions: the behaviour policy of the ratio is the CFG-free one.
-        with torch.no_grad():
-            old_logp = torch.cat(
-                [
-                    rescore(trainer.adapter, trans.select(idx), 1.0)[0].cpu()
-                    for idx in torch.arange(len(trans)).split(t.minibatch_size)
-                ]
-            )
-        trainer.nfe_total += len(trans)
+        with trainer.sampling_weights():
+            old_logp = trainer.transition_log_probs(trans, 1.0)
     trainer.adapter.transformer.train()
     for _ in range(t.ppo_epochs):
-        for idx, scale, step_after in trainer.minibatches(len(trans)):
-            if idx is None:
-                if step_after:
-                    trainer.step_optimizer()
-                continue
+        for idx, scale in trainer.minibatches(len(trans)):
             mb = trans.select(idx)
             logp, mean, std = rescore(trainer.adapter, mb, cfg_scale)
             adv = adv_t[idx].to(logp.device)
@@ -99,14 +89,12 @@ def grpo_update(trainer: FlowGRPOTrainer, batch: StepBatch) -> None:
             trainer.metrics.add_dict(
                 loss_lib.clip_fractions(logp, old, adv, t.epsilon_low, t.epsilon_high), count=len(mb)
             )
-            if step_after:
-                trainer.step_optimizer()
 
 
 def kl_scale(kl_form: str, transitions: TransitionBatch, std: torch.Tensor) -> torch.Tensor:
     """The ``s`` of ``||mu - mu_ref||^2 / (2 s^2)`` for ``transitions`` whose step std is ``std [b, ...]``: the
     std itself (``kl_form: exact``) or the SDE noise scale ``sigma_t`` that Flow-GRPO's code divides by
-    (``kl_form: flow_grpo``, ``std / sqrt|dt|``)."""
+    (``kl_form: flow_grpo``: ``std / sqrt|dt|`` for the Flow-GRPO SDE, the std itself for cps)."""
     if kl_form == "exact":
         return std
     shape = (-1, *([1] * (std.ndim - 1)))
