@@ -71,8 +71,3 @@ class FlowSamples:
     prompts: list[str]
     sampling: SamplingConfig | None = None
     explored: ExploreResult | None = None
-
-    @property
-    def nfe(self) -> int:
-        """Transformer evaluations of the rollout (the explorer's are in ``explored.nfe``)."""
-        return self.rollout.nfe

@@ -913,15 +913,25 @@ class FlowGRPOTrainer(TrainerBase):
                 self.eval_weights,
             )
             self.run.save_samples(self.step, "eval", records, ro.images[:n])
-        for name, (extra_prompts, specs, rewards, weights) in self.extra_eval.items():
-            with nullcontext() if live else self.evaluation_weights():
-                ro = self.generate(extra_prompts, t.eval_images_per_prompt)
+        with nullcontext() if live else self.evaluation_weights():
+            extra = self.evaluate_extra_sets(t.eval_images_per_prompt)
+        for name, means in extra.items():
+            out.update({f"eval/{name}/{key}": value for key, value in means.items()})
+        return out
+
+    def evaluate_extra_sets(self, images_per_prompt: int) -> dict[str, dict[str, float]]:
+        """Scores of the weights in place on each extra held-out set (``extra_eval``): per set the weighted
+        ``reward_mean``, each reward's ``<key>/mean`` and each component's mean."""
+        out = {}
+        for name, (prompts, specs, rewards, weights) in self.extra_eval.items():
+            ro = self.generate(prompts, images_per_prompt)
             raw, components = self.score_with(specs, rewards, ro.images, ro.prompts)
-            out[f"eval/{name}/reward_mean"] = float((raw @ weights).mean())
-            for k, spec in enumerate(specs):
-                out[f"eval/{name}/{spec.key}/mean"] = float(raw[:, k].mean())
-            for key, value in components.items():
-                out[f"eval/{name}/" + key.removeprefix("reward/")] = float(value.mean())
+            means = {"reward_mean": float((raw @ weights).mean())}
+            means.update({f"{spec.key}/mean": float(raw[:, k].mean()) for k, spec in enumerate(specs)})
+            means.update(
+                {key.removeprefix("reward/"): float(value.mean()) for key, value in components.items()}
+            )
+            out[name] = means
         return out
 
     # ------------------------------------------------------------------ state
@@ -1059,11 +1069,13 @@ def evaluate(
     summary.update(
         {f"{name.removeprefix('reward/')}_mean": float(v.mean()) for name, v in components.items()}
     )
-    for name, (extra_prompts, specs, rewards, _) in trainer.extra_eval.items():
-        extra_ro = trainer.generate(extra_prompts, images_per_prompt)
-        extra_raw, _ = trainer.score_with(specs, rewards, extra_ro.images, extra_ro.prompts)
+    for name, means in trainer.evaluate_extra_sets(images_per_prompt).items():
+        # the main set's names: reward_mean, <reward>_mean, <component>_mean
         summary.update(
-            {f"{name}/{spec.key}_mean": float(extra_raw[:, k].mean()) for k, spec in enumerate(specs)}
+            {
+                f"{name}/{key if key == 'reward_mean' else key.removesuffix('/mean') + '_mean'}": value
+                for key, value in means.items()
+            }
         )
     write_summary_json(out_dir / "summary.json", summary)
     make_grid(ro.images[:256]).save(out_dir / "grid.png")

@@ -368,8 +368,26 @@ def test_resume_is_exact(model_dir, tmp_path, interrupted_then_resumed):
 def test_eval_writes_scores_and_grid(model_dir, tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("a photo of a red circle\n\na photo of two squares\n")
-    cfg = make_cfg(model_dir, tmp_path, "e", "rewards=[{name: shapes}]")
+    extra = f"extra_eval={{again: {{prompts: {prompts}, rewards: [{{name: shapes, options: {{partial: true}}}}]}}}}"
+    cfg = make_cfg(model_dir, tmp_path, "e", "rewards=[{name: shapes}]", extra)
     summary = evaluate(cfg, str(prompts), tmp_path / "eval", None, images_per_prompt=2)
+    # the extra set: the same prompts and noise under the partial credit, with every mean the trainer logs
+    trainer = FlowGRPOTrainer(cfg, None)
+    trainer.setup(for_training=False)
+    logged = trainer.evaluate()
+    assert {key for key in summary if key.startswith("again/")} == {
+        "again/reward_mean",
+        "again/shapes_mean",
+        "again/shapes/object_mean",
+        "again/shapes/count_mean",
+        "again/shapes/colour_mean",
+        "again/shapes/position_mean",
+        "again/shapes/strict_mean",
+    }
+    assert summary["again/reward_mean"] >= summary["reward_mean"]  # partial credit >= the strict score
+    assert logged["eval/again/reward_mean"] == pytest.approx(
+        evaluate(cfg, str(prompts), tmp_path / "eval1", None, images_per_prompt=1)["again/reward_mean"]
+    )
     assert summary["images"] == 4 and 0.0 <= summary["reward_mean"] <= 1.0
     lines = [json.loads(line) for line in (tmp_path / "eval/scores.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in lines] == ["a photo of a red circle"] * 2 + ["a photo of two squares"] * 2

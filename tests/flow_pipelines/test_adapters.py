@@ -130,7 +130,7 @@ def test_rollout_rescore_and_lora_step(family, load_tiny):
 def test_cfg_runs_one_batched_forward_and_doubles_nfe(load_tiny):
     adapter = load_tiny("sd3")
     cond = adapter.encode(PROMPTS, cfg=True)
-    assert cond.has_uncond
+    assert cond.uncond is not None
     x = torch.randn((2, *adapter.latent_shape(32, 32)), generator=torch.Generator().manual_seed(0))
     calls = []
     hook = adapter.transformer.register_forward_hook(

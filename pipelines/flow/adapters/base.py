@@ -45,10 +45,6 @@ class Conditioning:
     def __len__(self) -> int:
         return next(iter(self.cond.values())).shape[0]
 
-    @property
-    def has_uncond(self) -> bool:
-        return self.uncond is not None
-
     def select(self, index: torch.Tensor | Sequence[int]) -> Conditioning:
         """Rows ``index`` of every tensor (repeats allowed): expands prompts to samples, or picks transitions."""
         idx = torch.as_tensor(index, dtype=torch.long)
@@ -419,7 +415,3 @@ class FlowAdapter(ABC):
         override this, so that RL samples and scores exactly what the pipeline generates.
         """
         return v_uncond + guidance_scale * (v_cond - v_uncond)
-
-    def to(self, device: str | torch.device) -> FlowAdapter:
-        self.pipe.to(device)
-        return self
