@@ -33,6 +33,8 @@ class StepBatch:
         cond: conditioning of the ``B`` final samples.
         sample_adv: ``[B]`` per-sample advantages.
         nfe: transformer evaluations the rollout spent.
+        rewards: ``[B, R]`` each reward's score of each final sample, as trained on.
+        reward_components: each reward component's ``[B]`` scores (e.g. ``reward/shapes/count``).
         sample_lags: ``[B]`` weight versions each final sample lags behind the trainer (``None``: all 0).
         weights: ``[N]`` importance weight of each transition's loss term (``None``: all 1), see
             :func:`mmrl.core.losses.stale_sample_weights`.
@@ -46,6 +48,8 @@ class StepBatch:
     cond: Conditioning
     sample_adv: torch.Tensor
     nfe: int
+    rewards: torch.Tensor
+    reward_components: dict[str, torch.Tensor]
     sample_lags: torch.Tensor | None = None
     weights: torch.Tensor | None = None
 

@@ -43,6 +43,7 @@ import torch
 import rewards
 from mmrl.config import Config, Field, RunConfig, to_yaml
 from mmrl.data import digits, shapes
+from mmrl.data.prompts import check_prompts, load_prompts
 from mmrl.ema import EMA
 from mmrl.loop import run_recipe
 from mmrl.run import launch_command
@@ -82,6 +83,11 @@ class ShapesFlowModel(Config):
 class ShapesFlowData(Config):
     """The training renders and the held-out evaluation."""
 
+    train_prompts: str = Field(
+        "shapes:train",
+        description="Prompts rendered for training: the shapes world's train split, or a prompt file of "
+        "shapes-world prompts (e.g. a few prompts of one kind, to measure what the model can learn of them).",
+    )
     renders_per_kind: int = Field(
         4000, ge=1, description="Training images rendered per template kind before training (train prompts)."
     )
@@ -133,21 +139,24 @@ class PretrainShapesConfig(SupervisedRecipeConfig):
 
 
 def render_pool(
-    per_kind: int, seed: int, with_digits: bool = False
+    per_kind: int, seed: int, with_digits: bool = False, prompts: Sequence[str] | None = None
 ) -> dict[str, tuple[list[str], torch.Tensor]]:
-    """``{kind: (prompts [N], images uint8 [N, 3, 32, 32])}`` rendered from the train split.
+    """``{kind: (prompts [N], images uint8 [N, 3, 32, 32])}`` rendered from ``prompts`` (default: the train
+    split), for each template kind they hold.
 
-    Each kind gets ``per_kind`` renders spread evenly over its train prompts (few single-object prompts thus get
+    Each kind gets ``per_kind`` renders spread evenly over its prompts (few single-object prompts thus get
     many renders each, the many relation prompts few each), each render with its own scene seed. With
     ``with_digits`` the kind ``"digits"`` holds as many signs of the digits world's train numbers.
     """
     rng = np.random.default_rng(seed)
-    by_kind = {k: [p for p in shapes.train_prompts() if shapes.prompt_kind(p) == k] for k in KINDS}
+    prompts = shapes.train_prompts() if prompts is None else list(prompts)
+    by_kind = {k: [p for p in prompts if shapes.prompt_kind(p) == k] for k in KINDS}
+    by_kind = {k: kind_prompts for k, kind_prompts in by_kind.items() if kind_prompts}
     if with_digits:
         by_kind["digits"] = digits.train_prompts()
     pool = {}
-    for k, prompts in by_kind.items():
-        chosen = [prompts[i % len(prompts)] for i in rng.permutation(per_kind)]
+    for k, kind_prompts in by_kind.items():
+        chosen = [kind_prompts[i % len(kind_prompts)] for i in rng.permutation(per_kind)]
         seeds = rng.integers(0, 2**31, size=per_kind)
         render = digits.render_prompt if k == "digits" else shapes.render_prompt
         images = np.stack(
@@ -260,9 +269,15 @@ class ShapesPretrainer(SupervisedTrainer):
             self.params, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay, foreach=True
         )
         began = time.monotonic()
+        try:
+            prompts = load_prompts(cfg.data.train_prompts)
+            check_prompts(cfg.data.train_prompts, prompts, [rewards.build("shapes")])
+        except ValueError as err:
+            raise ValueError(f"data.train_prompts: {err}") from None
         self.pool = render_pool(
-            cfg.data.renders_per_kind, cfg.run.seed, with_digits=cfg.data.digits_share > 0
+            cfg.data.renders_per_kind, cfg.run.seed, with_digits=cfg.data.digits_share > 0, prompts=prompts
         )
+        self.shape_kinds = tuple(kind for kind in KINDS if kind in self.pool)  # the kinds the prompts hold
         logger.info(
             "rendered %d training images in %.1fs",
             cfg.data.renders_per_kind * len(self.pool),
@@ -298,12 +313,13 @@ class ShapesPretrainer(SupervisedTrainer):
     # ------------------------------------------------------------------ one step
     def batch(self) -> tuple[list[str], torch.Tensor]:
         """``batch_size`` (prompt, image in [-1, 1]) pairs: the first ``round(digits_share x batch_size)`` signs,
-        the others shapes with the template kinds in turn."""
+        the others shapes with the template kinds of the training prompts in turn."""
         batch_size, data = self.cfg.trainer.batch_size, self.cfg.data
         prompts, images = [], []
         num_digits = round(data.digits_share * batch_size)
         for i in range(batch_size):
-            shape_kind = KINDS[(self.step * (batch_size - num_digits) + i - num_digits) % len(KINDS)]
+            kinds = self.shape_kinds
+            shape_kind = kinds[(self.step * (batch_size - num_digits) + i - num_digits) % len(kinds)]
             kind_prompts, kind_images = self.pool["digits" if i < num_digits else shape_kind]
             j = int(torch.randint(len(kind_prompts), (1,), generator=self.generator))
             prompts.append(kind_prompts[j])

@@ -504,17 +504,28 @@ class FlowGRPOTrainer(TrainerBase):
     def _score_groups(self, samples: FlowSamples) -> StepBatch:
         """Steps 3-4 on flat groups."""
         ro = samples.rollout
-        total, adv, trans = self.score_flat(ro)
+        raw, components = self.score(ro.images, ro.prompts)
+        total, adv, trans = self.score_flat(ro, raw, components)
         if samples.explored is not None:
             self.metrics.add("explore/spearman", spearman(samples.explored.chosen_preview_rewards, total))
         return StepBatch(
-            trans, adv[trans.sample_index], ro.images, ro.prompts, ro.latents[:, -1], ro.cond, adv, ro.nfe
+            trans,
+            adv[trans.sample_index],
+            ro.images,
+            ro.prompts,
+            ro.latents[:, -1],
+            ro.cond,
+            adv,
+            ro.nfe,
+            raw,
+            components,
         )
 
-    def score_flat(self, ro: Rollout) -> tuple[torch.Tensor, torch.Tensor, TransitionBatch]:
-        """Score a flat rollout, update the statistics store and log: ``(total reward [B], advantages [B],
-        the transitions to train)``."""
-        raw, components = self.score(ro.images, ro.prompts)
+    def score_flat(
+        self, ro: Rollout, raw: torch.Tensor, components: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, TransitionBatch]:
+        """Advantages of a flat rollout scored ``raw [B, R]`` (with its ``components``), updating the
+        statistics store and the logs: ``(total reward [B], advantages [B], the transitions to train)``."""
         total = self.combine(raw)
         result = self.advantages(raw, ro.group_index, ro.prompts)
         adv = result.adv
@@ -527,7 +538,6 @@ class FlowGRPOTrainer(TrainerBase):
             trans = trans.select(torch.nonzero(result.keep[trans.sample_index]).flatten())
         return total, adv, trans
 
-    @torch.no_grad()
     @torch.no_grad()
     def transition_log_probs(
         self, trans: TransitionBatch, guidance_scale: float | None = None
@@ -545,6 +555,7 @@ class FlowGRPOTrainer(TrainerBase):
         self.nfe_total += len(trans) * self.adapter.nfe_per_sample(scale)
         return log_probs
 
+    @torch.no_grad()
     def _stale_weights(
         self, trans: TransitionBatch, lags: torch.Tensor
     ) -> tuple[TransitionBatch, torch.Tensor]:
@@ -609,6 +620,8 @@ class FlowGRPOTrainer(TrainerBase):
             tr.cond.select(tr.leaf_tree),
             leaf_adv,
             tr.nfe,
+            raw,
+            components,
         )
 
     def _train_steps(self, sde_steps: torch.Tensor) -> torch.Tensor:
@@ -850,8 +863,10 @@ class FlowGRPOTrainer(TrainerBase):
         self.metrics.add("time/train_s", time.perf_counter() - start)
         if self.run is not None and (self.step + 1) % self.cfg.trainer.sample_every == 0:
             images, prompts = batch.images[:16], batch.prompts[:16]
-            raw, components = self.score(images, prompts)  # (the step batch keeps advantages, not rewards)
-            records = sample_records(prompts, raw, components, self.cfg.rewards, self.reward_weights)
+            components = {name: scores[:16] for name, scores in batch.reward_components.items()}
+            records = sample_records(
+                prompts, batch.rewards[:16], components, self.cfg.rewards, self.reward_weights
+            )
             for record, adv in zip(records, batch.sample_adv[:16].tolist(), strict=True):
                 record["advantage"] = adv
             self.run.save_samples(self.step + 1, "train", records, images)

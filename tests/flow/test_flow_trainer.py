@@ -348,6 +348,36 @@ def test_eval_rewards_replace_the_training_rewards_in_evaluation(model_dir, tmp_
         make_cfg(model_dir, tmp_path, "ev2", "eval_rewards=[]")
 
 
+@pytest.mark.parametrize("rollout_mode", ["flat", "branch"])
+def test_saved_training_samples_hold_the_rewards_trained_on_scored_once(model_dir, tmp_path, rollout_mode):
+    mode = ("sampling.rollout=branch", "tree.split_steps=[0, 1]") if rollout_mode == "branch" else ()
+    cfg = make_cfg(
+        model_dir,
+        tmp_path,
+        f"samples{rollout_mode}",
+        "trainer.sample_every=1",
+        "rewards=[{name: shapes, options: {partial: true}}]",
+        *mode,
+    )
+    trainer = FlowGRPOTrainer(cfg, Run(cfg.run, cfg))
+    trainer.setup()
+    scored = []
+    score = trainer.score
+
+    def recording_score(images, prompts, evaluation=False):
+        raw, components = score(images, prompts, evaluation=evaluation)
+        scored.append(raw)
+        return raw, components
+
+    trainer.score = recording_score
+    trainer.train_step()
+    assert len(scored) == 1
+    records = [json.loads(line) for line in next(trainer.run.samples_dir.glob("train_*.jsonl")).open()]
+    assert [r["shapes"] for r in records] == pytest.approx(scored[0][: len(records), 0].tolist())
+    assert all("shapes/count" in r and "advantage" in r for r in records)
+    trainer.cleanup()
+
+
 def test_resume_is_exact(model_dir, tmp_path, interrupted_then_resumed):
     args = ("trainer.steps=3", "run.save_every=1", "trainer.eval_every=3")
     straight = main(make_cfg(model_dir, tmp_path, "a", *args))

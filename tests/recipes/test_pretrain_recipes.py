@@ -3,6 +3,7 @@ published folders and checkpoints that load with the real classes."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -43,9 +44,9 @@ def test_committed_config_validates_and_errors_name_the_key(name):
         get_recipe(RECIPE_OF[name]).load_evaluate()
 
 
-def _run(tmp_path: Path, script: str, out: Path, extra: list[str]) -> None:
+def _run(tmp_path: Path, script: str, out: Path, extra: list[str]) -> int:
     recipe_name, overrides = SETTINGS[script]
-    cli_main(
+    return cli_main(
         [
             "train",
             str(CONFIGS / next(n for n, r in RECIPE_OF.items() if r == recipe_name)),
@@ -117,3 +118,35 @@ def test_flow_recipe_continues_a_saved_model_on_the_digits_world(tmp_path):
     assert "4</w>" in pipe.tokenizer.get_vocab() and "4</w>" not in base.tokenizer.get_vocab()
     card = (out / "card.md").read_text()
     assert "50% of each batch, signs of the digits world" in card and "OCR score" in card
+
+
+def test_flow_recipe_trains_on_a_prompt_file_of_one_kind(tmp_path, monkeypatch, capsys):
+    """``data.train_prompts``: a file of pair prompts is rendered alone, every batch draws from it."""
+    from mmrl.flow.pretrain_shapes import ShapesPretrainer, render_pool
+
+    pairs = ["a photo of a red circle and a blue square", "a photo of a green triangle and a red square"]
+    prompt_file = tmp_path / "pairs.txt"
+    prompt_file.write_text("\n".join(pairs) + "\n")
+    pool = render_pool(6, 0, prompts=pairs)
+    assert (
+        list(pool) == ["pair"]
+        and set(pool["pair"][0]) == set(pairs)
+        and pool["pair"][1].shape == (6, 3, 32, 32)
+    )
+    batches = []
+    original = ShapesPretrainer.batch
+    monkeypatch.setattr(ShapesPretrainer, "batch", lambda self: batches.append(original(self)) or batches[-1])
+    _run(tmp_path, "pretrain_shapes", tmp_path / "model", [f"data.train_prompts={prompt_file}"])
+    drawn = {prompt for prompts, _ in batches for prompt in prompts}
+    assert len(batches) == 4 and drawn <= {*pairs, ""} and drawn & set(pairs)
+    prompt_file.write_text("a photo of a red circle\na photo of a mauve circle\n")
+    assert (
+        _run(
+            tmp_path,
+            "pretrain_shapes",
+            tmp_path / "model2",
+            [f"data.train_prompts={prompt_file}", "run.name=bad"],
+        )
+        == 2
+    )
+    assert re.search(r"data\.train_prompts: .*pairs\.txt line 2: .*mauve", capsys.readouterr().err)
