@@ -7,13 +7,17 @@ flow transformer's); the fields, their checks and their meaning are written here
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import model_validator
 
 from mmrl.config import Config, Field
 from mmrl.schedule import LRSchedule, learning_rate
+
+if TYPE_CHECKING:
+    from mmrl.core.estimators import Estimator
 
 __all__ = [
     "AllocationConfig",
@@ -22,6 +26,7 @@ __all__ = [
     "RewardSpec",
     "SupervisedRecipeConfig",
     "SupervisedSettings",
+    "check_group_sizes",
     "check_reward_keys",
 ]
 
@@ -39,6 +44,33 @@ class RewardSpec(Config):
     @property
     def key(self) -> str:
         return self.label or self.name
+
+    @model_validator(mode="after")
+    def _registered(self) -> RewardSpec:
+        """The name is a registered reward and the options fit its constructor: checked when the config loads, not
+        when a trainer builds the reward (after loading its model).
+
+        Raises:
+            ValueError: an unknown name (listing the registered ones), an option the constructor does not take
+                (unless it takes ``**options``), or a required option missing.
+        """
+        from rewards.registry import get_reward_class, list_rewards
+
+        registered = list_rewards()
+        if self.name not in registered:
+            raise ValueError(f"unknown reward name {self.name!r}; registered: {registered}")
+        params = inspect.signature(get_reward_class(self.name)).parameters.values()
+        keywords = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        named = [p.name for p in keywords]
+        unknown = sorted(set(self.options) - set(named))
+        if unknown and not any(p.kind is p.VAR_KEYWORD for p in params):
+            raise ValueError(
+                f"options {unknown} are not options of the {self.name!r} reward (it takes {named or 'none'})"
+            )
+        required = [p.name for p in keywords if p.default is p.empty and p.name not in self.options]
+        if required:
+            raise ValueError(f"the {self.name!r} reward needs the options {required}")
+        return self
 
 
 def check_reward_keys(specs: list[RewardSpec], where: str) -> None:
@@ -92,18 +124,87 @@ class AllocationConfig(Config):
 
     @model_validator(mode="after")
     def _budget_fits(self) -> AllocationConfig:
-        budget = self.rollouts_per_step
-        if budget is not None and budget < self.prompts_per_step * self.n_min:
-            raise ValueError(
-                f"rollouts_per_step ({budget}) must be >= prompts_per_step * n_min "
-                f"({self.prompts_per_step} * {self.n_min})"
-            )
-        if budget is not None and self.n_max is not None and budget > self.prompts_per_step * self.n_max:
-            raise ValueError(
-                f"rollouts_per_step ({budget}) must be <= prompts_per_step * n_max "
-                f"({self.prompts_per_step} * {self.n_max})"
-            )
+        if self.rollouts_per_step is not None:
+            self.check_budget(self.rollouts_per_step, "allocation.rollouts_per_step")
         return self
+
+    def check_budget(self, budget: int, budget_key: str) -> None:
+        """A step's budget splits over the prompts within the bounds:
+        ``prompts_per_step * n_min <= budget <= prompts_per_step * n_max``.
+
+        Args:
+            budget: the step's rollout budget, as the recipe resolves it (a recipe may derive it when
+                ``rollouts_per_step`` is null).
+            budget_key: the config keys the budget comes from, for the message.
+
+        Raises:
+            ValueError: naming ``budget_key`` and the bound it breaks.
+        """
+        p = self.prompts_per_step
+        if budget < p * self.n_min:
+            raise ValueError(
+                f"{budget_key} = {budget} must be >= allocation.prompts_per_step * allocation.n_min "
+                f"({p} * {self.n_min})"
+            )
+        if self.n_max is not None and budget > p * self.n_max:
+            raise ValueError(
+                f"{budget_key} = {budget} must be <= allocation.prompts_per_step * allocation.n_max "
+                f"({p} * {self.n_max})"
+            )
+
+
+def check_group_sizes(
+    estimator: Estimator,
+    allocation: AllocationConfig,
+    budget: int | None,
+    budget_key: str = "allocation.rollouts_per_step",
+) -> None:
+    """Config-time check that the allocation gives every group a size ``estimator`` can use, so that a config
+    fails when it loads rather than at the first step (after its model has loaded):
+
+    - an ``odd_groups`` estimator (MC-GRPO: the median is a sample) needs equal, odd groups: the uniform split of
+      a budget ``B = g * P`` with ``g`` odd (``P``: ``allocation.prompts_per_step``);
+    - a group estimator (not ``single_rollout``) compares the rollouts of a prompt, and needs at least 2 in each
+      group (RLOO's leave-one-out baseline is undefined for one): ``B >= 2 P`` with the uniform split (its
+      smallest group is ``floor(B / P)``), ``allocation.n_min >= 2`` with the others.
+
+    Args:
+        estimator: the registered estimator of the recipe.
+        allocation: the recipe's allocation section.
+        budget: the step's rollout budget as the recipe resolves it; ``None`` where the allocation does not size
+            the groups (tree rollouts, the explorer): only the method is checked then.
+        budget_key: the config keys the budget comes from, for the messages.
+
+    Raises:
+        ValueError: naming the estimator and the keys to change.
+    """
+    name, method, p = estimator.name, allocation.method, allocation.prompts_per_step
+    if estimator.odd_groups and method != "uniform":
+        raise ValueError(
+            f"trainer.advantage={name} needs odd, equal group sizes: use allocation.method=uniform (got {method})"
+        )
+    if budget is None or estimator.single_rollout:
+        return
+    if estimator.odd_groups and budget % p != 0:
+        raise ValueError(
+            f"trainer.advantage={name} needs equal group sizes: {budget_key} gives {budget} rollouts a step, not a "
+            f"multiple of allocation.prompts_per_step ({p})"
+        )
+    if estimator.odd_groups and (budget // p) % 2 == 0:
+        raise ValueError(
+            f"trainer.advantage={name} needs odd group sizes (its median is a sample): {budget_key} gives "
+            f"{budget} rollouts a step, {budget // p} (even) for each of allocation.prompts_per_step ({p}) prompts"
+        )
+    if method == "uniform" and budget < 2 * p:
+        raise ValueError(
+            f"trainer.advantage={name} compares the rollouts of a prompt, at least 2: {budget_key} gives {budget} "
+            f"rollouts a step, fewer than 2 each for allocation.prompts_per_step ({p}) prompts"
+        )
+    if method != "uniform" and allocation.n_min < 2:
+        raise ValueError(
+            f"trainer.advantage={name} compares the rollouts of a prompt, at least 2: allocation.n_min "
+            f"({allocation.n_min}) lets allocation.method={method} give a prompt fewer; set allocation.n_min >= 2"
+        )
 
 
 class PoolSettings(Config):

@@ -221,6 +221,10 @@ _ONE_LETTER = re.compile(r"\(?([A-Za-z])\)?[.:)]?", flags=re.IGNORECASE)
 _LETTER_LIST = re.compile(r"\(?[A-Z]\)?(?:\s*(?:,|;|/|&|and)?\s*\(?[A-Z]\)?)+\.?")
 # an answer that starts with an option and explains it: "B. the red one", "(B) red"
 _LEADING_LETTER = re.compile(r"\(?([A-Z])\)?[.:)]?\s")
+# a ground truth that is option letters alone, separated: "B", "(b)", "A,C", "A and C"
+_TRUTH_LETTERS = re.compile(r"\(?[A-Za-z]\)?[.:]?(?:(?:\s*(?:,|;|/|&|\band\b)\s*|\s+)\(?[A-Za-z]\)?[.:]?)*")
+# a ground truth that is an option with its text: "(B) red", "B) red", "B. red", "B: red"
+_TRUTH_LEADING = re.compile(r"(?:\(([A-Za-z])\)|([A-Za-z])[.:)])\s")
 
 
 @register("multiple_choice")
@@ -264,13 +268,43 @@ class MultipleChoice(TextVerifier):
         # free text in the span: every letter that stands alone counts (several = ambiguous)
         return standalone
 
+    @staticmethod
+    def truth_letters(ground_truth: Any) -> set[str] | None:
+        """The option letters a ground truth names (upper case), or ``None`` when a part of it names none.
+
+        Each part (a string, or each item of a list) is option letters alone (``"B"``, ``"(b)"``, ``"A,C"``,
+        ``"A and C"``, ``"ACD"``) or one option with its text, the letter in parentheses or followed by ``)``,
+        ``.`` or ``:`` (``"(B) red"``, ``"B. red"``: B, not the letters of "red"; ``"red"`` alone names none).
+        """
+        letters: set[str] = set()
+        for truth in as_answers(ground_truth):
+            text = str(truth).strip()
+            if re.fullmatch(r"[A-Z]+", text):  # a capital run, as multi-answer keys write "ACD"
+                letters |= set(text)
+            elif _TRUTH_LETTERS.fullmatch(text):
+                letters |= {c.upper() for c in re.findall(r"(?<![A-Za-z])[A-Za-z](?![A-Za-z])", text)}
+            elif match := _TRUTH_LEADING.match(text):
+                letters.add((match.group(1) or match.group(2)).upper())
+            else:
+                return None
+        return letters or None
+
+    def ground_truth_problem(self, ground_truth: Any) -> str | None:
+        letters = self.truth_letters(ground_truth)
+        if letters is None:
+            return 'names no option letter (as B, (B), A,C or "(B) red" do)'
+        if not letters <= set(self.choices):
+            return f"names options {sorted(letters - set(self.choices))} that are not among choices {self.choices!r}"
+        return None
+
     def check(self, answer: str, ground_truth: Any, from_span: bool) -> tuple[float, str | None]:
         return self.compare(self.letters(answer, from_span), ground_truth)
 
     def compare(self, chosen: set[str], ground_truth: Any) -> tuple[float, str | None]:
-        truth = {c for t in as_answers(ground_truth) for c in re.findall(r"[A-Za-z]", str(t).upper())}
-        if not truth <= set(self.choices):
-            raise ValueError(f"ground truth {ground_truth!r} is not among choices {self.choices!r}")
+        problem = self.ground_truth_problem(ground_truth)
+        if problem is not None:
+            raise ValueError(f"ground truth {ground_truth!r} {problem}")
+        truth = self.truth_letters(ground_truth)
         invalid = chosen - set(self.choices)
         if invalid:
             return 0.0, f"choice {sorted(invalid)} is not among {self.choices!r}"
@@ -408,29 +442,45 @@ class MathVerify(TextVerifier):
         self.timeout_s = timeout_s
         self.float_rounding = float_rounding
 
+    def _timeout(self) -> int | None:
+        """``timeout_s`` in the main thread; None elsewhere (SIGALRM only works there)."""
+        return self.timeout_s if threading.current_thread() is threading.main_thread() else None
+
+    def parse_math(self, text: str, bare: bool) -> list[Any]:
+        """math-verify's parse of ``text`` (empty when nothing parses); ``bare``: one expression, as an answer span
+        or a ground truth is."""
+        from math_verify import parse
+
+        timeout = self._timeout()
+        # A bare expression: math-verify reads bare LaTeX such as "\{1, 2\}" or a list "2, 3" whole only between
+        # math delimiters (unwrapped it takes the last number). Free text is parsed as is (it finds \boxed{} and
+        # $...$ itself).
+        if bare and "$" not in text and "\\boxed" not in text:
+            parsed = parse(f"${text.strip()}$", parsing_timeout=timeout)
+            if parsed:
+                return parsed
+        return parse(text, parsing_timeout=timeout)
+
+    def ground_truth_problem(self, ground_truth: Any) -> str | None:
+        truths = as_answers(ground_truth)
+        if not truths:
+            return "lists no answer"
+        for truth in truths:
+            if not self.parse_math(str(truth), bare=True):
+                return f"does not parse as math: math-verify reads no expression in {str(truth)!r}"
+        return None
+
     def check(self, answer: str, ground_truth: Any, from_span: bool) -> tuple[float, str | None]:
-        from math_verify import parse, verify
+        from math_verify import verify
 
-        timeout = self.timeout_s if threading.current_thread() is threading.main_thread() else None
-
-        def parse_math(text: str, bare: bool) -> list[Any]:
-            # An answer span or a ground truth is one bare expression: math-verify reads bare LaTeX such as
-            # "\{1, 2\}" or a list "2, 3" whole only between math delimiters (unwrapped it takes the last
-            # number). Free text is parsed as is (it finds \boxed{} and $...$ itself).
-            if bare and "$" not in text and "\\boxed" not in text:
-                parsed = parse(f"${text.strip()}$", parsing_timeout=timeout)
-                if parsed:
-                    return parsed
-            return parse(text, parsing_timeout=timeout)
-
-        predicted = parse_math(answer, bare=from_span)
+        predicted = self.parse_math(answer, bare=from_span)
         if not predicted:
             return 0.0, f"no parsable answer in {answer.strip()[:80]!r}"
         for truth in as_answers(ground_truth):
-            gold = parse_math(str(truth), bare=True)
+            gold = self.parse_math(str(truth), bare=True)
             if not gold:
                 raise ValueError(f"ground truth {truth!r} does not parse")
-            if verify(gold, predicted, float_rounding=self.float_rounding, timeout_seconds=timeout):
+            if verify(gold, predicted, float_rounding=self.float_rounding, timeout_seconds=self._timeout()):
                 return 1.0, None
         return 0.0, f"answer {predicted[-1]!s} is not equivalent to {ground_truth!r}"
 

@@ -26,7 +26,7 @@ from mmrl.core.estimators import RewardBatch, check_estimator, get_estimator
 from mmrl.core.groups import effective_ratio
 from mmrl.core.stats import PromptStats
 from mmrl.loop import run_recipe
-from mmrl.sections import AllocationConfig
+from mmrl.sections import AllocationConfig, check_group_sizes
 from mmrl.trainer_base import TrainerBase
 
 __all__ = ["BanditRecipeConfig", "BanditTrainer", "main"]
@@ -88,10 +88,7 @@ class BanditRecipeConfig(Config):
     @model_validator(mode="after")
     def _check(self) -> BanditRecipeConfig:
         estimator = check_estimator(self.trainer.advantage, self.trainer.advantage_options)
-        if estimator.odd_groups and self.allocation.method != "uniform":
-            raise ValueError(
-                f"trainer.advantage={estimator.name} needs odd, equal group sizes: use allocation.method=uniform"
-            )
+        check_group_sizes(estimator, self.allocation, self.allocation.rollouts_per_step)
         return self
 
 

@@ -20,7 +20,6 @@ __all__ = [
     "entropy_shaped",
     "group_normalized",
     "median_centered",
-    "nonzero_mask",
     "process_supervised",
     "rloo",
     "single_rollout",
@@ -380,8 +379,3 @@ def clip_advantages(adv: torch.Tensor, max_abs: float) -> torch.Tensor:
     if max_abs <= 0:
         raise ValueError(f"max_abs must be > 0, got {max_abs}")
     return adv.clamp(-max_abs, max_abs)
-
-
-def nonzero_mask(adv: torch.Tensor, atol: float = 0.0) -> torch.Tensor:
-    """``[N]`` bool, True where the advantage is non-zero (samples worth a backward pass)."""
-    return adv.abs() > atol

@@ -193,16 +193,13 @@ def sqrt_rule(p: torch.Tensor, budget: int, n_min: int = 1, n_max: int | None = 
             high_c = mid
     x = (high_c * w).clamp(lo_f, hi_f)
     counts = x.floor().to(torch.int64)
+    # sum(x) exceeds the budget by at most the bisection's tolerance (far below one unit), so the floors sum to at
+    # most the budget: the rounding only ever adds units
     remainder = budget - int(counts.sum())
     if remainder > 0:
         frac = torch.where(counts < hi, x - counts, torch.full_like(x, -1.0))
         order = torch.sort(-frac, stable=True).indices
         counts[order[:remainder]] += 1
-    elif remainder < 0:
-        # bisection overshoot by rounding: take units back from the largest non-floor entries
-        order = torch.sort(x - counts.to(x.dtype), stable=True).indices
-        over = counts[order] > n_min
-        counts[order[over][:-remainder]] -= 1
     return counts
 
 
@@ -363,13 +360,15 @@ def allocate(
     n_min: int = 1,
     n_max: int | None = None,
 ) -> torch.Tensor:
-    """Rollouts per prompt for ``prompt_ids`` from the store's success estimates; sums to ``budget``."""
+    """Rollouts per prompt for ``prompt_ids`` from the store's success estimates; sums to ``budget``.
+
+    Raises:
+        ValueError: no split of ``budget`` over the prompts keeps ``n_min <= N_i <= n_max``.
+    """
     if method == "uniform":
-        counts = uniform(len(prompt_ids), budget)
-        _bounds(len(prompt_ids), budget, n_min, n_max if n_max is not None else budget)
-        if bool((counts < n_min).any()) or (n_max is not None and bool((counts > n_max).any())):
-            raise ValueError(f"uniform split {counts.tolist()} violates n_min={n_min}, n_max={n_max}")
-        return counts
+        # budget >= P n_min and budget <= P n_max make floor(budget / P) >= n_min and ceil(budget / P) <= n_max
+        _bounds(len(prompt_ids), budget, n_min, n_max)
+        return uniform(len(prompt_ids), budget)
     p = store.success_prob(prompt_ids).to(torch.float64)
     if method == "knapsack":
         return knapsack(p, budget, n_min=n_min, n_max=n_max)

@@ -7,7 +7,8 @@ One store keyed by prompt id holds, per prompt:
   global success rate ``m`` (so an unseen prompt starts at the population mean without an initialisation pass,
   and the prior follows the population as the policy improves). With ``prior_groups`` (prompt id -> group, e.g.
   the question's template) the centre of a grouped prompt is its group's running mean shrunk to ``m`` with the
-  same strength, ``m_g = (S_g + k * m) / (N_g + k)`` (``S_g, N_g``: the group's reward sum and count), a two-level
+  same strength, ``m_g = (S_g + k * m) / (N_g + k)`` (``S_g, N_g``: the group's sum of rewards clipped to [0, 1]
+  and count; ``m`` is the same over every reward, so both centres are success rates in (0, 1)), a two-level
   hierarchical prior: with one rollout per prompt and few revisits a prompt's baseline is then its kind's
   success rate, not everyone's;
 - a decayed running mean / variance for continuous rewards (weighted Welford / Chan merge);
@@ -125,7 +126,8 @@ class PromptStats:
         return torch.tensor([self._index[p] for p in prompt_ids], dtype=torch.long, device=self.device)
 
     def global_mean(self) -> float:
-        """Centre of the shrinkage prior: the mean of every reward seen, pulled to ``prior_mean`` by k."""
+        """Centre of the shrinkage prior: ``m = (S + k * prior_mean) / (N + k)``, the mean of every reward seen
+        clipped to [0, 1] (``S``: their sum, ``N``: their count), pulled to ``prior_mean`` by k."""
         k = self.prior_strength
         return (self._global_sum + k * self.prior_mean) / (self._global_count + k)
 
@@ -160,10 +162,11 @@ class PromptStats:
     ) -> None:
         """Fold a batch of rewards into the store (several rewards per prompt allowed: a group).
 
-        For each prompt with rewards ``r_1..r_n`` in this batch: ``s <- rho s + sum r``,
-        ``f <- rho f + sum (1 - r)`` (the Beta part is only meaningful for rewards in [0, 1]; continuous rewards
-        outside it are tracked by the mean/variance only and leave ``s, f`` as clipped evidence), and the
-        running mean/variance absorb the batch with old weight ``rho * w``.
+        For each prompt with rewards ``r_1..r_n`` in this batch: ``s <- rho s + sum c``,
+        ``f <- rho f + sum (1 - c)`` with ``c = clip(r, 0, 1)``, the global and group totals of the prior centres
+        add the same ``c`` (the Beta part is only meaningful for rewards in [0, 1]; continuous rewards outside it
+        are tracked by the mean/variance only and leave ``s, f`` and the centres as clipped evidence), and the
+        running mean/variance absorb the unclipped batch with old weight ``rho * w``.
 
         Args:
             prompt_ids: ``n`` hashable ids, aligned with ``rewards``.
@@ -223,12 +226,14 @@ class PromptStats:
         d["weight"][uniq] = w_new
         d["count"][uniq] = d["count"][uniq] + n_b
         d["last_step"][uniq] = float(step)
-        self._global_sum += float(rewards.sum())
+        # The prior centres take the clipped rewards, as the evidence does: with rewards above 1 (a verifier plus a
+        # format bonus) an unclipped centre passes 1 and beta = f + k (1 - m) turns negative.
+        self._global_sum += float(clipped.sum())
         self._global_count += float(rewards.numel())
         if self._group_of:
             groups = self._groups(prompt_ids)
             grouped = groups >= 0
-            self._group_sum.index_add_(0, groups[grouped], rewards[grouped])
+            self._group_sum.index_add_(0, groups[grouped], clipped[grouped])
             self._group_count.index_add_(0, groups[grouped], torch.ones_like(rewards[grouped]))
 
     def update_distributed(
@@ -272,8 +277,9 @@ class PromptStats:
     def mean_var(self, prompt_ids: Sequence[Hashable]) -> tuple[torch.Tensor, torch.Tensor]:
         """``([n], [n])`` decayed running mean and variance of continuous rewards, shrunk towards the global mean.
 
-        ``mean = (w * mu + k * m) / (w + k)`` with ``m`` the prompt's prior centre; the variance is the weighted
-        population variance (0 when unseen).
+        ``mean = (w * mu + k * m) / (w + k)`` with ``m`` the prompt's prior centre, a success rate in (0, 1) (the
+        clipped rewards' mean, see :meth:`update`): for rewards outside [0, 1] the shrinkage pulls towards it, so
+        keep ``prior_strength`` small there. The variance is the weighted population variance (0 when unseen).
         """
         idx, known = self._lookup(prompt_ids)
         k, m = self.prior_strength, self.prior_centre(prompt_ids)
@@ -307,15 +313,16 @@ class PromptStats:
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to restore the store exactly (ids as a list, tensors on CPU)."""
+        """The store's evidence, everything needed to restore it exactly (ids as a list, tensors on CPU).
+
+        Its settings (``rho``, ``prior_strength``, ``prior_mean``) are not part of it: they come from the
+        constructor, which a resumed run builds from its config (see :meth:`load_state_dict`).
+        """
         return {
             "ids": list(self._ids),
             "tensors": {name: t.cpu().clone() for name, t in self._data.items()},
             "global_sum": self._global_sum,
             "global_count": self._global_count,
-            "rho": self.rho,
-            "prior_strength": self.prior_strength,
-            "prior_mean": self.prior_mean,
             "group_totals": self._group_totals(),
         }
 
@@ -327,18 +334,25 @@ class PromptStats:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the evidence of :meth:`state_dict`, keeping this store's ``rho``, ``prior_strength`` and
+        ``prior_mean``: a resumed run uses the settings of its config (which its config.yaml records), not the
+        checkpoint's; the settings older checkpoints also hold are ignored.
+
+        Raises:
+            ValueError: the state lacks a field, or holds totals of groups this store's ``prior_groups`` lack.
+        """
         missing = {"ids", "tensors", "global_sum", "global_count"} - set(state)
         if missing:
             raise ValueError(f"PromptStats state is missing {sorted(missing)}")
         self._ids = list(state["ids"])
         self._index = {p: i for i, p in enumerate(self._ids)}
         self._data = {name: state["tensors"][name].to(self.device, torch.float64).clone() for name in _FIELDS}
-        self._global_sum = float(state["global_sum"])
+        # A checkpoint written before the centres took clipped rewards may hold a sum outside [0, count] (a centre
+        # past 1); bounding it keeps the resumed centres success rates.
         self._global_count = float(state["global_count"])
-        self.rho = float(state.get("rho", self.rho))
-        self.prior_strength = float(state.get("prior_strength", self.prior_strength))
-        self.prior_mean = float(state.get("prior_mean", self.prior_mean))
-        self._load_group_totals(state.get("group_totals", {}), replace=True)
+        self._global_sum = min(max(float(state["global_sum"]), 0.0), self._global_count)
+        totals = state.get("group_totals", {})
+        self._load_group_totals({g: (min(max(t, 0.0), n), n) for g, (t, n) in totals.items()}, replace=True)
 
     def _load_group_totals(self, totals: Mapping[Hashable, tuple[float, float]], replace: bool) -> None:
         """Set (``replace``) or add the ``{group: (reward sum, count)}`` totals of a state or another store."""

@@ -65,7 +65,6 @@ __all__ = [
     "perturb",
     "prompt_kind",
     "random_scene",
-    "read_prompt_file",
     "render",
     "render_prompt",
     "sample_prompts",
@@ -249,6 +248,7 @@ def sample_prompts(
 
 def write_prompt_file(path: str | Path, prompts: Iterable[str]) -> Path:
     """Write prompts one per line (the format of ``mmrl eval --prompts FILE``); every prompt is validated first.
+    :func:`mmrl.data.prompts.load_prompts` reads the file back and ``check_prompts`` names a bad line of it.
 
     Raises:
         ValueError: a prompt is outside the grammar (named); nothing is written then.
@@ -259,25 +259,6 @@ def write_prompt_file(path: str | Path, prompts: Iterable[str]) -> Path:
     path = Path(path)
     path.write_text("".join(f"{p}\n" for p in lines), encoding="utf-8")
     return path
-
-
-def read_prompt_file(path: str | Path) -> list[str]:
-    """Read a prompt file (one prompt per line; blank lines and lines starting with ``#`` are skipped).
-
-    Raises:
-        ValueError: a line is outside the grammar; the message names the file and line number.
-    """
-    out = []
-    for lineno, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
-        text = line.strip()
-        if not text or text.startswith("#"):
-            continue
-        try:
-            parse_prompt(text)
-        except ValueError as err:
-            raise ValueError(f"{path}:{lineno}: {err}") from None
-        out.append(text)
-    return out
 
 
 # ------------------------------------------------------------------------------------------------ scenes

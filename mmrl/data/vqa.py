@@ -18,7 +18,7 @@ from PIL import Image, UnidentifiedImageError
 if TYPE_CHECKING:
     from mmrl.data.shapes_math import MathItem
 
-__all__ = ["VQAExample", "check_answers", "load_vqa"]
+__all__ = ["VQAExample", "check_answers", "format_question", "load_vqa"]
 
 _LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
@@ -37,6 +37,25 @@ class VQAExample:
     images: list[Image.Image] = field(default_factory=list)
     kind: str = ""
     reference: str = ""
+
+
+def format_question(template: str, question: Any) -> str:
+    """The question text ``template.format(question=question)`` of a ``data.question_template``.
+
+    Raises:
+        ValueError: naming ``data.question_template`` and the field it cannot fill (a literal brace, as in a JSON
+            example, reads as a field: it is written doubled).
+    """
+    try:
+        return template.format(question=question)
+    except KeyError as err:
+        problem = f"unknown field {{{err.args[0]}}}"
+    except (IndexError, AttributeError, ValueError) as err:
+        problem = str(err)
+    raise ValueError(
+        f"data.question_template {template!r}: {problem}; its only field is {{question}}, and a literal brace is "
+        "written doubled ({{ or }})"
+    )
 
 
 def _shapes(split: str, n: int, seed: int, size: int) -> list[VQAExample]:
@@ -191,7 +210,8 @@ def load_vqa(
     Raises:
         ValueError: an unknown shapes split, an empty, malformed or unsupported file, a hub dataset that cannot
             be reached, a missing column (named, with the columns present), a row without a question or answer
-            or with an unreadable image (named, with the row), or an empty dataset.
+            or with an unreadable image (named, with the row), an empty dataset, or a ``question_template`` with a
+            field other than ``{question}`` (see :func:`format_question`).
     """
     name, _, which = source.partition(":")
     if name in GENERATED and which:
@@ -241,7 +261,7 @@ def load_vqa(
                 raise ValueError(
                     f"{where}: no {column!r} (the value is {row[column]!r}); every row needs one"
                 )
-        question = question_template.format(question=row[question_column])
+        question = format_question(question_template, row[question_column])
         answer = row[answer_column]
         answer = answer if isinstance(answer, str) else str(answer)
         pid = str(row[id_column]) if id_column else f"{path.stem or source}-{i}"

@@ -410,7 +410,8 @@ class FlowGRPOConfig(Config):
         check_reward_keys(self.eval_rewards or [], "eval_rewards")
         estimator = check_estimator(self.trainer.advantage, self.trainer.advantage_options)
         objective = check_objective(self.trainer.objective)
-        flat = self.sampling.rollout == "flat" and not self.explore.enabled  # else trees/the explorer size groups
+        # the allocation sizes the groups of flat rollouts only; trees and the explorer size their own
+        flat = self.sampling.rollout == "flat" and not self.explore.enabled
         check_group_sizes(estimator, self.allocation, self.allocation.rollouts_per_step if flat else None)
         w = self.sampling.sde_window
         if w is not None and w > self.sampling.num_steps:

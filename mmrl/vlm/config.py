@@ -9,7 +9,15 @@ from pydantic import PositiveInt, field_validator, model_validator
 
 from mmrl.config import Config, Field, RunConfig
 from mmrl.core.estimators import check_estimator, get_estimator
-from mmrl.sections import AllocationConfig, LoraSettings, PoolSettings, RewardSpec, check_reward_keys
+from mmrl.data.vqa import format_question
+from mmrl.sections import (
+    AllocationConfig,
+    LoraSettings,
+    PoolSettings,
+    RewardSpec,
+    check_group_sizes,
+    check_reward_keys,
+)
 
 __all__ = ["VLMAllocation", "VLMPoolSettings", "VLMRLVRConfig"]
 
@@ -183,7 +191,8 @@ class VLMTrainerConfig(Config):
         "weighted_sum",
         description="Group mode with several rewards (e.g. format + answer): the weighted sum then the "
         "estimator, or GDPO (each reward normalised in its group, then weighted and whitened; mmrl.core.advantages"
-        ".decoupled_multi_reward). Single mode always uses the weighted sum (its baseline is one success rate).",
+        ".decoupled_multi_reward), which is then the estimator: leave trainer.advantage null. Single mode always "
+        "uses the weighted sum (its baseline is one success rate).",
     )
     # shared
     entropy_shaping: EntropyShaping = Field(default_factory=EntropyShaping)
@@ -327,11 +336,17 @@ class VLMRLVRConfig(Config):
         return data
 
     @property
+    def _gdpo_applies(self) -> bool:
+        """``trainer.multi_reward=gdpo`` replaces the estimator: group mode with several rewards."""
+        t = self.trainer
+        return t.mode == "group" and t.multi_reward == "gdpo" and len(self.rewards) > 1
+
+    @property
     def estimator_name(self) -> str:
         """The advantage estimator the trainer uses: GDPO for several rewards with ``trainer.multi_reward=gdpo`` (group
         mode), else ``trainer.advantage``, or the mode's default."""
         t = self.trainer
-        if t.mode == "group" and t.multi_reward == "gdpo" and len(self.rewards) > 1:
+        if self._gdpo_applies:
             return "gdpo"
         if t.advantage is not None:
             return t.advantage
@@ -366,9 +381,11 @@ class VLMRLVRConfig(Config):
                 f"trainer.process_credit.reward={t.process_credit.reward!r} is not the key of a reward in "
                 f"`rewards` ({keys})"
             )
-        if t.mode == "group" and t.multi_reward == "gdpo" and t.advantage == "mc_grpo":
+        if self._gdpo_applies and t.advantage not in (None, "gdpo"):
             raise ValueError(
-                "trainer.multi_reward=gdpo needs a mean-centred estimator, not mc_grpo's median pivot"
+                f"trainer.multi_reward=gdpo with {len(self.rewards)} rewards trains with the gdpo estimator, not "
+                f"trainer.advantage={t.advantage}: leave trainer.advantage null, or set "
+                f"trainer.multi_reward=weighted_sum to train {t.advantage} on the weighted sum"
             )
         estimator = check_estimator(self.estimator_name, t.advantage_options)
         if estimator.single_rollout != (t.mode == "single"):
@@ -384,8 +401,21 @@ class VLMRLVRConfig(Config):
                 "trainer.mode=single rolls out once per prompt: set allocation.method=uniform and leave "
                 "allocation.rollouts_per_step null"
             )
-        if t.mode == "group" and estimator.odd_groups and a.method != "uniform":
-            raise ValueError(f"{estimator.name} needs odd, equal group sizes: use allocation.method=uniform")
+        if t.mode == "group":
+            budget_key = "allocation.rollouts_per_step"
+            if a.rollouts_per_step is None:
+                # the budget the trainer derives: a wrong one must fail here, not after the model has loaded
+                group = "trainer.num_generations"
+                if estimator.extra_per_group:
+                    group = f"({group} + {estimator.extra_per_group})"
+                budget_key = (
+                    f"allocation.rollouts_per_step (null: allocation.prompts_per_step * {group} = "
+                    f"{a.prompts_per_step} * {self.group_size})"
+                )
+                a.check_budget(self.rollouts_per_step, budget_key)
+            check_group_sizes(estimator, a, self.rollouts_per_step, budget_key)
+        # a template that cannot be filled fails here, not when the data loads (after the model)
+        format_question(self.data.question_template, "question")
         p = self.pool
         if p.enabled:
             if self.generation.backend == "vllm" and p.device is not None:

@@ -144,6 +144,20 @@ def test_sample_prompts_and_allocate_with_store():
         A.allocate(store, pool, 40, method="greedy")
 
 
+def test_uniform_allocation_names_the_bound_the_budget_breaks():
+    store = PromptStats()
+    assert A.allocate(store, ["a", "b", "c"], 8, n_min=2, n_max=3).tolist() == [3, 3, 2]
+    # no n_max: the budget is below n_min, not an n_max of 0 below n_min
+    with pytest.raises(ValueError) as below:
+        A.allocate(store, ["a"], 0, n_min=1)
+    assert (
+        str(below.value) == "budget 0 is below n_min * prompts = 1 * 1 = 1; raise the budget or lower n_min"
+    )
+    with pytest.raises(ValueError) as above:
+        A.allocate(store, ["a", "b"], 9, n_min=1, n_max=4)
+    assert str(above.value) == "budget 9 exceeds n_max * prompts = 4 * 2 = 8; lower the budget or raise n_max"
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 12), st.integers(1, 12), st.integers(1, 4), st.integers(0, 2**16))
 def test_prompt_passes_draw_every_prompt_once_per_pass(pool_size, k, passes, seed):

@@ -103,6 +103,109 @@ def test_vlm_mode_and_estimator_must_agree():
         load_config(VLMRLVRConfig, overrides=["trainer.advantage=rloo"])
 
 
+VLM = "mmrl.vlm.config:VLMRLVRConfig"
+BANDIT = "mmrl.bandit.trainer:BanditRecipeConfig"
+FLOW = "mmrl.flow.config:FlowGRPOConfig"
+MC_GRPO = ["trainer.mode=group", "trainer.advantage=mc_grpo"]
+
+
+def _schema(schema: str):
+    module, name = schema.split(":")
+    return getattr(__import__(module, fromlist=[name]), name)
+
+
+@pytest.mark.parametrize(
+    "schema, overrides, message",
+    [
+        (  # the VLM's null budget is prompts_per_step * (num_generations + 1): 9 + 1 is even
+            VLM,
+            [*MC_GRPO, "trainer.num_generations=9"],
+            "trainer.advantage=mc_grpo needs odd group sizes (its median is a sample): allocation.rollouts_per_step "
+            "(null: allocation.prompts_per_step * (trainer.num_generations + 1) = 16 * 10) gives 160 rollouts a "
+            "step, 10 (even) for each of allocation.prompts_per_step (16) prompts",
+        ),
+        (
+            VLM,
+            [*MC_GRPO, "allocation.rollouts_per_step=50"],
+            "trainer.advantage=mc_grpo needs equal group sizes: allocation.rollouts_per_step gives 50 rollouts a "
+            "step, not a multiple of allocation.prompts_per_step (16)",
+        ),
+        (
+            FLOW,
+            ["trainer.advantage=mc_grpo"],
+            "trainer.advantage=mc_grpo needs odd group sizes (its median is a sample): allocation.rollouts_per_step "
+            "gives 64 rollouts a step, 8 (even) for each of allocation.prompts_per_step (8) prompts",
+        ),
+        (
+            BANDIT,
+            ["trainer.advantage=mc_grpo", "allocation.method=knapsack"],
+            "trainer.advantage=mc_grpo needs odd, equal group sizes: use allocation.method=uniform (got knapsack)",
+        ),
+        (
+            BANDIT,
+            ["trainer.advantage=rloo", "allocation.n_min=1", "allocation.method=knapsack"],
+            "trainer.advantage=rloo compares the rollouts of a prompt, at least 2: allocation.n_min (1) lets "
+            "allocation.method=knapsack give a prompt fewer; set allocation.n_min >= 2",
+        ),
+        (
+            VLM,
+            [
+                "trainer.mode=group",
+                "trainer.advantage=rloo",
+                "allocation.n_min=1",
+                "allocation.rollouts_per_step=20",
+            ],
+            "trainer.advantage=rloo compares the rollouts of a prompt, at least 2: allocation.rollouts_per_step "
+            "gives 20 rollouts a step, fewer than 2 each for allocation.prompts_per_step (16) prompts",
+        ),
+        (  # the bounds hold for the budget the VLM derives too
+            VLM,
+            ["trainer.mode=group", "allocation.n_max=4"],
+            "allocation.rollouts_per_step (null: allocation.prompts_per_step * trainer.num_generations = 16 * 8) "
+            "= 128 must be <= allocation.prompts_per_step * allocation.n_max (16 * 4)",
+        ),
+    ],
+)
+def test_group_sizes_the_estimator_cannot_use_are_refused_at_load(schema, overrides, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(_schema(schema), overrides=overrides)
+    assert str(error.value) == f"invalid config:\n  {message}"
+
+
+@pytest.mark.parametrize(
+    "schema, overrides",
+    [
+        (VLM, [*MC_GRPO, "trainer.num_generations=2"]),
+        (VLM, [*MC_GRPO, "allocation.rollouts_per_step=48"]),
+        (BANDIT, ["trainer.advantage=mc_grpo", "allocation.rollouts_per_step=576"]),
+        (FLOW, ["trainer.advantage=mc_grpo", "allocation.rollouts_per_step=72"]),
+        (BANDIT, ["trainer.advantage=rloo", "allocation.n_min=1"]),  # the uniform split gives 8 each
+        (BANDIT, ["trainer.advantage=single", "allocation.n_min=1", "allocation.method=knapsack"]),
+    ],
+)
+def test_group_sizes_the_estimator_can_use_load(schema, overrides):
+    load_config(_schema(schema), overrides=overrides)
+
+
+def test_vlm_gdpo_refuses_another_explicit_estimator_only_where_it_applies():
+    from mmrl.vlm.config import VLMRLVRConfig
+
+    two = ["trainer.mode=group", "trainer.multi_reward=gdpo", "rewards=[{name: exact_match}, {name: format}]"]
+    assert load_config(VLMRLVRConfig, overrides=two).estimator_name == "gdpo"
+    assert load_config(VLMRLVRConfig, overrides=[*two, "trainer.advantage=gdpo"]).estimator_name == "gdpo"
+    for explicit in ("rloo", "mc_grpo"):
+        with pytest.raises(ConfigError) as error:
+            load_config(VLMRLVRConfig, overrides=[*two, f"trainer.advantage={explicit}"])
+        assert str(error.value) == (
+            "invalid config:\n  trainer.multi_reward=gdpo with 2 rewards trains with the gdpo estimator, not "
+            f"trainer.advantage={explicit}: leave trainer.advantage null, or set trainer.multi_reward=weighted_sum "
+            f"to train {explicit} on the weighted sum"
+        )
+    # one reward: gdpo does not apply, and mc_grpo trains on it with its pivot
+    one = load_config(VLMRLVRConfig, overrides=[*MC_GRPO, "trainer.multi_reward=gdpo"])
+    assert (one.estimator_name, one.group_size) == ("mc_grpo", 9)
+
+
 def test_vlm_trainer_keys_moved_to_the_allocation_section_still_load(caplog):
     from mmrl.vlm.config import VLMRLVRConfig
 

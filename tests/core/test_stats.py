@@ -3,6 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mmrl.core.allocation import sample_prompts
 from mmrl.core.stats import PromptStats, spo_rho
 
 
@@ -78,7 +79,42 @@ def test_state_dict_round_trip():
     assert t.prompt_ids == ["a", "b"]
     for fn in ("success_prob", "counts", "last_step"):
         assert torch.equal(getattr(s, fn)(["a", "b", "c"]), getattr(t, fn)(["a", "b", "c"]))
-    assert t.rho == 0.9
+
+
+def test_resume_keeps_the_configured_settings_not_the_checkpoints():
+    s = PromptStats(rho=0.9, prior_strength=2.0, prior_mean=0.5)
+    s.update(["a", "a", "b"], torch.tensor([1.0, 0.0, 1.0]), step=0)
+    # a checkpoint of an older store also held its settings: they are ignored too
+    for state in (s.state_dict(), {**s.state_dict(), "rho": 0.9, "prior_strength": 2.0, "prior_mean": 0.5}):
+        t = PromptStats(rho=0.5, prior_strength=4.0, prior_mean=0.25)
+        t.load_state_dict(state)
+        assert (t.rho, t.prior_strength, t.prior_mean) == (0.5, 4.0, 0.25)
+        # m = (2 + 4 * .25) / (3 + 4) = 3/7; a: s = 1, f = 1 -> (1 + 4 * 3/7, 1 + 4 * 4/7)
+        a, b = t.alpha_beta(["a"])
+        assert (float(a), float(b)) == pytest.approx((1 + 12 / 7, 1 + 16 / 7))
+        t.update(["a"], torch.tensor([0.0]), step=1)  # forgetting at the configured rho: s = .5 * 1
+        assert float(t.alpha_beta(["a"])[0]) == pytest.approx(0.5 + 4 * (2 + 1) / (4 + 4))
+
+
+def test_rewards_above_one_keep_the_prior_centre_a_success_rate():
+    """A verifier's 1 plus a format bonus of 0.1: the evidence and the prior centres both take min(r, 1)."""
+    s = PromptStats(rho=1.0, prior_strength=2.0, prior_mean=0.5)
+    for step in range(20):
+        s.update(["a"], torch.tensor([1.1]), step=step)
+    # s = 20, f = 0; m = (20 + 2 * .5) / (20 + 2) = 21/22
+    assert s.global_mean() == pytest.approx(21 / 22)
+    a, b = s.alpha_beta(["a", "unseen"])
+    assert a.tolist() == pytest.approx([20 + 2 * 21 / 22, 2 * 21 / 22])
+    assert b.tolist() == pytest.approx([2 / 22, 2 / 22])
+    assert s.success_prob(["a"]).tolist() == pytest.approx([(20 + 42 / 22) / 22])
+    g = torch.Generator().manual_seed(0)
+    for method in ("thompson", "priority"):
+        assert len(sample_prompts(s, ["a", "unseen"], 1, method, generator=g)) == 1
+    # a checkpoint that summed the unclipped rewards (22 over 20) resumes with its sum bounded by the count
+    legacy = {**s.state_dict(), "global_sum": 22.0}
+    t = PromptStats(rho=1.0, prior_strength=2.0, prior_mean=0.5)
+    t.load_state_dict(legacy)
+    assert t.global_mean() == pytest.approx(21 / 22)
 
 
 def test_merge_of_disjoint_shards_equals_one_store():

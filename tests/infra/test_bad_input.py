@@ -39,6 +39,23 @@ def test_vqa_rows_load_when_complete(tmp_path) -> None:
     assert (example.question, example.answer, example.prompt_id) == ("Q: how many?", "2", "vqa-0")
 
 
+def test_vqa_question_template_with_a_literal_brace_names_the_key_and_the_field(tmp_path) -> None:
+    source = write_jsonl(tmp_path / "vqa.jsonl", [{"question": "how many?", "answer": 2}])
+    template = 'Reply as {"answer": N}. {question}'
+    with pytest.raises(ValueError) as error:
+        load_vqa(source, image_column=None, question_template=template)
+    assert str(error.value) == (
+        f'data.question_template {template!r}: unknown field {{"answer"}}; its only field is {{question}}, '
+        "and a literal brace is written doubled ({{ or }})"
+    )
+    with pytest.raises(
+        ValueError, match=r"data\.question_template '\{question\} \{': Single '\{' encountered"
+    ):
+        load_vqa(source, image_column=None, question_template="{question} {")
+    doubled = load_vqa(source, image_column=None, question_template='Reply as {{"answer": N}}. {question}')
+    assert doubled[0].question == 'Reply as {"answer": N}. how many?'
+
+
 def test_vqa_reference_column_is_read_and_a_missing_reference_named(tmp_path) -> None:
     rows = [
         {"question": "2+2?", "answer": "4", "steps": "2+2=4"},
@@ -73,6 +90,26 @@ def test_vqa_answer_that_is_no_number_for_a_numeric_verifier_is_named(tmp_path) 
         check_answers(examples, [("answer", rewards.build("numeric"))], source)
     with pytest.raises(ValueError, match=r"row 2 \(id math-2\): answer 'many' is not a number"):
         check_answers(examples, [("answer", rewards.build("numeric", number_words=True))], source)
+
+
+@pytest.mark.parametrize(
+    ("reward", "answers", "problem"),
+    [
+        ("multiple_choice", ["(B) red", "red"], 'names no option letter (as B, (B), A,C or "(B) red" do)'),
+        ("math_verify", ["\\frac{1}{2}", "\\boxed{}"], "does not parse as math"),
+    ],
+)
+def test_vqa_answer_a_choice_or_math_verifier_cannot_read_is_named(
+    tmp_path, reward, answers, problem
+) -> None:
+    rows = [{"question": "which?", "answer": answer} for answer in answers]
+    source = write_jsonl(tmp_path / "q.jsonl", rows)
+    examples = load_vqa(source, image_column=None)
+    check_answers(examples[:1], [("answer", rewards.build(reward))], source)
+    with pytest.raises(ValueError) as error:
+        check_answers(examples, [("answer", rewards.build(reward))], source)
+    assert str(error.value).startswith(f"{source} row 1 (id q-1): answer {answers[1]!r} {problem}")
+    assert str(error.value).endswith("which the reward 'answer' needs")
 
 
 def test_vqa_row_without_an_image_is_named(tmp_path) -> None:

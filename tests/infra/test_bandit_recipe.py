@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+import rewards
 from mmrl.bandit.trainer import BanditRecipeConfig, BanditTrainer, main
 from mmrl.cli import main as cli_main
 from mmrl.config import ConfigError, load_config
@@ -132,8 +133,52 @@ def test_every_shipped_config_validates():
 def test_flow_rewards_used_twice_need_distinct_labels():
     from mmrl.flow.config import FlowGRPOConfig
 
-    twice = "rewards=[{name: shapes}, {name: shapes, options: {strict: true}}]"
+    twice = "rewards=[{name: shapes}, {name: shapes, options: {partial: true}}]"
     with pytest.raises(ConfigError, match=r"rewards: several rewards log as \['shapes'\]"):
         load_config(FlowGRPOConfig, None, [twice])
     cfg = load_config(FlowGRPOConfig, None, ["rewards=[{name: shapes}, {name: shapes, label: strict}]"])
     assert [spec.key for spec in cfg.rewards] == ["shapes", "strict"]
+
+
+@pytest.mark.parametrize(
+    "schema, override, message",
+    [
+        (
+            "mmrl.vlm.config:VLMRLVRConfig",
+            "rewards=[{name: exact_matc}]",
+            f"rewards.0: unknown reward name 'exact_matc'; registered: {rewards.list_rewards()}",
+        ),
+        (
+            "mmrl.vlm.config:VLMRLVRConfig",
+            "eval_rewards=[{name: numeric, options: {rel_tol: 0.1, tolerance: 1}}]",
+            "eval_rewards.0: options ['tolerance'] are not options of the 'numeric' reward (it takes ['rel_tol', "
+            "'abs_tol', 'answer_tag', 'require_answer_tag', 'number_words'])",
+        ),
+        (
+            "mmrl.flow.config:FlowGRPOConfig",
+            "rewards=[{name: shapes}, {name: remote}]",
+            "rewards.1: the 'remote' reward needs the options ['url']",
+        ),
+    ],
+)
+def test_reward_names_and_options_are_checked_when_the_config_loads(schema, override, message):
+    module, name = schema.split(":")
+    with pytest.raises(ConfigError) as error:
+        load_config(getattr(__import__(module, fromlist=[name]), name), None, [override])
+    assert str(error.value) == f"invalid config:\n  {message}"
+
+
+def test_a_reward_taking_any_options_accepts_them_and_the_cli_names_a_bad_one(tmp_path, capsys):
+    from mmrl.flow.config import FlowGRPOConfig
+
+    judge = (
+        "rewards=[{name: vlm_judge, options: {mode: yes_prob, model_id: some/vlm}}]"  # **options: the VLM's
+    )
+    assert load_config(FlowGRPOConfig, None, [judge]).rewards[0].options["model_id"] == "some/vlm"
+    path = tmp_path / "vlm.yaml"
+    path.write_text("recipe: vlm_rlvr\nrewards:\n  - name: exact_match\n    options: {numbr_words: true}\n")
+    assert cli_main(["config", str(path)]) == 2
+    assert capsys.readouterr().err.endswith(
+        "mmrl: error: invalid config:\n  rewards.0: options ['numbr_words'] are not options of the 'exact_match' "
+        "reward (it takes ['answer_tag', 'require_answer_tag', 'number_words'])\n"
+    )

@@ -192,6 +192,50 @@ def test_exact_match_number_words_only_when_asked() -> None:
     ).tolist() == [1.0, 0.0]
 
 
+def test_multiple_choice_reads_the_option_a_ground_truth_names() -> None:
+    """Option letters alone, or a leading option with its text: "(B) red" is B, not the letters B, R, E, D."""
+    from rewards.text import MultipleChoice
+
+    read = {
+        "B": ["B"],
+        "(b)": ["B"],
+        "A, C": ["A", "C"],
+        "(A) and (C)": ["A", "C"],
+        "ACD": ["A", "C", "D"],
+        "(B) red": ["B"],
+        "B) red": ["B"],
+        "B. the red one": ["B"],
+        "B: red": ["B"],
+    }
+    assert {t: sorted(MultipleChoice.truth_letters(t)) for t in read} == read
+    assert [MultipleChoice.truth_letters(t) for t in ("red", "B red", "", [])] == [None] * 4
+    reward = rewards.build("multiple_choice", choices="ABCD")
+    out = reward.score(
+        completions=["<answer>B</answer>", "<answer>B</answer>", "<answer>(D)</answer>"],
+        ground_truths=["(B) red", "B. red", "red"],
+    )
+    assert out.scores.tolist() == [1.0, 1.0, 0.0]
+    assert out.reasons[2] == (
+        "verifier error: ValueError: ground truth 'red' names no option letter (as B, (B), A,C or \"(B) red\" do)"
+    )
+    assert reward.ground_truth_problem("(B) red") is None
+    assert reward.ground_truth_problem("red") == 'names no option letter (as B, (B), A,C or "(B) red" do)'
+    assert reward.ground_truth_problem("E") == "names options ['E'] that are not among choices 'ABCD'"
+
+
+def test_math_verify_refuses_a_ground_truth_that_does_not_parse() -> None:
+    reward = rewards.build("math_verify")
+    assert [reward.ground_truth_problem(t) for t in ("\\frac{1}{2}", ["2", "x = 3"])] == [None, None]
+    assert reward.ground_truth_problem("\\boxed{}") == (
+        "does not parse as math: math-verify reads no expression in '\\\\boxed{}'"
+    )
+    assert (
+        reward.ground_truth_problem(["2", "$$"])
+        == "does not parse as math: math-verify reads no expression in '$$'"
+    )
+    assert reward.ground_truth_problem([]) == "lists no answer"
+
+
 def test_math_verify_in_a_worker_thread() -> None:
     """The reward server scores in a worker thread, where math-verify's SIGALRM timeout cannot be armed."""
     from concurrent.futures import ThreadPoolExecutor

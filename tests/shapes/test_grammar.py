@@ -7,6 +7,7 @@ from collections import Counter
 
 import pytest
 
+from mmrl.data.prompts import check_prompts, load_prompts
 from mmrl.data.shapes import (
     COLOURS,
     KINDS,
@@ -18,12 +19,11 @@ from mmrl.data.shapes import (
     is_heldout,
     near_miss_prompts,
     prompt_kind,
-    read_prompt_file,
     sample_prompts,
     train_prompts,
     write_prompt_file,
 )
-from rewards.shapes import ObjectSpec, PromptSpec, parse_prompt
+from rewards.shapes import ObjectSpec, PromptSpec, ShapesReward, parse_prompt
 
 # the first held-out prompts in all_prompts() order, computed once by the documented formula; a change here
 # means evaluation sets of earlier runs are no longer comparable
@@ -191,10 +191,11 @@ def test_prompt_file_round_trip(tmp_path):
     prompts = sample_prompts(20, seed=0, split="heldout")
     path = write_prompt_file(tmp_path / "eval.txt", prompts)
     assert path.read_text().splitlines() == prompts
-    assert read_prompt_file(path) == prompts
+    assert load_prompts(str(path)) == prompts
     with pytest.raises(ValueError, match="a photo of a pink circle"):
         write_prompt_file(tmp_path / "bad.txt", [*prompts, "a photo of a pink circle"])
     assert not (tmp_path / "bad.txt").exists()
-    (tmp_path / "bad.txt").write_text("# comment\n\na photo of a red circle\na photo of a pink circle\n")
-    with pytest.raises(ValueError, match=r"bad.txt:4"):
-        read_prompt_file(tmp_path / "bad.txt")
+    bad = tmp_path / "bad.txt"
+    bad.write_text("# comment\n\na photo of a red circle\na photo of a pink circle\n")
+    with pytest.raises(ValueError, match=r"bad\.txt line 4: .*a photo of a pink circle"):
+        check_prompts(str(bad), load_prompts(str(bad)), [ShapesReward()])
