@@ -6,16 +6,18 @@ import argparse
 import json
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from mmrl.config import ConfigError, apply_overrides, load_yaml, to_yaml, validate
+from mmrl.config import Config, ConfigError, apply_overrides, load_yaml, to_yaml, validate
 from mmrl.quiet import quiet_libraries
-from mmrl.recipes import get_recipe, list_recipes
+from mmrl.recipes import Recipe, get_recipe, list_recipes
 
 __all__ = ["main"]
 
 
-def _recipe_of(config_path: str, overrides: list[str]):
+def _recipe_of(config_path: str, overrides: list[str]) -> tuple[Recipe, dict[str, Any]]:
     data = apply_overrides(load_yaml(config_path), overrides)
     name = data.get("recipe")
     if name is None:
@@ -29,7 +31,7 @@ def _recipe_of(config_path: str, overrides: list[str]):
     return recipe, data
 
 
-def _resolve(config_path: str, overrides: list[str]):
+def _resolve(config_path: str, overrides: list[str]) -> tuple[Config, Callable[[Any], Any]]:
     recipe, data = _recipe_of(config_path, overrides)
     schema, entry = recipe.load()
     return validate(schema, data), entry
@@ -54,7 +56,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             checkpoint = latest_checkpoint(target / "checkpoints")
             if checkpoint is None:
                 raise ConfigError(f"run directory {target} has no checkpoint to evaluate")
-        out = Path(args.out) if args.out else target / "eval" / (checkpoint.name if checkpoint else "base")
+        out = Path(args.out) if args.out else target / "eval" / checkpoint.name
     else:
         config_path = target
         out = Path(args.out) if args.out else Path("runs") / "eval" / target.stem
@@ -133,7 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted config overrides")
     p.add_argument("--prompts", help="prompt file, one per line (default: the config's eval_prompts)")
     p.add_argument("--checkpoint", help="a checkpoint folder to load instead of the run's latest")
-    p.add_argument("--images-per-prompt", type=int, default=1)
+    p.add_argument(
+        "--images-per-prompt",
+        type=int,
+        default=1,
+        help="samples per prompt (flow recipes; a VLM run answers each question once, greedily)",
+    )
     p.add_argument("--out", help="output folder (default: RUN_DIR/eval/CHECKPOINT or runs/eval/CONFIG)")
     p.set_defaults(func=_cmd_eval)
 

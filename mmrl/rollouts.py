@@ -91,16 +91,6 @@ class SourceBatch(Generic[OutputT]):
     sample_lags: torch.Tensor
     info: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def sample_versions(self) -> torch.Tensor:
-        """``[N]`` the weight version each sample was generated with."""
-        return self.version - self.sample_lags
-
-    @property
-    def stale(self) -> bool:
-        """Whether any sample was generated with older weights than the trainer's."""
-        return bool((self.sample_lags > 0).any())
-
 
 class RolloutSource(Protocol[OutputT_co]):
     """Produces a training step's samples; see the module docstring."""

@@ -212,10 +212,6 @@ class Run:
         self._start = time.time()
 
     # ------------------------------------------------------------------ resume
-    def resume_checkpoint(self) -> Path | None:
-        """The checkpoint to resume from when ``run.resume`` is set (None for a fresh run)."""
-        return resume_checkpoint(self.cfg)
-
     def truncate_metrics(self, step: int) -> None:
         """On resume from ``step``, move metric lines of later steps to ``metrics.orphaned.jsonl`` (kept, not lost).
 

@@ -76,7 +76,7 @@ class TrainerBase:
     def resume(self, map_location: str | torch.device = "cpu") -> None:
         """Load the run's latest checkpoint when ``run.resume`` is set (every rank of a data-parallel launch finds
         rank 0's), and set aside metric lines logged after it."""
-        ckpt = resume_checkpoint(self.cfg.run) if self.run is not None or self.dist.active else None
+        ckpt = resume_checkpoint(self.cfg.run) if self.checkpoint_wanted() else None
         if ckpt is None:
             return
         self.load_state(load_checkpoint(ckpt, map_location=map_location))

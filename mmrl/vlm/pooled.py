@@ -23,7 +23,8 @@ generate them. The source never sees the trainer. Per training step ``k`` (the p
    lag > 0 by the truncated importance weight ``min(pi_current / pi_behaviour, pool.tis_cap)`` against the
    worker's behaviour log-probs, per token or per sequence as ``trainer.tis_mode`` says
    (:func:`mmrl.core.losses.stale_sample_weights`). Lag-0 samples get the trainer's engine TIS
-   (``trainer.tis``; ``auto`` is on for vLLM, off for the transformers backend, where their ratio is ~1).
+   (``trainer.tis``; ``auto`` is on for vLLM or ``generation.top_p < 1``, off for the transformers backend at
+   ``top_p = 1``, where their ratio is ~1).
 
 Backends (``generation.backend``): with ``hf`` a worker generates with a transformers model on ``pool.device``;
 with ``vllm`` each worker owns a vLLM engine (:meth:`VLMRolloutWorker.from_vllm`, CUDA GPU) and a CPU copy of the
@@ -66,6 +67,7 @@ from pipelines.pool.protocol import RolloutRequest, WeightUpdate
 from pipelines.pool.vlm_worker import VLMRolloutWorker
 from pipelines.vlm import vllm_backend
 from pipelines.vlm.backend import SamplingParams
+from pipelines.vlm.families import get_vlm_family
 
 __all__ = ["PooledVLMSource", "PooledVLMWorker", "pooled_worker_factory"]
 
@@ -110,18 +112,20 @@ def pooled_worker_factory(
     seed: int,
 ) -> Callable[[], PooledVLMWorker]:
     """The picklable factory of one pool member for the ``model:`` / ``generation:`` sections; ``initial`` is
-    the trainer's weights as version 0, ``device`` the trainer's (used when ``pool.device`` is null).
+    the trainer's weights as version 0, ``device`` the trainer's (used when ``pool.device`` is null). The member's
+    backend gets the family ``model.family`` names (null: it detects the family from the checkpoint's
+    ``model_type``, as the trainer does).
 
     Raises:
         ImportError: ``generation.backend=vllm`` with in-process members and vLLM not installed.
     """
-    g = generation
+    family = get_vlm_family(model.family) if model.family else None
     params = SamplingParams(
-        temperature=g.temperature,
-        top_p=g.top_p if g.temperature > 0 else 1.0,
-        max_new_tokens=g.max_new_tokens,
+        temperature=generation.temperature,
+        top_p=generation.top_p if generation.temperature > 0 else 1.0,
+        max_new_tokens=generation.max_new_tokens,
     )
-    if g.backend == "vllm":
+    if generation.backend == "vllm":
         if settings.executor == "inprocess":
             # fail here, naming the extra, not later in a member's thread (a Ray driver may lack the GPU and
             # vLLM its actors have)
@@ -129,28 +133,30 @@ def pooled_worker_factory(
         # the engine arguments of the trainer's own engine (VLMRLVRTrainer._make_backend); a member never
         # sleeps (it generates while the trainer trains), so sleep mode is off
         engine: dict[str, Any] = dict(
-            max_model_len=g.max_model_len or 4096,
-            max_prompt_length=g.max_prompt_length,
-            gpu_memory_utilization=g.vllm_gpu_memory_utilization,
-            max_images_per_prompt=g.vllm_max_images_per_prompt,
-            quantization="fp8" if g.vllm_fp8 else None,
+            max_model_len=generation.max_model_len or 4096,
+            max_prompt_length=generation.max_prompt_length,
+            gpu_memory_utilization=generation.vllm_gpu_memory_utilization,
+            max_images_per_prompt=generation.vllm_max_images_per_prompt,
+            quantization="fp8" if generation.vllm_fp8 else None,
             dtype=model.dtype,
             seed=seed,
             enable_sleep_mode=False,
+            family=family,
         )
     else:
         engine = dict(
             device=settings.device if settings.device is not None else device,
-            max_model_len=g.max_model_len,
-            max_prompt_length=g.max_prompt_length,
-            batch_size=g.batch_size,
+            max_model_len=generation.max_model_len,
+            max_prompt_length=generation.max_prompt_length,
+            batch_size=generation.batch_size,
+            family=family,
         )
     return functools.partial(
         PooledVLMWorker.build,
         model.path,
         params,
         initial,
-        g.backend,
+        generation.backend,
         torch_dtype=DTYPES[model.dtype],
         **engine,
     )
@@ -275,11 +281,17 @@ class PooledVLMSource:
         for rid in carried:  # the pool delivers them first at the next step
             self.step_of[rid] = pool_step + 1
         lags = batch.sample_lags()
-        self.metrics.add("pool/lag_mean", lags.float().mean(), count=lags.numel())
-        self.metrics.add("pool/lag_max", float(lags.max()))
+        # no lag when every prompt was skipped (the trainer then stops, naming the length settings)
+        if lags.numel() > 0:
+            self.metrics.add("pool/lag_mean", lags.float().mean(), count=lags.numel())
+            self.metrics.add("pool/lag_max", float(lags.max()))
         self.metrics.add("pool/samples", float(batch.num_samples))
         self.metrics.add("pool/carried", float(sum(self.pending[rid].num_samples for rid in carried)))
-        info = {"request_ids": [r.request_id for r in batch.results], "carried_ids": carried}
+        info = {
+            "request_ids": [r.request_id for r in batch.results],
+            "carried_ids": carried,
+            "skipped": skipped,
+        }
         self.last = SourceBatch(pairs, step, lags, info)
         return self.last
 

@@ -12,7 +12,8 @@ One training step:
    stated step (``mmrl/vlm/process_credit.py``); then entropy shaping per token ``A_t + min(alpha H_t, |A_t| /
    kappa)``;
 4. clipped surrogate (clip-higher, dual clip), k3 KL to the reference (adapter disabled), truncated importance
-   weights when the rollout engine is not the trainer, aggregated per ``loss_agg``.
+   weights when the rollout engine is not the trainer or samples a top-p nucleus, aggregated per ``loss_agg``
+   over the whole step (each minibatch weighted by its share).
 
 With ``pool.enabled`` steps 1-2 take the trainer's prompts through a rollout pool (``mmrl/vlm/pooled.py``):
 synchronous or asynchronous, with APRIL partial rollouts, stale samples weighted by truncated importance sampling.
@@ -32,7 +33,7 @@ import json
 import logging
 import math
 import time
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, Literal
 
@@ -98,45 +99,47 @@ class VLMRLVRTrainer(TrainerBase):
         from pipelines.vlm.hf_backend import load_vlm
 
         cfg = self.cfg
-        m = cfg.model
+        model_cfg = cfg.model
         # one process per GPU under `accelerate launch` (mmrl/distributed.py): each rank rolls out its own prompts
-        self.setup_runtime(m.device)
+        self.setup_runtime(model_cfg.device)
         if self.dist.fsdp:
             self._check_fsdp()
         # 1. model and processor, loaded as users load Qwen2.5-VL
-        kwargs: dict[str, Any] = {"dtype": DTYPES[m.dtype]}
-        if m.load_in_4bit:
+        kwargs: dict[str, Any] = {"dtype": DTYPES[model_cfg.dtype]}
+        if model_cfg.load_in_4bit:
             from transformers import BitsAndBytesConfig
 
             kwargs["quantization_config"] = BitsAndBytesConfig(
-                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=DTYPES[m.dtype]
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=DTYPES[model_cfg.dtype]
             )
-        self.processor, model = load_vlm(m.path, **kwargs)
-        if not m.load_in_4bit:
+        self.processor, model = load_vlm(model_cfg.path, **kwargs)
+        if not model_cfg.load_in_4bit:
             model.to(self.device)
         model.requires_grad_(False)
-        if m.lora is not None:
+        if model_cfg.lora is not None:
             from peft import LoraConfig, get_peft_model
 
             model = get_peft_model(
                 model,
                 LoraConfig(
-                    r=m.lora.rank,
-                    lora_alpha=m.lora.alpha,
-                    lora_dropout=m.lora.dropout,
-                    target_modules=self.family.lora_target_pattern(m.lora.target_modules, m.train_vision),
+                    r=model_cfg.lora.rank,
+                    lora_alpha=model_cfg.lora.alpha,
+                    lora_dropout=model_cfg.lora.dropout,
+                    target_modules=self.family.lora_target_pattern(
+                        model_cfg.lora.target_modules, model_cfg.train_vision
+                    ),
                 ),
             )
         else:
             model.requires_grad_(True)
-            if not m.train_vision:
-                for name, p in model.named_parameters():
+            if not model_cfg.train_vision:
+                for name, param in model.named_parameters():
                     if self.family.is_vision_parameter(name):
-                        p.requires_grad_(False)
-        if m.gradient_checkpointing:
+                        param.requires_grad_(False)
+        if model_cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.reference = None
-        if m.lora is None and cfg.trainer.beta > 0 and for_training:
+        if model_cfg.lora is None and cfg.trainer.beta > 0 and for_training:
             self.reference = (
                 copy.deepcopy(model).requires_grad_(False).eval()
             )  # before sharding: whole weights
@@ -174,32 +177,34 @@ class VLMRLVRTrainer(TrainerBase):
                     "not their steps (use a reward with step scores, e.g. reasoning_steps)"
                 )
         verifiers = [
-            (spec.key, r)
-            for spec, r in zip(
+            (spec.key, reward)
+            for spec, reward in zip(
                 [*cfg.rewards, *cfg.eval_rewards], [*self.rewards, *self.eval_rewards], strict=True
             )
         ]
-        d = cfg.data
+        data = cfg.data
         self.eval_set = load_examples(cfg, "eval")
-        check_answers(self.eval_set, verifiers, d.eval)
+        check_answers(self.eval_set, verifiers, data.eval)
         self.extra_eval_sets = {
-            name: load_examples(cfg, "eval", source) for name, source in d.extra_eval.items()
+            name: load_examples(cfg, "eval", source) for name, source in data.extra_eval.items()
         }
         for name, examples in self.extra_eval_sets.items():
-            check_answers(examples, verifiers, d.extra_eval[name])
+            check_answers(examples, verifiers, data.extra_eval[name])
         if not for_training:
             return
         self.train_set = load_examples(cfg, "train")
-        check_answers(self.train_set, verifiers, d.train)
+        check_answers(self.train_set, verifiers, data.train)
         self.by_id = {ex.prompt_id: ex for ex in self.train_set}
         if len(self.by_id) != len(self.train_set):
-            raise ValueError(f"{d.train}: prompt ids are not unique; set data.id_column to a unique column")
+            raise ValueError(
+                f"{data.train}: prompt ids are not unique; set data.id_column to a unique column"
+            )
         if self.dist.fsdp and len({bool(ex.images) for ex in self.train_set}) > 1:
             # a batch with images runs the vision tower's sharded blocks (collectives), one without does not
             raise ValueError(
-                f"FSDP launch (configs/accelerate/fsdp.yaml): some questions of {d.train} have images and some do "
-                "not, so one rank's batch could run the sharded vision tower while another's does not; use data "
-                "where every question has an image (or none does), or launch with configs/accelerate/ddp.yaml"
+                f"FSDP launch (configs/accelerate/fsdp.yaml): some questions of {data.train} have images and some "
+                "do not, so one rank's batch could run the sharded vision tower while another's does not; use "
+                "data where every question has an image (or none does), or launch with configs/accelerate/ddp.yaml"
             )
         if cfg.allocation.prompts_per_step > len(self.train_set):
             raise ValueError(
@@ -222,8 +227,8 @@ class VLMRLVRTrainer(TrainerBase):
         ]
         if by_kind and not any(ex.kind for ex in self.train_set):
             raise ValueError(
-                f"{', '.join(by_kind)}: kind groups questions by their kind, and the questions of {d.train} have "
-                "none (the generated shapes worlds give each its template); set it back to its default"
+                f"{', '.join(by_kind)}: kind groups questions by their kind, and the questions of {data.train} "
+                "have none (the generated shapes worlds give each its template); set it back to its default"
             )
         kinds = (
             {ex.prompt_id: ex.kind for ex in self.train_set}
@@ -339,8 +344,13 @@ class VLMRLVRTrainer(TrainerBase):
 
     @property
     def uses_tis(self) -> bool:
-        t = self.cfg.trainer.tis
-        return t == "on" or (t == "auto" and self.cfg.generation.backend != "hf")
+        """Whether lag-0 samples get the engine TIS weight ``min(pi_old / pi_behaviour, trainer.tis_cap)``:
+        ``trainer.tis: on``, or ``auto`` when the behaviour log-probs differ from the trainer's by design: another
+        engine (vLLM: its kernels, FP8) or ``generation.top_p < 1`` (sampled from the truncated nucleus,
+        :mod:`pipelines.vlm.backend`)."""
+        generation = self.cfg.generation
+        mode = self.cfg.trainer.tis
+        return mode == "on" or (mode == "auto" and (generation.backend != "hf" or generation.top_p < 1))
 
     # ------------------------------------------------------------------ helpers
     def _prompt(self, ex: VQAExample) -> VLMPrompt:
@@ -397,7 +407,7 @@ class VLMRLVRTrainer(TrainerBase):
         pairs: list[tuple[VQAExample, GenerationSample]],
         temperature: float,
         model: torch.nn.Module | None = None,
-    ):
+    ) -> TokenStats:
         """Token log-probs and entropies of ``pairs`` under ``model`` (default: the policy)."""
         batch = build_scoring_batch(
             self.processor,
@@ -424,7 +434,9 @@ class VLMRLVRTrainer(TrainerBase):
             family=self.family,
         )
 
-    def reference_context(self):
+    def reference_context(self) -> AbstractContextManager[Any]:
+        """Where the policy's forward is the reference's: the adapter disabled (LoRA), else nothing (a full
+        fine-tune scores with the separate ``self.reference``)."""
         if self.cfg.model.lora is not None:
             return self.model.disable_adapter()
         return nullcontext()
@@ -463,9 +475,17 @@ class VLMRLVRTrainer(TrainerBase):
         self,
     ) -> tuple[list[tuple[VQAExample, GenerationSample]], torch.Tensor, torch.Tensor, torch.Tensor]:
         """Steps 1-3: ``(pairs, advantages, row mask [N] of samples that enter the loss, weight lags [N] of the
-        samples)``; the advantages are per sequence ``[N]``, or per token ``[N, T]`` with process credit."""
-        t = self.cfg.trainer
+        samples)``; the advantages are per sequence ``[N]``, or per token ``[N, T]`` with process credit.
+
+        Raises:
+            ValueError: every prompt of the step was skipped as too long (:meth:`_no_samples_error`).
+        """
+        settings = self.cfg.trainer
         source = self.rollout_source.collect(self.step)
+        # a vLLM engine hands its memory to the update until sync_weights wakes it (transformers: nothing to free)
+        self.backend.sleep()
+        if not source.output:
+            raise self._no_samples_error(source.info.get("skipped", self.cfg.allocation.prompts_per_step))
         pairs = [(self.by_id[pid], sample) for pid, sample in source.output]
         total, raw, outputs = self.score_samples(pairs)
         pids = [ex.prompt_id for ex, _ in pairs]
@@ -474,14 +494,14 @@ class VLMRLVRTrainer(TrainerBase):
         baseline = self.stats.success_prob(pids).float() if estimator.needs_baseline else None  # V(x) before
         self.stats.update_distributed(pids, total, step=self.step)
         result = estimator.fn(
-            RewardBatch(total, group_ids, raw, self.reward_weights, baseline), **t.advantage_options
+            RewardBatch(total, group_ids, raw, self.reward_weights, baseline), **settings.advantage_options
         )
         adv, keep = result.adv, result.keep_mask()
         if baseline is not None:
             self.metrics.add("baseline/mean", baseline.mean())
-        if t.mode == "group":
+        if settings.mode == "group":
             self.metrics.add("train/effective_ratio", effective_ratio(total, group_ids))
-            if t.dynamic_sampling:
+            if settings.dynamic_sampling:
                 keep &= adv != 0
         self.metrics.add("reward/mean", total.mean(), count=len(pairs))
         for k, spec in enumerate(self.cfg.rewards):
@@ -493,10 +513,29 @@ class VLMRLVRTrainer(TrainerBase):
         )
         self.metrics.add("adv/mean", adv.mean())
         self.metrics.add("adv/std", adv.std(correction=0))
-        if t.process_credit.reward is not None:
-            adv = self._add_process_credit(pairs, adv, outputs[t.process_credit.reward], group_ids)
+        if settings.process_credit.reward is not None:
+            adv = self._add_process_credit(pairs, adv, outputs[settings.process_credit.reward], group_ids)
         self.rollout_source.prefetch(self.step)  # later steps' requests, chosen with this step's statistics
         return pairs, adv, keep, source.sample_lags
+
+    def _no_samples_error(self, skipped: int) -> ValueError:
+        """The error of a step without a sample (nothing to verify, baseline or train on): all its ``skipped``
+        prompts (the pooled source counts them, carried requests included, in its batch's ``info``; the loop
+        source asks for ``allocation.prompts_per_step``) were too long for the length settings it names. A step
+        that keeps some prompts trains on them (each skip is logged and counted in ``gen/skipped``); a step that
+        keeps none stops the run rather than train nothing silently."""
+        generation = self.cfg.generation
+        limits = ", ".join(
+            f"generation.{key} ({'null' if value is None else value})"
+            for key, value in (
+                ("max_prompt_length", generation.max_prompt_length),
+                ("max_model_len", generation.max_model_len),
+            )
+        )
+        return ValueError(
+            f"{limits}: all {skipped} prompts of step {self.step} are too long for them (each one's length is in "
+            "the warnings above); raise them or filter the data"
+        )
 
     def _add_process_credit(
         self,
@@ -567,17 +606,21 @@ class VLMRLVRTrainer(TrainerBase):
         lags: torch.Tensor | None = None,
     ) -> None:
         """One update on the step's samples: ``adv`` per sequence ``[N]`` or per token ``[N, T]`` (cut or padded
-        to each minibatch's longest completion); ``lags [N]`` (default 0) are their weight lags."""
+        to each minibatch's longest completion); ``lags [N]`` (default 0) are their weight lags.
+
+        The step's loss is ``L = sum_k w_k L_k`` over its minibatches, ``L_k`` the minibatch's ``loss_agg``
+        aggregate and ``w_k`` its share of the step (:func:`_minibatch_shares`), so ``L`` is the aggregate over
+        every kept row whatever ``trainer.minibatch_size`` cuts them into."""
         if lags is None:
             lags = torch.zeros(len(pairs), dtype=torch.long)
-        t = self.cfg.trainer
-        temp = self.cfg.generation.temperature
+        settings = self.cfg.trainer
+        temperature = self.cfg.generation.temperature
         rows = torch.nonzero(keep).flatten()
         if (
             self.dist.fsdp
         ):  # every rank must make the same forwards; _check_fsdp refuses the settings that differ
-            n = math.ceil(rows.numel() / t.minibatch_size)
-            if self.dist.max_over_ranks(n) != -self.dist.max_over_ranks(-n):
+            num_minibatches = math.ceil(rows.numel() / settings.minibatch_size)
+            if self.dist.max_over_ranks(num_minibatches) != -self.dist.max_over_ranks(-num_minibatches):
                 raise RuntimeError(
                     "FSDP ranks hold different numbers of minibatches; their forwards would not pair up"
                 )
@@ -590,56 +633,73 @@ class VLMRLVRTrainer(TrainerBase):
         # (TRL does the same at num_iterations=1). One forward per minibatch and epoch, none without gradients.
         # With dropout on (LoRA dropout > 0) the old statistics are a train-mode draw, as TRL's.
         self.model.train()
-        chunks = rows.split(t.minibatch_size)
-        old: list[TokenStats | None] = [None] * len(chunks)
-        for _ in range(t.ppo_epochs):
-            for chunk, idx in enumerate(chunks):
-                mb = [pairs[i] for i in idx.tolist()]
-                new = self.token_stats(mb, temp)
-                if old[chunk] is None:
-                    old[chunk] = new.detach()
-                o = old[chunk]
-                mask = o.mask
-                a = _token_width(adv[idx], mask.shape[1]).to(mask.device).float()
-                entropy = o.entropy if t.entropy_shaping.kind == "full" else o.sampled_entropy
-                if t.entropy_shaping.enabled:
-                    a_tok = adv_lib.entropy_shaped(
-                        a, entropy, t.entropy_shaping.alpha, t.entropy_shaping.kappa
-                    )
+        chunks = rows.split(settings.minibatch_size)
+        lengths = torch.tensor([len(sample.completion_token_ids) for _, sample in pairs])
+        shares = _minibatch_shares([lengths[idx] for idx in chunks], settings.loss_agg)
+        old_stats: list[TokenStats | None] = [None] * len(chunks)
+        for _ in range(settings.ppo_epochs):
+            for chunk, (idx, share) in enumerate(zip(chunks, shares, strict=True)):
+                minibatch = [pairs[i] for i in idx.tolist()]
+                new = self.token_stats(minibatch, temperature)
+                if old_stats[chunk] is None:
+                    old_stats[chunk] = new.detach()
+                old = old_stats[chunk]
+                mask = old.mask
+                advantages = _token_width(adv[idx], mask.shape[1]).to(mask.device).float()
+                shaping = settings.entropy_shaping
+                entropy = old.entropy if shaping.kind == "full" else old.sampled_entropy
+                if shaping.enabled:
+                    token_adv = adv_lib.entropy_shaped(advantages, entropy, shaping.alpha, shaping.kappa)
                 else:
-                    a_tok = a.unsqueeze(1).expand_as(o.logprobs) if a.ndim == 1 else a
+                    token_adv = (
+                        advantages.unsqueeze(1).expand_as(old.logprobs)
+                        if advantages.ndim == 1
+                        else advantages
+                    )
                 per_token = loss_lib.clipped_surrogate(
-                    new.logprobs, o.logprobs, a_tok, t.epsilon_low, t.epsilon_high, t.dual_clip
+                    new.logprobs,
+                    old.logprobs,
+                    token_adv,
+                    settings.epsilon_low,
+                    settings.epsilon_high,
+                    settings.dual_clip,
                 )
-                behaviour = _pad_logprobs([s.logprobs for _, s in mb], mask.shape[1]).to(mask.device)
-                self.metrics.add("tis/logprob_mismatch", _masked_mean((o.logprobs - behaviour).abs(), mask))
-                w = self.loss_weights(o.logprobs, behaviour, mask, lags[idx])
-                if w is not None:
-                    per_token = per_token * w
-                    self.metrics.add("tis/weight_mean", _masked_mean(w, mask))
-                if t.beta > 0:
+                behaviour_rows = [sample.logprobs for _, sample in minibatch]
+                behaviour = _pad_logprobs(behaviour_rows, mask.shape[1]).to(mask.device)
+                self.metrics.add("tis/logprob_mismatch", _masked_mean((old.logprobs - behaviour).abs(), mask))
+                weights = self.loss_weights(old.logprobs, behaviour, mask, lags[idx])
+                if weights is not None:
+                    per_token = per_token * weights
+                    self.metrics.add("tis/weight_mean", _masked_mean(weights, mask))
+                if settings.beta > 0:
                     with torch.no_grad(), self.reference_context():
-                        ref = self.token_stats(mb, temp, model=self.reference)
+                        ref = self.token_stats(minibatch, temperature, model=self.reference)
                     kl = loss_lib.kl_estimate(new.logprobs, ref.logprobs, kind="k3")
-                    per_token = per_token + t.beta * kl
+                    per_token = per_token + settings.beta * kl
                     self.metrics.add("policy/kl", _masked_mean(kl.detach(), mask))
                 loss = loss_lib.aggregate(
-                    per_token, mask, mode=t.loss_agg, max_len=self.cfg.generation.max_new_tokens
+                    per_token, mask, mode=settings.loss_agg, max_len=self.cfg.generation.max_new_tokens
                 )
-                (loss / len(chunks)).backward()
-                self.metrics.add("loss", loss)
+                (loss * share).backward()
+                # weighted by its share, the logged loss is the step's aggregate (per epoch)
+                self.metrics.add("loss", loss, count=share)
                 self.metrics.add("entropy/mean", _masked_mean(entropy, mask))
                 self.metrics.add(
-                    "policy/ratio_mean", _masked_mean(torch.exp(new.logprobs.detach() - o.logprobs), mask)
+                    "policy/ratio_mean", _masked_mean(torch.exp(new.logprobs.detach() - old.logprobs), mask)
                 )
                 self.metrics.add_dict(
                     loss_lib.clip_fractions(
-                        new.logprobs, o.logprobs, a_tok, t.epsilon_low, t.epsilon_high, mask=mask
+                        new.logprobs,
+                        old.logprobs,
+                        token_adv,
+                        settings.epsilon_low,
+                        settings.epsilon_high,
+                        mask=mask,
                     )
                 )
             # a function of the training step, so a resumed run continues a cosine exactly
-            lr = learning_rate(self.step, t.lr, t.steps, schedule=t.lr_schedule)
-            self.optimizer_step(self.optimizer, self.trainable, t.max_grad_norm, lr=lr)
+            lr = learning_rate(self.step, settings.lr, settings.steps, schedule=settings.lr_schedule)
+            self.optimizer_step(self.optimizer, self.trainable, settings.max_grad_norm, lr=lr)
         self.backend.sync_weights(self.model)
 
     def train_step(self) -> dict[str, float]:
@@ -697,11 +757,12 @@ class VLMRLVRTrainer(TrainerBase):
     def evaluate(self, examples: list[VQAExample] | None = None) -> dict[str, float]:
         """Greedy answers on the held-out questions: accuracy per verifier and per question kind, each
         ``eval_rewards`` verifier beside them, then the same for every ``data.extra_eval`` set
-        (``eval/NAME/...``) when ``examples`` is not given."""
+        (``eval/NAME/...``) when ``examples`` is not given. A vLLM engine sleeps after the last set."""
         out = self._evaluate_set(self.eval_set if examples is None else examples, "eval")
         if examples is None:
             for name, extra in self.extra_eval_sets.items():
                 out.update(self._evaluate_set(extra, f"eval/{name}"))
+        self.backend.sleep()  # (once, not per set: each wake-up reloads the engine's weights)
         return out
 
     def _evaluate_set(self, examples: list[VQAExample], prefix: str) -> dict[str, float]:
@@ -839,6 +900,27 @@ def _token_width(adv: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(adv, (0, width - adv.shape[1]))
 
 
+def _minibatch_shares(lengths: list[torch.Tensor], loss_agg: str) -> list[float]:
+    """Each minibatch's weight ``w_k`` in the step's loss ``L = sum_k w_k L_k`` (``L_k``: its
+    :func:`mmrl.core.losses.aggregate`; ``lengths``: per minibatch, its rows' completion lengths), such that ``L``
+    is the aggregate over all the step's rows:
+
+    - ``token_mean``: ``w_k = T_k / T``, tokens over the step's tokens (every token weighs the same);
+    - ``seq_mean_token_mean``: ``w_k = R_k / R``, rows with a token over the step's such rows (every sequence
+      weighs the same; ``aggregate`` leaves empty rows out of its mean);
+    - ``seq_mean_token_sum_norm``: ``w_k = B_k / B``, rows over the step's rows (the normaliser
+      ``B * max_len`` is the step's).
+    """
+    count = {
+        "token_mean": lambda chunk: float(chunk.sum()),
+        "seq_mean_token_mean": lambda chunk: float((chunk > 0).sum()),
+        "seq_mean_token_sum_norm": lambda chunk: float(chunk.numel()),
+    }[loss_agg]
+    counts = [count(chunk) for chunk in lengths]
+    total = sum(counts)
+    return [value / total for value in counts]
+
+
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of ``values [B, T]`` over the completion tokens ``mask`` selects (padding never counts)."""
     m = mask.to(values.dtype)
@@ -864,7 +946,19 @@ def evaluate(
     checkpoint: Path | None,
     images_per_prompt: int,
 ) -> dict[str, float]:
-    """Accuracy of the base model, or a checkpoint's adapter, on a question file (json/jsonl/parquet)."""
+    """Accuracy of the base model, or a checkpoint's adapter, on a question file (json/jsonl/parquet).
+
+    Each question is answered once, greedily (as ``trainer.eval_every`` scores), so ``images_per_prompt`` (the
+    flow recipes' samples per prompt, ``mmrl eval --images-per-prompt``) must be 1: greedy samples repeat.
+
+    Raises:
+        ValueError: ``images_per_prompt`` is not 1.
+    """
+    if images_per_prompt != 1:
+        raise ValueError(
+            f"--images-per-prompt {images_per_prompt}: a vlm_rlvr run is evaluated with one greedy answer per "
+            "question (N greedy answers would be the same answer); leave the flag out"
+        )
     if prompts_file is not None:
         cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"eval": prompts_file})})
     trainer = VLMRLVRTrainer(cfg, run=None)

@@ -13,18 +13,11 @@ from __future__ import annotations
 
 import torch
 
+from pipelines.lora import unwrap_peft
 from pipelines.pool.protocol import WeightUpdate
 from pipelines.vlm.weight_sync import merged_state_dict
 
 _PEFT_PREFIX = "base_model.model."
-
-
-def _adapted(module: torch.nn.Module) -> tuple[torch.nn.Module, bool]:
-    """The module the adapter's keys are relative to, and whether ``module`` is a peft ``PeftModel``."""
-    get_base_model = getattr(module, "get_base_model", None)
-    if callable(get_base_model) and hasattr(module, "peft_config"):
-        return get_base_model(), True
-    return module, False
 
 
 def has_lora(module: torch.nn.Module) -> bool:
@@ -51,7 +44,7 @@ def lora_update(module: torch.nn.Module, version: int, adapter_name: str = "defa
         )
     from peft import get_peft_model_state_dict  # peft is imported only where LoRA is used (seconds to import)
 
-    _, is_peft = _adapted(module)
+    _, is_peft = unwrap_peft(module)
     state = get_peft_model_state_dict(module, adapter_name=adapter_name)
     if is_peft:
         # keys relative to the transformers model, so workers that used add_adapter() load them as they are
@@ -93,7 +86,8 @@ def apply_update(module: torch.nn.Module, update: WeightUpdate) -> None:
     if update.kind == "lora":
         from peft import inject_adapter_in_model, set_peft_model_state_dict
 
-        target, is_peft = _adapted(module)
+        # the adapter's keys are relative to the model inside a PeftModel
+        target, is_peft = unwrap_peft(module)
         if not has_lora(module):
             # peft's own injection, not the model's add_adapter(): transformers >= 5.24 gates that on a peft
             # release newer than any published, and the result (layers and peft_config) is the same

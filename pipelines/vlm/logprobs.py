@@ -37,6 +37,7 @@ import torch
 from PIL import Image
 from torch.utils.checkpoint import checkpoint
 
+from pipelines.lora import unwrap_peft
 from pipelines.vlm.families import DEFAULT_FAMILY, VLMFamily, family_for_model_type, get_vlm_family
 
 
@@ -266,8 +267,7 @@ def backbone_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn
     its own FSDP unit, or their parameters are still shards when called. Unwraps a peft model to the transformers
     model with LoRA layers injected (so LoRA, and ``disable_adapter()`` for the reference policy, still apply).
     """
-    if hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None)):
-        model = model.get_base_model()
+    model, _ = unwrap_peft(model)
     backbone = getattr(model, model.base_model_prefix)
     head = model.get_output_embeddings()
     if head is None:

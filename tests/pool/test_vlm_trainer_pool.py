@@ -5,6 +5,7 @@ once, config validation. The committed shapes VLM, a few prompts per step."""
 from __future__ import annotations
 
 import itertools
+import pickle
 import sys
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ from mmrl.config import load_config
 from mmrl.core.losses import truncated_is_weights
 from mmrl.seeding import request_seed
 from mmrl.vlm.config import VLMRLVRConfig
-from mmrl.vlm.pooled import PooledVLMWorker
+from mmrl.vlm.pooled import PooledVLMWorker, pooled_worker_factory
 from mmrl.vlm.trainer import VLMRLVRTrainer
 from pipelines.pool.weights import make_update
 from pipelines.vlm.backend import SamplingParams
@@ -294,6 +295,38 @@ def test_vllm_pool_without_vllm_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
     with pytest.raises(ImportError, match=r"pip install mmrl\[vllm\]"):
         started(make_cfg("pool.enabled=true", "generation.backend=vllm"))
+
+
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_pool_members_generate_with_the_configured_family(fake_vllm, backend):
+    """``model.family`` reaches every member's backend through the (picklable) worker factory, as the in-loop
+    trainer's backend gets it, instead of each backend detecting one from the checkpoint's ``model_type``."""
+    cfg = make_cfg("pool.enabled=true", "model.family=qwen2_5_vl", f"generation.backend={backend}")
+    factory = pooled_worker_factory(cfg.model, cfg.generation, cfg.pool, None, "cpu", cfg.run.seed)
+    family = factory.keywords["family"]
+    assert family.name == "qwen2_5_vl"
+    assert pickle.loads(pickle.dumps(factory)).keywords["family"].name == "qwen2_5_vl"  # (Ray pickles it)
+    assert factory().backend.family is family
+    detected = make_cfg("pool.enabled=true", f"generation.backend={backend}")  # model.family null
+    assert (
+        pooled_worker_factory(detected.model, detected.generation, detected.pool, None, "cpu", 0).keywords[
+            "family"
+        ]
+        is None
+    )
+
+
+def test_a_pooled_step_whose_every_prompt_is_too_long_names_the_length_settings():
+    trainer = started(make_cfg("pool.enabled=true", "pool.max_staleness=0", "generation.max_prompt_length=8"))
+    try:
+        with pytest.raises(ValueError) as error:
+            trainer.collect()
+    finally:
+        trainer.cleanup()
+    assert str(error.value) == (
+        "generation.max_prompt_length (8), generation.max_model_len (null): all 6 prompts of step 0 are too long "
+        "for them (each one's length is in the warnings above); raise them or filter the data"
+    )
 
 
 def test_overprovision_beyond_the_train_set_is_refused():

@@ -1,17 +1,23 @@
 """The VLM RLVR trainer on a tiny random Qwen2.5-VL: single and group modes, LoRA-only updates, checkpoints."""
 
+import dataclasses
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from mmrl.cli import main as cli_main
 from mmrl.config import load_config
 from mmrl.data.shapes_math import Step, format_completion, format_trace, make_count_items, make_math_items
 from mmrl.data.shapes_vqa import make_vqa_items
 from mmrl.vlm.config import VLMRLVRConfig
 from mmrl.vlm.trainer import VLMRLVRTrainer, evaluate, load_examples, main
+from pipelines.vlm.backend import GenerationBackend
 from pipelines.vlm.tiny import build_tiny_vlm
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +208,9 @@ def test_group_mode_gdpo_normalises_each_reward_in_its_group(model_dir, tmp_path
         [[p for p in dict.fromkeys(ex.prompt_id for ex, _ in pairs)].index(ex.prompt_id) for ex, _ in pairs]
     )
     torch.testing.assert_close(adv, decoupled_multi_reward(raw, groups, torch.tensor([2.0, 1.0])))
-    with pytest.raises(ValueError, match="multi_reward=gdpo needs a mean-centred estimator"):
+    with pytest.raises(
+        ValueError, match="multi_reward=gdpo with 2 rewards trains with the gdpo estimator, not"
+    ):
         make_cfg(
             model_dir,
             tmp_path,
@@ -387,3 +395,149 @@ def test_prior_groups_kind_centres_each_questions_baseline_on_its_template(tmp_p
     )
     with pytest.raises(ValueError, match=r"allocation.prior_groups: kind .* have none"):
         VLMRLVRTrainer(no_kinds, None).setup()
+
+
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_minibatches_give_the_gradient_of_one_full_batch(model_dir, tmp_path, loss_agg):
+    """17 kept rows of 1 to 6 tokens, cut 16 + 1 by ``trainer.minibatch_size=16``, give the gradient of one
+    17-row batch (``minibatch_size=64``) under every ``loss_agg``: each minibatch's loss weighs its share of the
+    step (its tokens for token_mean, its rows for the row-averaged modes), not 1 / number of minibatches."""
+    cfg = make_cfg(
+        model_dir,
+        tmp_path,
+        "agg",
+        "trainer.mode=group",
+        "allocation.prompts_per_step=6",
+        "trainer.minibatch_size=16",
+        f"trainer.loss_agg={loss_agg}",
+    )
+    trainer = VLMRLVRTrainer(cfg, None)
+    trainer.setup()
+    pairs, _, _, _ = trainer.collect()
+    assert len(pairs) == 18
+    # completions of 1..6 tokens: the rows' token counts differ, so token and row shares differ
+    pairs = [
+        (
+            example,
+            dataclasses.replace(
+                sample,
+                completion_token_ids=sample.completion_token_ids[: 1 + row % 6],
+                logprobs=sample.logprobs[: 1 + row % 6],
+            ),
+        )
+        for row, (example, sample) in enumerate(pairs)
+    ]
+    assert len({len(sample.completion_token_ids) for _, sample in pairs}) == 6
+    keep = torch.ones(len(pairs), dtype=torch.bool)
+    keep[4] = False
+    adv = torch.randn(len(pairs), generator=torch.Generator().manual_seed(0))
+    grads: list[list[torch.Tensor]] = []
+
+    def record(optimizer, params, max_grad_norm, lr=None):
+        grads.append([param.grad.clone() for param in params])
+        optimizer.zero_grad(set_to_none=True)
+
+    trainer.optimizer_step = record
+    trainer.update(pairs, adv, keep)
+    trainer.cfg.trainer.minibatch_size = 64
+    trainer.update(pairs, adv, keep)
+    chunked, full = grads
+    assert any(bool(grad.abs().max() > 1e-3) for grad in full)
+    for chunked_grad, full_grad in zip(chunked, full, strict=True):
+        torch.testing.assert_close(chunked_grad, full_grad, rtol=0, atol=1e-6)
+
+
+class RecordingBackend(GenerationBackend):
+    """The trainer's transformers backend, recording the engine calls a vLLM engine would get."""
+
+    def __init__(self, inner: GenerationBackend, calls: list[str]) -> None:
+        super().__init__()
+        self.inner = inner
+        self.calls = calls
+        self.suppressed_token_ids = inner.suppressed_token_ids
+
+    def generate(self, prompts, params):
+        self.calls.append("generate")
+        return self.inner.generate(prompts, params)
+
+    def _load_weights(self, model):
+        self.calls.append("sync")  # (VLLMBackend wakes the engine here)
+        self.inner._load_weights(model)
+
+    def sleep(self):
+        self.calls.append("sleep")
+
+    def wake_up(self):
+        self.calls.append("wake_up")
+
+
+def test_the_rollout_engine_sleeps_after_generation_and_evaluation(model_dir, tmp_path):
+    """A step generates, puts the engine to sleep, trains, then syncs the weights (which wakes a vLLM engine)
+    before the next step generates; evaluation sleeps once its answers are generated."""
+    trainer = VLMRLVRTrainer(make_cfg(model_dir, tmp_path, "sleep", "trainer.beta=0"), None)
+    trainer.setup()
+    calls: list[str] = []
+    trainer.backend = RecordingBackend(trainer.backend, calls)
+    scored = trainer.score_samples
+    trainer.score_samples = lambda pairs: (torch.arange(len(pairs)) % 2.0, *scored(pairs)[1:])
+    token_stats = trainer.token_stats
+
+    def training(batch, temperature, model=None):
+        calls.append("train")
+        return token_stats(batch, temperature, model)
+
+    trainer.token_stats = training
+    trainer.train_step()
+    trainer.step += 1
+    trainer.collect()
+    trainer.evaluate()
+    assert calls == ["generate", "sleep", "train", "sync", "generate", "sleep", "generate", "sleep"]
+
+
+def test_a_step_whose_every_prompt_is_too_long_names_the_length_settings(model_dir, tmp_path):
+    trainer = VLMRLVRTrainer(make_cfg(model_dir, tmp_path, "long", "generation.max_prompt_length=8"), None)
+    trainer.setup()
+    with pytest.raises(ValueError) as error:
+        trainer.collect()
+    assert str(error.value) == (
+        "generation.max_prompt_length (8), generation.max_model_len (null): all 4 prompts of step 0 are too long "
+        "for them (each one's length is in the warnings above); raise them or filter the data"
+    )
+
+
+def test_tis_auto_weights_samples_drawn_from_a_top_p_nucleus(model_dir, tmp_path):
+    """``trainer.tis: auto`` is on for the transformers backend once ``generation.top_p < 1`` (the behaviour
+    log-probs are then those of the truncated nucleus): lag-0 samples get the truncated importance weights."""
+
+    def trainer(*overrides: str) -> VLMRLVRTrainer:
+        return VLMRLVRTrainer(make_cfg(model_dir, tmp_path, "tis", *overrides), None)
+
+    assert not trainer().uses_tis
+    assert not trainer("generation.top_p=0.9", 'trainer.tis="off"').uses_tis
+    nucleus = trainer("generation.top_p=0.9")
+    assert nucleus.uses_tis
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -1.0, 0.0]])
+    behaviour = torch.full((2, 3), -1.5)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    weights = nucleus.loss_weights(old, behaviour, mask, torch.zeros(2, dtype=torch.long))
+    # min(exp(old - behaviour), tis_cap = 2) per completion token, 0 on padding
+    torch.testing.assert_close(
+        weights, torch.tensor([[1.6487, 0.6065, 2.0], [0.2231, 1.6487, 0.0]]), atol=1e-4, rtol=0
+    )
+
+
+def test_vlm_eval_refuses_more_than_one_answer_per_question(model_dir, tmp_path, capsys):
+    """VLM evaluation answers each question once, greedily: ``images_per_prompt`` (``mmrl eval
+    --images-per-prompt``) other than 1 is refused, by ``evaluate`` and by the CLI (exit status 2)."""
+    message = (
+        "--images-per-prompt 3: a vlm_rlvr run is evaluated with one greedy answer per question (N greedy answers "
+        "would be the same answer); leave the flag out"
+    )
+    with pytest.raises(ValueError) as error:
+        evaluate(make_cfg(model_dir, tmp_path, "ev"), None, tmp_path / "eval", None, 3)
+    assert str(error.value) == message
+    config = CONFIGS / "demo" / "vlm_shapes_single.yaml"
+    out = tmp_path / "cli_eval"
+    assert cli_main(["eval", str(config), "--images-per-prompt", "3", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == f"mmrl: error: {message}\n"
+    assert not out.exists()
