@@ -412,6 +412,11 @@ class FlowGRPOConfig(Config):
         objective = check_objective(self.trainer.objective)
         # the allocation sizes the groups of flat rollouts only; trees and the explorer size their own
         flat = self.sampling.rollout == "flat" and not self.explore.enabled
+        if flat and self.allocation.rollouts_per_step is None:
+            raise ValueError(
+                "allocation.rollouts_per_step: flat flow rollouts need a budget of images per step (null "
+                "derives one from trainer.num_generations in the VLM recipe only)"
+            )
         check_group_sizes(estimator, self.allocation, self.allocation.rollouts_per_step if flat else None)
         w = self.sampling.sde_window
         if w is not None and w > self.sampling.num_steps:

@@ -223,7 +223,9 @@ class VLMTrainerConfig(Config):
         "generation.max_new_tokens, TRL's max_completion_length).",
     )
     tis: Literal["auto", "on", "off"] = Field(
-        "auto", description="Truncated importance sampling vs the rollout engine (auto: on for vllm)."
+        "auto",
+        description="Truncated importance sampling vs the rollout engine (auto: on for vllm, or for any backend "
+        "when generation.top_p < 1: samples from the truncated nucleus).",
     )
     tis_cap: float = Field(2.0, gt=0, description="TIS cap C.")
     tis_mode: Literal["token", "sequence"] = "token"

@@ -931,6 +931,8 @@ def test_minibatch_scales_average_each_optimizer_step_including_a_short_last_gro
 
 
 def test_tree_and_guided_distillation_settings_are_refused_at_config_time(model_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"allocation\.rollouts_per_step: flat flow rollouts need a budget"):
+        make_cfg(model_dir, tmp_path, "b", "allocation.rollouts_per_step=null")
     branch = ("sampling.rollout=branch", "sampling.sde_window=4")
     with pytest.raises(ValueError, match=r"tree\.split_steps lists \[2\] more than once"):
         make_cfg(model_dir, tmp_path, "t", *branch, "tree.split_steps=[0, 2, 2]", "tree.branch_factor=2")
