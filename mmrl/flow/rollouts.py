@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +31,9 @@ from pipelines.flow.adapters import FlowAdapter
 from pipelines.flow.branch import TreeConfig, tree_rollout
 from pipelines.flow.explore import ExploreConfig, ExploreResult, explore
 from pipelines.flow.rollout import SamplingConfig, rollout
+
+if TYPE_CHECKING:
+    from pipelines.quant import QuantizedCopy
 
 __all__ = ["LoopFlowSource"]
 
@@ -45,7 +49,7 @@ class LoopFlowSource:
         sampling_weights: a context that swaps in the sampling policy's weights (the trainer's old policy).
         metrics: the trainer's metric sink.
         tree: the ``tree:`` section to grow trees (``sampling.rollout=branch``); ``None``: flat groups.
-        explorer: the quantized copy (a module with ``sync(policy)`` and ``module``) to preview seeds with;
+        explorer: the quantized copy (:func:`pipelines.quant.quantize_copy`) to preview seeds with;
             ``None``: no exploration.
         explore_config: the explorer's settings (with ``explorer``).
         preview_reward: ``preview_reward(images, prompts) -> [B]`` the trainer's reward of previews (with
@@ -65,7 +69,7 @@ class LoopFlowSource:
         sampling_weights: Callable[[], AbstractContextManager[None]],
         metrics: MetricAccumulator,
         tree: TreeSettings | None = None,
-        explorer: object | None = None,
+        explorer: QuantizedCopy | None = None,
         explore_config: ExploreConfig | None = None,
         preview_reward: Callable[[torch.Tensor, list[str]], torch.Tensor] | None = None,
     ) -> None:
