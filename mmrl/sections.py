@@ -26,6 +26,7 @@ __all__ = [
     "RewardSpec",
     "SupervisedRecipeConfig",
     "SupervisedSettings",
+    "check_gdpo_estimator",
     "check_group_sizes",
     "check_reward_keys",
 ]
@@ -151,6 +152,21 @@ class AllocationConfig(Config):
                 f"{budget_key} = {budget} must be <= allocation.prompts_per_step * allocation.n_max "
                 f"({p} * {self.n_max})"
             )
+
+
+def check_gdpo_estimator(advantage: str | None, num_rewards: int) -> None:
+    """Where ``trainer.multi_reward=gdpo`` applies (several rewards) the estimator is GDPO: an explicit
+    ``trainer.advantage`` naming another one would be silently replaced, so it is refused.
+
+    Raises:
+        ValueError: naming both keys and the two ways out.
+    """
+    if advantage not in (None, "gdpo"):
+        raise ValueError(
+            f"trainer.multi_reward=gdpo with {num_rewards} rewards trains with the gdpo estimator, not "
+            f"trainer.advantage={advantage}: leave trainer.advantage null, or set "
+            f"trainer.multi_reward=weighted_sum to train {advantage} on the weighted sum"
+        )
 
 
 def check_group_sizes(

@@ -15,6 +15,7 @@ from mmrl.sections import (
     LoraSettings,
     PoolSettings,
     RewardSpec,
+    check_gdpo_estimator,
     check_group_sizes,
     check_reward_keys,
 )
@@ -259,10 +260,11 @@ class FlowTrainerConfig(Config):
         "adamw", description="adamw8bit: bitsandbytes 8-bit AdamW."
     )
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
-    advantage: str = Field(
-        "grpo",
+    advantage: str | None = Field(
+        None,
         description="Advantage estimator, a name of mmrl.core.estimators.list_estimators(): grpo, dr_grpo, "
-        "rloo, global_std, mc_grpo (odd group sizes), single (store baseline), gdpo, or one you registered.",
+        "rloo, global_std, mc_grpo (odd group sizes), single (store baseline), gdpo, or one you registered; "
+        "null: grpo, or gdpo where trainer.multi_reward=gdpo and there are several rewards.",
     )
     advantage_options: dict[str, Any] = Field(
         default_factory=dict, description="Keyword options of the estimator (e.g. single: {center: true})."
@@ -398,6 +400,17 @@ class FlowGRPOConfig(Config):
         default_factory=PoolSettings, description="Rollouts from a rollout pool (sync or async)."
     )
 
+    @property
+    def gdpo_applies(self) -> bool:
+        """``trainer.multi_reward=gdpo`` replaces the estimator when there are several rewards."""
+        return self.trainer.multi_reward == "gdpo" and len(self.rewards) > 1
+
+    @property
+    def estimator_name(self) -> str:
+        """The advantage estimator the trainer uses: GDPO for several rewards with ``trainer.multi_reward=gdpo``,
+        else ``trainer.advantage``, grpo by default."""
+        return "gdpo" if self.gdpo_applies else self.trainer.advantage or "grpo"
+
     @model_validator(mode="after")
     def _check(self) -> FlowGRPOConfig:
         if not self.rewards:
@@ -408,8 +421,11 @@ class FlowGRPOConfig(Config):
             )
         check_reward_keys(self.rewards, "rewards")
         check_reward_keys(self.eval_rewards or [], "eval_rewards")
-        estimator = check_estimator(self.trainer.advantage, self.trainer.advantage_options)
-        objective = check_objective(self.trainer.objective)
+        t = self.trainer
+        if self.gdpo_applies:
+            check_gdpo_estimator(t.advantage, len(self.rewards))
+        estimator = check_estimator(self.estimator_name, t.advantage_options)
+        objective = check_objective(t.objective)
         # the allocation sizes the groups of flat rollouts only; trees and the explorer size their own
         flat = self.sampling.rollout == "flat" and not self.explore.enabled
         if flat and self.allocation.rollouts_per_step is None:

@@ -399,13 +399,12 @@ class FlowGRPOTrainer(TrainerBase):
         statistics store first (an estimator that needs the store's baseline gets it from before the update).
         GDPO replaces the estimator when ``trainer.multi_reward=gdpo`` and there are several rewards."""
         t = self.cfg.trainer
-        name = "gdpo" if raw.shape[1] > 1 and t.multi_reward == "gdpo" else t.advantage
-        estimator = get_estimator(name)
+        estimator = get_estimator(self.cfg.estimator_name)
         total = self.combine(raw)
         baseline = self.stats.success_prob(prompts).float() if estimator.needs_baseline else None
         self.stats.update_distributed(prompts, total, step=self.step)
-        options = t.advantage_options if name == t.advantage else {}
-        result = estimator.fn(RewardBatch(total, group_index, raw, self.reward_weights, baseline), **options)
+        batch = RewardBatch(total, group_index, raw, self.reward_weights, baseline)
+        result = estimator.fn(batch, **t.advantage_options)
         return Advantages(adv_lib.clip_advantages(result.adv, t.adv_clip_max), result.keep)
 
     # ------------------------------------------------------------------ one step

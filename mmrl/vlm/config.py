@@ -15,6 +15,7 @@ from mmrl.sections import (
     LoraSettings,
     PoolSettings,
     RewardSpec,
+    check_gdpo_estimator,
     check_group_sizes,
     check_reward_keys,
 )
@@ -383,12 +384,8 @@ class VLMRLVRConfig(Config):
                 f"trainer.process_credit.reward={t.process_credit.reward!r} is not the key of a reward in "
                 f"`rewards` ({keys})"
             )
-        if self._gdpo_applies and t.advantage not in (None, "gdpo"):
-            raise ValueError(
-                f"trainer.multi_reward=gdpo with {len(self.rewards)} rewards trains with the gdpo estimator, not "
-                f"trainer.advantage={t.advantage}: leave trainer.advantage null, or set "
-                f"trainer.multi_reward=weighted_sum to train {t.advantage} on the weighted sum"
-            )
+        if self._gdpo_applies:
+            check_gdpo_estimator(t.advantage, len(self.rewards))
         estimator = check_estimator(self.estimator_name, t.advantage_options)
         if estimator.single_rollout != (t.mode == "single"):
             raise ValueError(

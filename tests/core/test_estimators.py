@@ -206,6 +206,24 @@ def test_vlm_gdpo_refuses_another_explicit_estimator_only_where_it_applies():
     assert (one.estimator_name, one.group_size) == ("mc_grpo", 9)
 
 
+def test_flow_gdpo_refuses_another_explicit_estimator_only_where_it_applies():
+    from mmrl.flow.config import FlowGRPOConfig
+
+    two = ["trainer.multi_reward=gdpo", "rewards=[{name: jpeg_incompressibility}, {name: shapes}]"]
+    assert load_config(FlowGRPOConfig, overrides=two).estimator_name == "gdpo"
+    assert load_config(FlowGRPOConfig, overrides=[*two, "trainer.advantage=gdpo"]).estimator_name == "gdpo"
+    with pytest.raises(ConfigError) as error:
+        load_config(FlowGRPOConfig, overrides=[*two, "trainer.advantage=rloo"])
+    assert str(error.value) == (
+        "invalid config:\n  trainer.multi_reward=gdpo with 2 rewards trains with the gdpo estimator, not "
+        "trainer.advantage=rloo: leave trainer.advantage null, or set trainer.multi_reward=weighted_sum "
+        "to train rloo on the weighted sum"
+    )
+    one = ["trainer.multi_reward=gdpo", "rewards=[{name: shapes}]"]
+    assert load_config(FlowGRPOConfig, overrides=one).estimator_name == "grpo"  # null: grpo
+    assert load_config(FlowGRPOConfig, overrides=[*one, "trainer.advantage=rloo"]).estimator_name == "rloo"
+
+
 def test_vlm_trainer_keys_moved_to_the_allocation_section_still_load(caplog):
     from mmrl.vlm.config import VLMRLVRConfig
 
