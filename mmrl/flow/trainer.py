@@ -780,6 +780,12 @@ class FlowGRPOTrainer(TrainerBase):
         self.nfe_total += x_t.shape[0]
         return velocities
 
+    def trains_as_sampled(self, guidance_scale: float) -> bool:
+        """Whether samples drawn at ``guidance_scale`` are trained with the velocity they were sampled with:
+        under ``trainer.train_cfg``, or when that velocity is one forward (no CFG pass: a scale of 1, or an
+        embedded guidance input as guidance-distilled FLUX's); else with the CFG-free velocity."""
+        return self.cfg.trainer.train_cfg or not self.adapter.uses_cfg(guidance_scale)
+
     def regression_guidance(self, cond: Conditioning) -> float:
         """Guidance of the regressed velocity. With ``train_cfg`` it is the guided velocity the images were sampled
         with: regressing the conditional velocity alone on CFG samples teaches it the guidance, which sampling
@@ -787,10 +793,8 @@ class FlowGRPOTrainer(TrainerBase):
         whose guidance is an input of one forward (guidance-distilled FLUX) regresses at the sampled scale
         either way."""
         w = self.cfg.sampling.guidance_scale
-        if not self.adapter.uses_cfg(w):
-            # no second forward: an embedded guidance input (FLUX.1 / FLUX.2 dev) is trained as sampled
-            return w
-        return w if self.cfg.trainer.train_cfg and cond.uncond is not None else 1.0
+        guided = self.adapter.uses_cfg(w)  # a CFG pass needs the negative prompt's conditioning
+        return w if self.trains_as_sampled(w) and (not guided or cond.uncond is not None) else 1.0
 
     def regress(
         self,

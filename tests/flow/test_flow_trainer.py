@@ -944,26 +944,17 @@ def test_tree_and_guided_distillation_settings_are_refused_at_config_time(model_
         ValueError, match=r"tree\.branch_factor: branch_factor has 3 entries for 2 split steps"
     ):
         make_cfg(model_dir, tmp_path, "t", *branch, "tree.split_steps=[0, 2]", "tree.branch_factor=[2, 2, 2]")
-    with pytest.raises(
-        ValueError, match=r"sampling\.guidance_scale 3\.0 and trainer\.train_cfg .* applied twice"
-    ):
-        make_cfg(
-            model_dir,
-            tmp_path,
-            "g",
-            "trainer.objective=nft",
-            "trainer.guidance_distill.weight=1.0",
-            "sampling.guidance_scale=3.0",
-        )
-    make_cfg(  # CFG-free training of guided samples: the CFG-free velocity is what is distilled
-        model_dir,
-        tmp_path,
-        "g",
+    distilled_guided = (
         "trainer.objective=nft",
         "trainer.guidance_distill.weight=1.0",
         "sampling.guidance_scale=3.0",
-        "trainer.train_cfg=false",
     )
+    with pytest.raises(
+        ValueError, match=r"sampling\.guidance_scale 3\.0 and trainer\.train_cfg .* applied twice"
+    ):
+        make_cfg(model_dir, tmp_path, "g", *distilled_guided)
+    # CFG-free training of guided samples: the CFG-free velocity is what is distilled
+    make_cfg(model_dir, tmp_path, "g", *distilled_guided, "trainer.train_cfg=false")
 
 
 def test_the_shipped_fsdp_recipes_pass_the_fsdp_checks():
@@ -971,17 +962,16 @@ def test_the_shipped_fsdp_recipes_pass_the_fsdp_checks():
     (the checks read the config and the number of trained denoisers; the hub models are not loaded here)."""
     from types import SimpleNamespace
 
+    def check_fsdp(cfg: FlowGRPOConfig) -> None:
+        trainer = FlowGRPOTrainer(cfg, None)
+        trainer.adapter = SimpleNamespace(trained_parts=lambda: ["transformer"])  # one trained denoiser
+        trainer._check_fsdp()
+
     root = Path(__file__).resolve().parents[2]
     paths = [p for p in sorted((root / "configs" / "flow").glob("*.yaml")) if "fsdp.yaml" in p.read_text()]
     assert len(paths) >= 2
     for path in paths:
-        trainer = FlowGRPOTrainer(load_config(FlowGRPOConfig, path, []), None)
-        trainer.adapter = SimpleNamespace(trained_parts=lambda: ["transformer"])
-        trainer._check_fsdp()
-    grpo = load_config(
-        FlowGRPOConfig, paths[0], ["trainer.objective=grpo", "trainer.drop_zero_advantage=true"]
-    )
-    trainer = FlowGRPOTrainer(grpo, None)
-    trainer.adapter = SimpleNamespace(trained_parts=lambda: ["transformer"])
+        check_fsdp(load_config(FlowGRPOConfig, path, []))
+    grpo = ["trainer.objective=grpo", "trainer.drop_zero_advantage=true"]
     with pytest.raises(ValueError, match=r"trainer\.drop_zero_advantage: a per-rank number of transitions"):
-        trainer._check_fsdp()
+        check_fsdp(load_config(FlowGRPOConfig, paths[0], grpo))

@@ -58,7 +58,7 @@ def grpo_update(trainer: FlowGRPOTrainer, batch: StepBatch) -> None:
         trans, adv_t, weights = trans.select(rows), adv_t[rows], weights[rows]
     # The ratio's log-probs are the guided ones as sampled (train_cfg, or a family without a CFG pass), else
     # the CFG-free policy's, whose behaviour log-probs the sampling weights give again at guidance 1.
-    as_sampled = t.train_cfg or not trainer.adapter.uses_cfg(trans.guidance_scale)
+    as_sampled = trainer.trains_as_sampled(trans.guidance_scale)
     cfg_scale = None if as_sampled else 1.0
     nfe_each = trainer.adapter.nfe_per_sample(trans.guidance_scale if as_sampled else 1.0)
     if as_sampled:
