@@ -141,7 +141,7 @@ class BanditTrainer(TrainerBase):
         prompt_idx, rewards = batch["prompt_idx"], batch["rewards"]
         estimator = get_estimator(t.advantage)
         prompts = prompt_idx.tolist()
-        baseline = self.stats.success_prob(prompts).float() if estimator.needs_baseline else None
+        baseline = self.stats.value(prompts).float() if estimator.needs_baseline else None
         self.stats.update(prompts, rewards, step=self.step)
         result = estimator.fn(RewardBatch(rewards, prompt_idx, baseline=baseline), **t.advantage_options)
         adv = result.adv

@@ -320,11 +320,11 @@ def single_rollout(
 ) -> torch.Tensor:
     """Single-rollout advantages against a persistent per-prompt baseline (SPO 2509.13232; MSSR).
 
-    ``A_i = r_i - V(x_i)`` with ``V`` the prompt's value from the statistics store (posterior mean), then divided
-    by the batch std of ``A`` (``scale="batch_std"``) when that std exceeds ``eps``; a batch whose advantages are
-    all equal (e.g. every reward 0 against one shared prior) keeps them unscaled, since dividing by ``eps`` would
-    blow a -0.1 up to -1e5. Centring ``A`` on its batch mean is optional and off by default: with one rollout
-    per prompt it can turn a correct answer's advantage negative.
+    ``A_i = r_i - V(x_i)`` with ``V`` the prompt's value from the statistics store (``PromptStats.value``), then
+    divided by the batch std of ``A`` (``scale="batch_std"``) when that std exceeds ``eps``; a batch whose
+    advantages are all equal (e.g. every reward 0 against one shared prior) keeps them unscaled, since dividing by
+    ``eps`` would blow a -0.1 up to -1e5. Centring ``A`` on its batch mean is optional and off by default: with
+    one rollout per prompt it can turn a correct answer's advantage negative.
 
     Args:
         rewards: ``[N]`` one reward per prompt.

@@ -11,7 +11,11 @@ One store keyed by prompt id holds, per prompt:
   and count; ``m`` is the same over every reward, so both centres are success rates in (0, 1)), a two-level
   hierarchical prior: with one rollout per prompt and few revisits a prompt's baseline is then its kind's
   success rate, not everyone's;
-- a decayed running mean / variance for continuous rewards (weighted Welford / Chan merge);
+- a decayed running mean / variance of the unclipped rewards (weighted Welford / Chan merge), shrunk the same
+  way toward a centre of unclipped rewards: the value ``V(x)`` a single-rollout baseline subtracts
+  (:meth:`PromptStats.value`). For rewards in [0, 1] it equals the Beta posterior mean; for others (a verifier
+  plus a format bonus, a preference model's logits) it is their expected reward where the Beta mean would be a
+  clipped success rate;
 - the number of observations and the last step seen.
 
 Forgetting (discounting old evidence as the policy drifts) happens at each update of a prompt:
@@ -83,14 +87,17 @@ class PromptStats:
         self._index: dict[Hashable, int] = {}
         self._ids: list[Hashable] = []
         self._data = {name: torch.zeros(0, dtype=torch.float64, device=self.device) for name in _FIELDS}
-        # Global totals (no forgetting) behind the shrinkage prior's centre.
+        # Global totals (no forgetting) behind the shrinkage prior's centre: clipped rewards for the Beta
+        # posterior, unclipped ones for the value.
         self._global_sum = 0.0
+        self._global_raw_sum = 0.0
         self._global_count = 0.0
         # Group totals (no forgetting, like the global ones) behind a grouped prompt's prior centre.
         self._group_names: list[Hashable] = sorted(set((prior_groups or {}).values()), key=repr)
         group_index = {name: g for g, name in enumerate(self._group_names)}
         self._group_of = {pid: group_index[name] for pid, name in (prior_groups or {}).items()}
         self._group_sum = torch.zeros(len(self._group_names), dtype=torch.float64, device=self.device)
+        self._group_raw_sum = torch.zeros(len(self._group_names), dtype=torch.float64, device=self.device)
         self._group_count = torch.zeros(len(self._group_names), dtype=torch.float64, device=self.device)
 
     # ------------------------------------------------------------------ lookup
@@ -140,8 +147,19 @@ class PromptStats:
     def prior_centre(self, prompt_ids: Sequence[Hashable]) -> torch.Tensor:
         """``[n]`` centre of each prompt's shrinkage prior: ``m_g = (S_g + k * m) / (N_g + k)`` for a grouped
         prompt, the global mean ``m`` otherwise."""
-        m = self.global_mean()
-        centre = torch.full((len(prompt_ids),), m, dtype=torch.float64, device=self.device)
+        return self._centre(prompt_ids, self.global_mean(), self._group_sum)
+
+    def value_centre(self, prompt_ids: Sequence[Hashable]) -> torch.Tensor:
+        """``[n]`` the same centres over unclipped rewards, toward which :meth:`value` shrinks: ``m_g`` and ``m``
+        with ``S_g, S`` the sums of the rewards themselves (equal to :meth:`prior_centre` for rewards in [0, 1])."""
+        k = self.prior_strength
+        global_value = (self._global_raw_sum + k * self.prior_mean) / (self._global_count + k)
+        return self._centre(prompt_ids, global_value, self._group_raw_sum)
+
+    def _centre(
+        self, prompt_ids: Sequence[Hashable], global_centre: float, group_sums: torch.Tensor
+    ) -> torch.Tensor:
+        centre = torch.full((len(prompt_ids),), global_centre, dtype=torch.float64, device=self.device)
         if not self._group_of:
             return centre
         groups = self._groups(prompt_ids)
@@ -149,7 +167,7 @@ class PromptStats:
         if bool(grouped.any()):
             g = groups[grouped]
             k = self.prior_strength
-            centre[grouped] = (self._group_sum[g] + k * m) / (self._group_count[g] + k)
+            centre[grouped] = (group_sums[g] + k * global_centre) / (self._group_count[g] + k)
         return centre
 
     # ------------------------------------------------------------------ update
@@ -164,9 +182,9 @@ class PromptStats:
 
         For each prompt with rewards ``r_1..r_n`` in this batch: ``s <- rho s + sum c``,
         ``f <- rho f + sum (1 - c)`` with ``c = clip(r, 0, 1)``, the global and group totals of the prior centres
-        add the same ``c`` (the Beta part is only meaningful for rewards in [0, 1]; continuous rewards outside it
-        are tracked by the mean/variance only and leave ``s, f`` and the centres as clipped evidence), and the
-        running mean/variance absorb the unclipped batch with old weight ``rho * w``.
+        add the same ``c`` (the Beta part is only meaningful for rewards in [0, 1]; rewards outside it leave
+        ``s, f`` and those centres as clipped evidence), and the running mean/variance and the value's centres
+        absorb the unclipped batch, the mean/variance with old weight ``rho * w``.
 
         Args:
             prompt_ids: ``n`` hashable ids, aligned with ``rewards``.
@@ -229,11 +247,13 @@ class PromptStats:
         # The prior centres take the clipped rewards, as the evidence does: with rewards above 1 (a verifier plus a
         # format bonus) an unclipped centre passes 1 and beta = f + k (1 - m) turns negative.
         self._global_sum += float(clipped.sum())
+        self._global_raw_sum += float(rewards.sum())
         self._global_count += float(rewards.numel())
         if self._group_of:
             groups = self._groups(prompt_ids)
             grouped = groups >= 0
             self._group_sum.index_add_(0, groups[grouped], clipped[grouped])
+            self._group_raw_sum.index_add_(0, groups[grouped], rewards[grouped])
             self._group_count.index_add_(0, groups[grouped], torch.ones_like(rewards[grouped]))
 
     def update_distributed(
@@ -274,22 +294,29 @@ class PromptStats:
         a, b = self.alpha_beta(prompt_ids)
         return a / (a + b)
 
-    def mean_var(self, prompt_ids: Sequence[Hashable]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``([n], [n])`` decayed running mean and variance of continuous rewards, shrunk towards the global mean.
+    def value(self, prompt_ids: Sequence[Hashable]) -> torch.Tensor:
+        """``[n]`` the prompt's expected reward ``V(x) = (w * mu + k * m_v) / (w + k)``: the decayed running mean
+        ``mu`` of its rewards (decayed weight ``w``) shrunk to :meth:`value_centre` ``m_v`` with strength ``k``;
+        an unseen prompt gets ``m_v``. The single-rollout baseline.
 
-        ``mean = (w * mu + k * m) / (w + k)`` with ``m`` the prompt's prior centre, a success rate in (0, 1) (the
-        clipped rewards' mean, see :meth:`update`): for rewards outside [0, 1] the shrinkage pulls towards it, so
-        keep ``prior_strength`` small there. The variance is the weighted population variance (0 when unseen).
+        For rewards in [0, 1] this is :meth:`success_prob` (``w = s + f`` and ``w * mu = s`` under the same
+        forgetting); for rewards outside it (a format bonus on top of a verifier, a preference model's scores)
+        it stays their expected reward, where the Beta posterior would be a clipped success rate.
         """
+        return self.mean_var(prompt_ids)[0]
+
+    def mean_var(self, prompt_ids: Sequence[Hashable]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([n], [n])`` :meth:`value` and the decayed weighted population variance of the prompt's rewards
+        (0 when unseen)."""
         idx, known = self._lookup(prompt_ids)
-        k, m = self.prior_strength, self.prior_centre(prompt_ids)
+        k, centre = self.prior_strength, self.value_centre(prompt_ids)
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         if len(self) == 0:
-            return m, torch.zeros(len(prompt_ids), dtype=torch.float64, device=self.device)
+            return centre, torch.zeros(len(prompt_ids), dtype=torch.float64, device=self.device)
         w = torch.where(known, self._data["weight"][idx], zero)
         mu = torch.where(known, self._data["mean"][idx], zero)
         m2 = torch.where(known, self._data["m2"][idx], zero)
-        mean = (w * mu + k * m) / (w + k)
+        mean = (w * mu + k * centre) / (w + k)
         var = torch.where(w > 0, m2 / w.clamp(min=1e-12), zero)
         return mean, var
 
@@ -322,16 +349,22 @@ class PromptStats:
             "ids": list(self._ids),
             "tensors": {name: t.cpu().clone() for name, t in self._data.items()},
             "global_sum": self._global_sum,
+            "global_raw_sum": self._global_raw_sum,
             "global_count": self._global_count,
             "group_totals": self._group_totals(),
+            "group_raw_sums": self._group_raw_sums(),
         }
 
     def _group_totals(self) -> dict[Hashable, tuple[float, float]]:
-        """``{group: (reward sum, count)}`` of every group of ``prior_groups``."""
+        """``{group: (clipped reward sum, count)}`` of every group of ``prior_groups``."""
         return {
             name: (float(self._group_sum[g]), float(self._group_count[g]))
             for g, name in enumerate(self._group_names)
         }
+
+    def _group_raw_sums(self) -> dict[Hashable, float]:
+        """``{group: unclipped reward sum}`` of every group of ``prior_groups``."""
+        return {name: float(self._group_raw_sum[g]) for g, name in enumerate(self._group_names)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the evidence of :meth:`state_dict`, keeping this store's ``rho``, ``prior_strength`` and
@@ -349,14 +382,27 @@ class PromptStats:
         self._data = {name: state["tensors"][name].to(self.device, torch.float64).clone() for name in _FIELDS}
         # A checkpoint written before the centres took clipped rewards may hold a sum outside [0, count] (a centre
         # past 1); bounding it keeps the resumed centres success rates.
+        # A checkpoint written before the value's centres existed holds one sum per centre (the unclipped rewards'
+        # in older ones, the clipped rewards' since): the value's centres start from it, exactly for rewards in
+        # [0, 1].
         self._global_count = float(state["global_count"])
+        self._global_raw_sum = float(state.get("global_raw_sum", state["global_sum"]))
         self._global_sum = min(max(float(state["global_sum"]), 0.0), self._global_count)
         totals = state.get("group_totals", {})
-        self._load_group_totals({g: (min(max(t, 0.0), n), n) for g, (t, n) in totals.items()}, replace=True)
+        raw_sums = state.get("group_raw_sums", {g: t for g, (t, _) in totals.items()})
+        self._load_group_totals(
+            {g: (min(max(t, 0.0), n), n) for g, (t, n) in totals.items()}, raw_sums, replace=True
+        )
 
-    def _load_group_totals(self, totals: Mapping[Hashable, tuple[float, float]], replace: bool) -> None:
-        """Set (``replace``) or add the ``{group: (reward sum, count)}`` totals of a state or another store."""
-        unknown = set(totals) - set(self._group_names)
+    def _load_group_totals(
+        self,
+        totals: Mapping[Hashable, tuple[float, float]],
+        raw_sums: Mapping[Hashable, float],
+        replace: bool,
+    ) -> None:
+        """Set (``replace``) or add the ``{group: (clipped reward sum, count)}`` totals and the ``{group:
+        unclipped reward sum}`` of a state or another store."""
+        unknown = (set(totals) | set(raw_sums)) - set(self._group_names)
         if unknown:
             raise ValueError(
                 f"PromptStats: totals of groups {sorted(unknown, key=repr)} that this store's prior_groups do not "
@@ -364,10 +410,12 @@ class PromptStats:
             )
         if replace:
             self._group_sum.zero_()
+            self._group_raw_sum.zero_()
             self._group_count.zero_()
         for g, name in enumerate(self._group_names):
             total, count = totals.get(name, (0.0, 0.0))
             self._group_sum[g] += total
+            self._group_raw_sum[g] += raw_sums.get(name, 0.0)
             self._group_count[g] += count
 
     def merge(self, other: PromptStats) -> None:
@@ -400,5 +448,6 @@ class PromptStats:
         d["count"][idx] += o["count"].to(self.device)
         d["last_step"][idx] = torch.maximum(d["last_step"][idx], o["last_step"].to(self.device))
         self._global_sum += other._global_sum
+        self._global_raw_sum += other._global_raw_sum
         self._global_count += other._global_count
-        self._load_group_totals(other._group_totals(), replace=False)
+        self._load_group_totals(other._group_totals(), other._group_raw_sums(), replace=False)

@@ -401,7 +401,7 @@ class FlowGRPOTrainer(TrainerBase):
         t = self.cfg.trainer
         estimator = get_estimator(self.cfg.estimator_name)
         total = self.combine(raw)
-        baseline = self.stats.success_prob(prompts).float() if estimator.needs_baseline else None
+        baseline = self.stats.value(prompts).float() if estimator.needs_baseline else None
         self.stats.update_distributed(prompts, total, step=self.step)
         batch = RewardBatch(total, group_index, raw, self.reward_weights, baseline)
         result = estimator.fn(batch, **t.advantage_options)

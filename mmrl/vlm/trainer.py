@@ -6,8 +6,8 @@ One training step:
 1. pick prompts: ``single`` mode selects them from the statistics store (uniform / Thompson / priority) and
    rolls out once each; ``group`` mode gives each prompt a group (sizes from the core's allocator);
 2. generate with behaviour log-probs (transformers or vLLM), verify the answers (rewards/);
-3. advantages: ``single`` (MSSR / SPO): ``A = r - V(x)`` with ``V`` the store's posterior mean *before* this
-   batch, scaled by the batch std; ``group``: GRPO / Dr.GRPO / RLOO / MC-GRPO (pivot excluded), optional DAPO
+3. advantages: ``single`` (MSSR / SPO): ``A = r - V(x)`` with ``V`` the store's value (expected reward) *before*
+   this batch, scaled by the batch std; ``group``: GRPO / Dr.GRPO / RLOO / MC-GRPO (pivot excluded), optional DAPO
    dynamic sampling; with ``trainer.process_credit`` plus per-token advantages from a reward's scores of each
    stated step (``mmrl/vlm/process_credit.py``); then entropy shaping per token ``A_t + min(alpha H_t, |A_t| /
    kappa)``;
@@ -491,7 +491,7 @@ class VLMRLVRTrainer(TrainerBase):
         pids = [ex.prompt_id for ex, _ in pairs]
         group_ids = torch.tensor(_group_index(pids))
         estimator = get_estimator(self.cfg.estimator_name)
-        baseline = self.stats.success_prob(pids).float() if estimator.needs_baseline else None  # V(x) before
+        baseline = self.stats.value(pids).float() if estimator.needs_baseline else None  # V(x) before
         self.stats.update_distributed(pids, total, step=self.step)
         result = estimator.fn(
             RewardBatch(total, group_ids, raw, self.reward_weights, baseline), **settings.advantage_options

@@ -164,18 +164,20 @@ def test_grouped_prior_is_the_groups_mean_shrunk_to_the_global_mean_hand_values(
 def test_grouped_prior_survives_state_dict_and_merge():
     groups = {"a": "g1", "b": "g1", "c": "g2"}
     ids = ["a", "b", "c", "a", "c"]
-    r = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.25])
+    r = torch.tensor([1.5, 0.0, 3.0, 1.0, -0.5])  # outside [0, 1] too: the value's centres are not clipped
     whole = PromptStats(prior_groups=groups)
     whole.update(ids, r, step=0)
     restored = PromptStats(prior_groups=groups)
     restored.load_state_dict(whole.state_dict())
     q = ["a", "b", "c", "new"]
     torch.testing.assert_close(restored.alpha_beta(q), whole.alpha_beta(q))
+    torch.testing.assert_close(restored.value(q), whole.value(q))
     left, right = PromptStats(prior_groups=groups), PromptStats(prior_groups=groups)
     left.update(ids[:2], r[:2], step=0)
     right.update(ids[2:], r[2:], step=0)
     left.merge(right)
     torch.testing.assert_close(left.prior_centre(q), whole.prior_centre(q))
+    torch.testing.assert_close(left.value(q), whole.value(q))
     with pytest.raises(ValueError, match="prior_groups"):
         PromptStats().load_state_dict(whole.state_dict())
 
@@ -200,3 +202,54 @@ def test_grouped_centre_lies_between_the_global_mean_and_the_groups_own_mean(row
     assert float(grouped.prior_centre(["d"])) == pytest.approx(m)
     q = ["a", "b", "c", "d", "new"]
     torch.testing.assert_close(empty.alpha_beta(q), plain.alpha_beta(q))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.tuples(st.sampled_from(["a", "b", "c", "d"]), st.floats(0, 1)), min_size=1, max_size=8),
+        min_size=1,
+        max_size=6,
+    ),
+    st.floats(0.5, 1.0),
+    st.booleans(),
+)
+def test_value_equals_the_beta_posterior_mean_for_rewards_in_the_unit_interval(batches, rho, grouped):
+    """For rewards in [0, 1] the decayed running mean shrunk to the value's centre is the Beta posterior mean:
+    ``w = s + f`` and ``w * mu = s`` under the same forgetting, and the two centres hold the same sums."""
+    store = PromptStats(rho=rho, prior_groups={"a": "g", "b": "g"} if grouped else None)
+    for step, rows in enumerate(batches):
+        store.update(
+            [pid for pid, _ in rows], torch.tensor([r for _, r in rows], dtype=torch.float64), step=step
+        )
+    q = ["a", "b", "c", "d", "unseen"]
+    torch.testing.assert_close(store.value(q), store.success_prob(q), rtol=0, atol=1e-12)
+
+
+def test_value_of_rewards_above_one_is_their_expected_reward_hand_values():
+    """A verifier's 1 plus a format bonus of 0.1: the baseline is the mean of the sum, not a clipped success rate."""
+    s = PromptStats(rho=1.0, prior_strength=2.0, prior_mean=0.5)
+    s.update(["a", "a"], torch.tensor([1.1, 0.0]), step=0)
+    # value centre (1.1 + 2 * .5) / (2 + 2) = .525; a: (2 * .55 + 2 * .525) / (2 + 2) = .5375
+    assert s.value(["a", "unseen"]).tolist() == pytest.approx([0.5375, 0.525])
+    # the Beta posterior counts the 1.1 as one success: s = 1, f = 1, centre (1 + 1) / 4 = .5
+    assert s.success_prob(["a", "unseen"]).tolist() == pytest.approx([0.5, 0.5])
+    # a preference model's scores (PickScore-like, around 21): the baseline follows them
+    p = PromptStats(rho=1.0, prior_strength=2.0, prior_mean=0.5)
+    for step in range(10):
+        p.update(["x", "y"], torch.tensor([21.0, 22.0]), step=step)
+    centre = (10 * 43 + 2 * 0.5) / (20 + 2)
+    assert p.value(["x", "new"]).tolist() == pytest.approx([(10 * 21 + 2 * centre) / 12, centre])
+    assert float(p.success_prob(["x"])) <= 1.0
+
+
+def test_value_centres_of_an_old_checkpoint_start_from_its_one_sum_per_centre():
+    """A checkpoint from before the value's centres holds one sum per centre: exact for rewards in [0, 1]."""
+    groups = {"a": "g1", "b": "g1", "c": "g2"}
+    q = ["a", "b", "c", "new"]
+    unit = PromptStats(prior_groups=groups)
+    unit.update(["a", "b", "c", "a", "c"], torch.tensor([1.0, 0.0, 1.0, 1.0, 0.25]), step=0)
+    old = {k: v for k, v in unit.state_dict().items() if k not in ("global_raw_sum", "group_raw_sums")}
+    resumed = PromptStats(prior_groups=groups)
+    resumed.load_state_dict(old)
+    torch.testing.assert_close(resumed.value(q), unit.value(q))
