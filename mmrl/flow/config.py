@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from pydantic import model_validator
@@ -20,6 +21,7 @@ from mmrl.sections import (
     check_reward_keys,
 )
 from pipelines.flow.branch import TreeConfig
+from pipelines.flow.rollout import SamplingConfig
 
 __all__ = [
     "AWMSettings",
@@ -102,6 +104,25 @@ class FlowSamplingConfig(Config):
         "flat",
         description="flat: independent groups; branch: trees with shared prefixes (see the tree section).",
     )
+
+    def rollout_settings(self, sde_window: tuple[int, int] | None, **changes: Any) -> SamplingConfig:
+        """These settings as the pipeline's :class:`SamplingConfig` with the SDE steps ``sde_window`` (``(0, 0)``:
+        a deterministic ODE sample); ``changes`` replace fields (evaluation: ``num_steps=eval_num_steps``)."""
+        settings = SamplingConfig(
+            num_steps=self.num_steps,
+            guidance_scale=self.guidance_scale,
+            noise_level=self.noise_level,
+            sde_kind=self.sde_kind,
+            sde_window=sde_window,
+            height=self.height,
+            width=self.width,
+            num_frames=self.num_frames,
+            shared_noise=self.shared_noise,
+            negative_prompt=self.negative_prompt,
+            max_batch_size=self.max_batch_size,
+            log_prob_form=self.log_prob_form,
+        )
+        return dataclasses.replace(settings, **changes)
 
 
 class TreeSettings(Config):

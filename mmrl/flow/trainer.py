@@ -430,22 +430,7 @@ class FlowGRPOTrainer(TrainerBase):
 
     def sampling_config(self, step: int | None = None) -> SamplingConfig:
         """The rollout settings of training step ``step`` (default: the current one)."""
-        s = self.cfg.sampling
-        window = self.sde_window(self.step if step is None else step)
-        return SamplingConfig(
-            num_steps=s.num_steps,
-            guidance_scale=s.guidance_scale,
-            noise_level=s.noise_level,
-            sde_kind=s.sde_kind,
-            sde_window=window,
-            height=s.height,
-            width=s.width,
-            num_frames=s.num_frames,
-            shared_noise=s.shared_noise,
-            negative_prompt=s.negative_prompt,
-            max_batch_size=s.max_batch_size,
-            log_prob_form=s.log_prob_form,
-        )
+        return self.cfg.sampling.rollout_settings(self.sde_window(self.step if step is None else step))
 
     def _log_rewards(
         self,
@@ -881,19 +866,9 @@ class FlowGRPOTrainer(TrainerBase):
     @torch.no_grad()
     def generate(self, prompts: list[str], images_per_prompt: int = 1) -> Rollout:
         """Deterministic (ODE) samples from a fixed noise: the evaluation protocol."""
+        # one noise per image (the fixed evaluation noise), whatever the rollouts share
         s = self.cfg.sampling
-        config = SamplingConfig(
-            num_steps=s.eval_num_steps,
-            guidance_scale=s.guidance_scale,
-            noise_level=s.noise_level,
-            sde_kind=s.sde_kind,
-            sde_window=(0, 0),
-            height=s.height,
-            width=s.width,
-            num_frames=s.num_frames,
-            negative_prompt=s.negative_prompt,
-            max_batch_size=s.max_batch_size,
-        )
+        config = s.rollout_settings((0, 0), num_steps=s.eval_num_steps, shared_noise=False)
         self.adapter.transformer.eval()
         return rollout(
             self.adapter,

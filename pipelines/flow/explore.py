@@ -14,6 +14,7 @@ Because the ODE map from noise to image is deterministic, a seed's preview predi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -142,17 +143,9 @@ def explore(
     k = config.candidates
     shape = adapter.latent_shape(sampling.height, sampling.width, sampling.num_frames)
     noise = torch.randn((len(prompts) * k, *shape), generator=generator)  # [P*K, ...], prompt-major
-    preview = SamplingConfig(
-        num_steps=config.preview_steps,
-        guidance_scale=sampling.guidance_scale,
-        noise_level=sampling.noise_level,
-        sde_kind=sampling.sde_kind,
-        sde_window=(0, 0),
-        height=sampling.height,
-        width=sampling.width,
-        num_frames=sampling.num_frames,
-        negative_prompt=sampling.negative_prompt,
-        max_batch_size=sampling.max_batch_size,
+    # an ODE preview of each candidate's own noise
+    preview = dataclasses.replace(
+        sampling, num_steps=config.preview_steps, sde_window=(0, 0), shared_noise=False, log_prob_form=None
     )
     with explorer_weights(adapter, explorer):
         ro = rollout(adapter, prompts, k, preview, noise=noise)
