@@ -305,8 +305,10 @@ class FlowTrainerConfig(Config):
         0.004,
         ge=0,
         description="KL coefficient to the reference: on SDE means (grpo, in the form kl_form names; "
-        "Flow-GRPO: 0.004 for SD3.5-M GenEval/OCR, 0.01 PickScore), on the velocity at the regressed points "
-        "(nft, rwr, awm; AWM: 0.003 GenEval/OCR, 1e-4 PickScore).",
+        "Flow-GRPO: 0.04 for SD3.5-M GenEval/OCR, 0.01 PickScore, 0.004 Wan2.1), on the velocity at the regressed "
+        "points (nft, rwr, awm; AWM: 0.003 GenEval/OCR, 1e-4 PickScore). DiffusionNFT multiplies its policy loss "
+        "by adv_clip_max / nft_beta (5 at its defaults) and mmrl's nft does not: its train.beta times "
+        "nft_beta / adv_clip_max is the same KL here (1e-4 there: 2e-5 here), and its max_grad_norm likewise.",
     )
     kl_form: Literal["flow_grpo", "exact"] = Field(
         "flow_grpo",
@@ -317,7 +319,17 @@ class FlowTrainerConfig(Config):
         "schedule): to keep a beta tuned with exact, multiply it by |dt| when switching to flow_grpo.",
     )
     timestep_fraction: float = Field(
-        1.0, gt=0, le=1, description="Share of SDE steps trained per sample (Flow-GRPO-Fast subsampling)."
+        1.0,
+        gt=0,
+        le=1,
+        description="Share of a step's SDE steps whose transitions are trained, the same steps for every sample: "
+        "int(timestep_fraction * SDE steps), at least one, as Flow-GRPO and DanceGRPO round it (0.99 of 10 "
+        "steps trains 9).",
+    )
+    timestep_selection: Literal["random", "first"] = Field(
+        "random",
+        description="Which SDE steps timestep_fraction keeps: random (DanceGRPO: a fresh draw each training "
+        "step) or first (Flow-GRPO: the first ones, so 0.99 never trains the last step).",
     )
     train_cfg: bool = Field(
         True,

@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -609,9 +608,13 @@ class FlowGRPOTrainer(TrainerBase):
         )
 
     def _train_steps(self, sde_steps: torch.Tensor) -> torch.Tensor:
-        """SDE steps whose transitions are trained this step (timestep subsampling)."""
+        """SDE steps whose transitions are trained this step (timestep subsampling): ``int(fraction * n)`` of the
+        ``n`` SDE steps, at least one, drawn at random or the first ones (``trainer.timestep_selection``)."""
+        t = self.cfg.trainer
         sde = torch.nonzero(sde_steps).flatten()
-        keep = max(1, math.ceil(self.cfg.trainer.timestep_fraction * sde.numel()))
+        keep = max(1, int(t.timestep_fraction * sde.numel()))
+        if t.timestep_selection == "first":
+            return sde[:keep]
         order = torch.randperm(sde.numel(), generator=self.generator)[:keep]
         return sde[order.sort().values]
 

@@ -272,6 +272,37 @@ def test_regression_points_share_sigma_and_noise_within_a_prompt_group(model_dir
         )  # other group, other timestep
 
 
+@pytest.mark.parametrize(
+    ("fraction", "selection", "sde_steps", "kept"),
+    [
+        (0.99, "first", 10, [0, 1, 2, 3, 4, 5, 6, 7, 8]),  # Flow-GRPO: int(0.99 * 10) = 9, never the last
+        (0.99, "random", 10, 9),  # DanceGRPO: 9 of the 10, drawn
+        (0.6, "random", 10, 6),
+        (0.3, "first", 4, [0]),  # int(1.2) = 1
+        (0.1, "first", 4, [0]),  # at least one
+    ],
+)
+def test_timestep_fraction_trains_int_fraction_times_the_sde_steps_as_the_peers(
+    model_dir, tmp_path, fraction, selection, sde_steps, kept
+):
+    cfg = make_cfg(
+        model_dir,
+        tmp_path,
+        "fraction",
+        f"trainer.timestep_fraction={fraction}",
+        f"trainer.timestep_selection={selection}",
+    )
+    trainer = FlowGRPOTrainer(cfg, None)
+    trainer.generator = torch.Generator().manual_seed(0)  # what setup seeds; no model is needed here
+    window = torch.zeros(sde_steps + 2, dtype=torch.bool)
+    window[2:] = True  # SDE steps 2 .. sde_steps + 1 (an SDE window after two ODE steps)
+    steps = trainer._train_steps(window)
+    if isinstance(kept, list):
+        assert steps.tolist() == [step + 2 for step in kept]
+    else:
+        assert steps.numel() == kept and len(set(steps.tolist())) == kept and bool(window[steps].all())
+
+
 def test_soft_updated_old_policy_samples_and_is_checkpointed(model_dir, tmp_path):
     cfg = make_cfg(model_dir, tmp_path, "old", "trainer.objective=nft", "trainer.old_policy_decay=0.5")
     trainer = FlowGRPOTrainer(cfg, None)
