@@ -656,10 +656,11 @@ class FlowGRPOTrainer(TrainerBase):
     # (mmrl/flow/objectives/: each objective's update calls these, so minibatching, gradient accumulation, the
     # reference KL, the guidance distillation and the optimizer steps are the same for every objective)
     def minibatches(self, n: int) -> Iterator[tuple[torch.Tensor, float]]:
-        """Shuffled minibatches of ``n`` items, each with its loss scale ``1 / minibatches accumulated into
-        its optimizer step``; the optimizer steps themselves are taken here, once the caller has run the
-        backward of the step's last minibatch (``gradient_accumulation`` minibatches per step, 0: one step at
-        the end).
+        """Shuffled minibatches of ``n`` items, each with its loss scale ``its items / the items accumulated
+        into its optimizer step``, so that the callers' minibatch means add up to the mean over the step's items
+        (a short last minibatch weighs its items like the others); the optimizer steps themselves are taken here,
+        once the caller has run the backward of the step's last minibatch (``gradient_accumulation`` minibatches
+        per step, 0: one step at the end).
 
         Under data parallelism every rank takes the largest rank's number of turns; a rank without items for
         a turn yields nothing for it but still takes the turn's optimizer step, so that the gradient
@@ -671,7 +672,8 @@ class FlowGRPOTrainer(TrainerBase):
         for i in range(turns):
             if i < len(batches):
                 group_start = i - i % accum
-                yield batches[i], 1.0 / min(accum, turns - group_start)  # the last group may be shorter
+                group_items = sum(len(batch) for batch in batches[group_start : group_start + accum])
+                yield batches[i], len(batches[i]) / group_items
             elif self.dist.fsdp:
                 raise RuntimeError(
                     "FSDP ranks hold different numbers of minibatches; their forwards would not pair up"

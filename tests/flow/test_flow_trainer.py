@@ -959,6 +959,17 @@ def test_minibatch_scales_average_each_optimizer_step_including_a_short_last_gro
     for idx, scale in trainer.minibatches(10):  # 5 minibatches: groups of 2, 2 and 1
         events.append((len(idx), scale))
     assert events == [(2, 0.5), (2, 0.5), "step", (2, 0.5), (2, 0.5), "step", (2, 1.0), "step"]
+    # a short minibatch weighs its items like the others: 9 items in groups of (2, 2), (2, 2), (1)
+    events.clear()
+    for idx, scale in trainer.minibatches(9):
+        events.append((len(idx), scale))
+    assert events == [(2, 0.5), (2, 0.5), "step", (2, 0.5), (2, 0.5), "step", (1, 1.0), "step"]
+    # one optimizer step over everything (gradient_accumulation 0): 5 items of 2, 2 and 1 weigh 1/5 each
+    trainer.cfg.trainer.gradient_accumulation = 0
+    events.clear()
+    for idx, scale in trainer.minibatches(5):
+        events.append((len(idx), scale))
+    assert events == [(2, 0.4), (2, 0.4), (1, 0.2), "step"]
 
 
 def test_tree_and_guided_distillation_settings_are_refused_at_config_time(model_dir, tmp_path):
