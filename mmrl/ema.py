@@ -27,11 +27,16 @@ class EMA:
         self.shadow = {n: p.detach().clone() for n, p in self.params.items()}
 
     @torch.no_grad()
-    def update(self, num_updates: int | None = None) -> None:
+    def update(self, num_updates: int | None = None, decay: float | None = None) -> None:
         """One averaging step. With ``num_updates`` (updates done before this one) the decay is
         ``min(decay, (1 + n) / (10 + n))``, TensorFlow's warm-up, so that the first averages forget the random
-        initialisation quickly."""
-        decay = self.decay if num_updates is None else min(self.decay, (1 + num_updates) / (10 + num_updates))
+        initialisation quickly. ``decay`` in [0, 1) replaces the configured one for this step (a schedule; 0
+        copies the weights)."""
+        decay = self.decay if decay is None else decay
+        if not 0 <= decay < 1:
+            raise ValueError(f"EMA decay must be in [0, 1) for an update, got {decay}")
+        if num_updates is not None:
+            decay = min(decay, (1 + num_updates) / (10 + num_updates))
         for name, p in self.params.items():
             self.shadow[name].lerp_(p.detach(), 1.0 - decay)
 

@@ -356,7 +356,19 @@ class FlowTrainerConfig(Config):
         gt=0,
         lt=1,
         description="Soft-updated sampling policy (DiffusionNFT): rollouts and v_old come from "
-        "an EMA of the trained weights with this decay (null: the current weights, fully on-policy).",
+        "an EMA of the trained weights with this decay (null: the current weights, fully on-policy); with "
+        "old_policy_decay_rate it is the cap of DiffusionNFT's ramp.",
+    )
+    old_policy_decay_rate: float | None = Field(
+        None,
+        gt=0,
+        description="DiffusionNFT's decay ramp: after training step n the old policy's decay is "
+        "min(rate * max(0, n - old_policy_decay_flat_steps), old_policy_decay), so it starts as a copy of the "
+        "trained weights (its default 0.001 up to 0.5; its OCR recipe 0.0075 after 75 steps up to 0.999, "
+        "counted in its optimizer steps). null: old_policy_decay from the first step.",
+    )
+    old_policy_decay_flat_steps: int = Field(
+        0, ge=0, description="Training steps before DiffusionNFT's decay ramp starts (decay 0 until then)."
     )
     nft_adaptive_weight: bool = Field(
         False,
@@ -455,6 +467,11 @@ class FlowGRPOConfig(Config):
         check_reward_keys(self.rewards, "rewards")
         check_reward_keys(self.eval_rewards or [], "eval_rewards")
         t = self.trainer
+        if t.old_policy_decay is None and t.old_policy_decay_rate is not None:
+            raise ValueError(
+                "trainer.old_policy_decay_rate ramps the old policy's decay up to trainer.old_policy_decay, which "
+                "is null (no old policy): set trainer.old_policy_decay (DiffusionNFT: 0.5) or drop the rate"
+            )
         if self.gdpo_applies:
             check_gdpo_estimator(t.advantage, len(self.rewards))
         estimator = check_estimator(self.estimator_name, t.advantage_options)

@@ -712,7 +712,9 @@ class FlowGRPOTrainer(TrainerBase):
         a few dozen steps.)
 
         ``T`` is ``num_timesteps`` (default ``trainer.nft_timesteps``); ``draw_steps(n_owners) -> [T, n_owners]``
-        picks the sampler steps of the draws (default: uniform over the steps; AWM stratifies them).
+        picks the sampler steps of the draws (default: uniform over the steps, each of the ``T`` independently, so an
+        image can get a step twice where DiffusionNFT's reference code draws ``T`` distinct steps; AWM stratifies
+        them).
 
         Returns ``(rows [B*T] image index, sigma [B*T], x_t, v* = eps - x0)``.
         """
@@ -740,6 +742,16 @@ class FlowGRPOTrainer(TrainerBase):
         # drawn steps of an expert that is not trained (Wan2.2) carry no gradient: left out
         keep = self.adapter.trains_at(sigma)
         return rows[keep], sigma[keep], x_t[keep], target[keep]
+
+    def old_policy_decay(self, step: int) -> float:
+        """Decay of the old policy's soft update after training step ``step``: ``trainer.old_policy_decay``, or
+        DiffusionNFT's ramp ``min(rate * max(0, step - flat_steps), old_policy_decay)``."""
+        t = self.cfg.trainer
+        if t.old_policy_decay is None:
+            raise ValueError("trainer.old_policy_decay is null: the rollouts use the current weights")
+        if t.old_policy_decay_rate is None:
+            return t.old_policy_decay
+        return min(t.old_policy_decay_rate * max(0, step - t.old_policy_decay_flat_steps), t.old_policy_decay)
 
     def sampling_weights(self) -> AbstractContextManager[None]:
         """The sampling ("old") policy's weights, swapped in for the block.
@@ -852,7 +864,7 @@ class FlowGRPOTrainer(TrainerBase):
         start = time.perf_counter()
         self.objective.update(self, batch)
         if self.old_policy is not None:
-            self.old_policy.update()
+            self.old_policy.update(decay=self.old_policy_decay(self.step))
         self.metrics.add("time/train_s", time.perf_counter() - start)
         if self.run is not None and (self.step + 1) % self.cfg.trainer.sample_every == 0:
             images, prompts = batch.images[:16], batch.prompts[:16]

@@ -324,6 +324,33 @@ def test_soft_updated_old_policy_samples_and_is_checkpointed(model_dir, tmp_path
         assert all(torch.equal(a, b) for a, b in zip(other.trainable, trainer.trainable, strict=True))
 
 
+def test_old_policy_decay_ramps_as_diffusion_nft(model_dir, tmp_path):
+    """DiffusionNFT's return_decay: 0 for the flat steps, then rate per step up to the cap; the first update of
+    a ramp starting at 0 copies the trained weights."""
+    ramp = ("trainer.objective=nft", "trainer.old_policy_decay=0.5", "trainer.old_policy_decay_rate=0.001")
+    trainer = FlowGRPOTrainer(make_cfg(model_dir, tmp_path, "ramp", *ramp), None)
+    assert [trainer.old_policy_decay(n) for n in (0, 1, 250, 500, 900)] == pytest.approx(
+        [0, 0.001, 0.25, 0.5, 0.5]
+    )
+    ocr = (
+        "trainer.old_policy_decay=0.999",
+        "trainer.old_policy_decay_rate=0.0075",
+        "trainer.old_policy_decay_flat_steps=75",
+    )
+    trainer = FlowGRPOTrainer(make_cfg(model_dir, tmp_path, "ocr", "trainer.objective=nft", *ocr), None)
+    assert [trainer.old_policy_decay(n) for n in (0, 75, 76, 175, 300)] == pytest.approx(
+        [0, 0, 0.0075, 0.75, 0.999]
+    )
+    trainer = FlowGRPOTrainer(make_cfg(model_dir, tmp_path, "ramp", *ramp), None)
+    trainer.setup()
+    trainer.train_step()
+    with trainer.sampling_weights():
+        sampled = [p.detach().clone() for p in trainer.trainable]
+    assert all(torch.equal(a, b) for a, b in zip(sampled, trainer.trainable, strict=True))
+    with pytest.raises(ValueError, match=r"trainer\.old_policy_decay_rate ramps .* which is null"):
+        make_cfg(model_dir, tmp_path, "bad", "trainer.old_policy_decay_rate=0.001")
+
+
 def test_likelihood_free_kl_to_reference_is_zero_before_the_first_update(model_dir, tmp_path):
     # one optimizer step per call: every minibatch sees the starting LoRA (B = 0), so v == v_ref exactly
     for objective in ("rwr", "nft"):
