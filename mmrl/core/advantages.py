@@ -33,6 +33,13 @@ def _check_rewards(rewards: torch.Tensor, group_ids: torch.Tensor) -> Groups:
     return groups_for(rewards, group_ids)
 
 
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float64: group statistics of float32 rewards (e.g. ``1.1 = 1 + 0.1``) round at ~1e-8, which
+    a std of similar size turns into visible advantages; float64 leaves ~1e-16. Results go back to ``x``'s
+    dtype."""
+    return x.to(torch.float64)
+
+
 def group_normalized(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
@@ -43,8 +50,15 @@ def group_normalized(
     """Group-relative advantages (GRPO and its scale variants).
 
     ``A_i = (r_i - c_g(i)) / (s + eps)`` where ``c_g`` is the mean (or lower median) of sample i's group and
-    ``s`` is the population std (ddof=0) of the group (``"group"``, GRPO, DeepSeekMath 2402.03300 eq. 3), of the
-    whole batch (``"global"``, as in REINFORCE++ 2501.03262), or 1 (``"none"``, Dr.GRPO 2503.20783 sec. 3.1).
+    ``s`` is the population std (ddof=0) of the group (``"group"``, GRPO, DeepSeekMath 2402.03300 eq. 3), of
+    the raw rewards of the whole batch (``"global"``: group mean, batch std, as TRL's
+    ``scale_rewards="batch"`` and LitePPO 2508.08221; not REINFORCE++-baseline 2501.03262, which whitens the
+    group-centred rewards ``r_i - c_g(i)`` over the batch), or 1 (``"none"``, Dr.GRPO 2503.20783 sec. 3.1).
+
+    The population std follows Flow-GRPO's per-prompt stat tracker (``np.std``, ddof=0); verl and TRL divide
+    by the unbiased std (ddof=1), so their group-std advantages are these times ``sqrt((G-1)/G)`` for a group
+    of G (0.935 for G=8). A group whose rewards are all equal gets exactly 0 (:meth:`Groups.varies`), never
+    rounding noise divided by ``eps``. Statistics are computed in float64.
 
     Args:
         rewards: ``[N]`` float rewards.
@@ -57,28 +71,31 @@ def group_normalized(
         ``[N]`` advantages in the dtype of ``rewards``.
     """
     groups = _check_rewards(rewards, group_ids)
+    r = _wide(rewards)
     if center == "mean":
-        centre = groups.mean(rewards)
+        centre = groups.mean(r)
     elif center == "median":
-        centre = groups.median(rewards)[0]
+        centre = groups.median(r)[0]
     else:
         raise ValueError(f"center must be 'mean' or 'median', got {center!r}")
-    centred = rewards - centre[groups.index]
+    # a constant group is centred to exactly 0, whatever the mean's rounding
+    centred = torch.where(groups.varies(r), r - centre[groups.index], 0.0)
     if std == "group":
-        scale = groups.std(rewards)[groups.index]
+        scale = groups.std(r)[groups.index]
     elif std == "global":
-        scale = rewards.std(correction=0)
+        scale = r.std(correction=0)
     elif std == "none":
-        return centred
+        return centred.to(rewards.dtype)
     else:
         raise ValueError(f"std must be 'group', 'global' or 'none', got {std!r}")
-    return centred / (scale + eps)
+    return (centred / (scale + eps)).to(rewards.dtype)
 
 
 def rloo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """REINFORCE leave-one-out advantages (Ahmadian et al. 2402.14740 eq. 5; Kool et al. 2019).
 
-    ``A_i = r_i - (1/(G-1)) * sum_{j != i} r_j = G/(G-1) * (r_i - mean_g)``.
+    ``A_i = r_i - (1/(G-1)) * sum_{j != i} r_j = G/(G-1) * (r_i - mean_g)``; exactly 0 for a group of equal
+    rewards (:meth:`Groups.varies`).
 
     Raises:
         ValueError: if any group has a single sample (its leave-one-out baseline is undefined).
@@ -88,9 +105,10 @@ def rloo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             "rloo needs at least 2 samples per group; a group of size 1 has no leave-one-out baseline"
         )
-    sums = groups.sum(rewards)[groups.index]
-    sizes = groups.sizes.to(rewards.dtype)[groups.index]
-    return rewards - (sums - rewards) / (sizes - 1)
+    r = _wide(rewards)
+    sums = groups.sum(r)[groups.index]
+    sizes = groups.sizes.to(r.dtype)[groups.index]
+    return torch.where(groups.varies(r), r - (sums - r) / (sizes - 1), 0.0).to(rewards.dtype)
 
 
 def median_centered(
@@ -102,7 +120,12 @@ def median_centered(
     population std of the group. The median is scaled by the std, not the MAD: for binary rewards the MAD is
     usually 0 and would blow the advantages up. The sample sitting at the median (the pivot; ties resolved by
     batch order) gets ``A = 0`` and ``pivot_mask = True`` and must be excluded from the loss, leaving ``G``
-    trained samples per group (MC-GRPO, "median-centred GRPO").
+    trained samples per group (MC-GRPO, "median-centred GRPO"). A group of equal rewards gets exactly 0.
+
+    Not done here: the MC-GRPO reference code also multiplies each group's non-zero advantages by the group
+    size over their number, so a group keeps the same total advantage mass however many samples tie with its
+    median. Without it, a group with many ties (binary rewards that are mostly right or mostly wrong, e.g.
+    ``[1, 0, 0, 0, 0]``: one non-zero advantage) trains with proportionally smaller advantages than there.
 
     Returns:
         ``(adv [N], pivot_mask [N] bool)``.
@@ -114,11 +137,13 @@ def median_centered(
     if bool((groups.sizes % 2 == 0).any()):
         sizes = groups.sizes[groups.sizes % 2 == 0].unique().tolist()
         raise ValueError(f"median_centered needs odd group sizes (G+1 rollouts); got groups of size {sizes}")
-    median, pivot = groups.median(rewards)
-    adv = (rewards - median[groups.index]) / (groups.std(rewards)[groups.index] + eps)
+    r = _wide(rewards)
+    median, pivot = groups.median(r)
+    centred = torch.where(groups.varies(r), r - median[groups.index], 0.0)
+    adv = centred / (groups.std(r)[groups.index] + eps)
     pivot_mask = torch.zeros_like(rewards, dtype=torch.bool)
     pivot_mask[pivot] = True
-    return adv.masked_fill(pivot_mask, 0.0), pivot_mask
+    return adv.masked_fill(pivot_mask, 0.0).to(rewards.dtype), pivot_mask
 
 
 def decoupled_multi_reward(
@@ -131,7 +156,10 @@ def decoupled_multi_reward(
 
     ``a_ik = (r_ik - mean_g(r_k)) / (std_g(r_k) + eps)``, ``s_i = sum_k w_k a_ik``,
     ``A_i = (s_i - mean(s)) / (std(s) + eps)`` (Liu et al., GDPO, 2601.05242). Normalising each reward on its
-    own keeps reward combinations that plain GRPO on the summed reward collapses to the same advantage.
+    own keeps reward combinations that plain GRPO on the summed reward collapses to the same advantage. A
+    reward that is equal across a group gives that group ``a_ik = 0`` exactly (:meth:`Groups.varies`); a
+    group where no reward varies gets ``A_i = 0`` (every group's ``s`` sums to 0, so ``mean(s)`` is 0 up to
+    rounding).
 
     Args:
         rewards: ``[N, K]`` K rewards per sample.
@@ -150,13 +178,15 @@ def decoupled_multi_reward(
     weights = torch.ones(k, dtype=rewards.dtype, device=rewards.device) if weights is None else weights
     if weights.shape != (k,):
         raise ValueError(f"weights must have shape [{k}] (one per reward), got {tuple(weights.shape)}")
-    sizes = groups.sizes.to(rewards.dtype).unsqueeze(1)  # [G, 1]
-    zeros = torch.zeros(groups.num_groups, k, dtype=rewards.dtype, device=rewards.device)
-    mean = zeros.index_add(0, groups.index, rewards) / sizes  # [G, K]
-    centred = rewards - mean[groups.index]  # [N, K]
-    std = (zeros.index_add(0, groups.index, centred * centred) / sizes).sqrt()  # [G, K]
-    summed = (centred / (std[groups.index] + eps)) @ weights.to(rewards.dtype)  # [N]
-    return (summed - summed.mean()) / (summed.std(correction=0) + eps)
+    r = _wide(rewards)
+    mean = groups.mean(r)  # [G, K]
+    varies = groups.varies(r)  # [N, K]: reward k is not constant in the sample's group
+    centred = torch.where(varies, r - mean[groups.index], 0.0)  # [N, K]
+    std = groups.std(r, mean)  # [G, K]
+    summed = (centred / (std[groups.index] + eps)) @ _wide(weights)  # [N]
+    adv = (summed - summed.mean()) / (summed.std(correction=0) + eps)
+    # a group with no varying reward has s = 0; keep it at 0 rather than at -mean(s)'s rounding noise / std(s)
+    return torch.where(varies.any(dim=1), adv, 0.0).to(rewards.dtype)
 
 
 def tree_depthwise(
@@ -175,7 +205,10 @@ def tree_depthwise(
     node the children are weighted by the softmax of their edge log-probs, so a leaf's weight is the product of
     those along its path). The advantage of node ``m`` is its reward normalised among the nodes of the same depth
     in the same tree: ``A_m = (R_m - mean_{d,t}) / (std_{d,t} + eps)`` (Li et al., BranchGRPO, 2509.06040,
-    "depth-wise advantage"). Every edge ``parent -> m`` trains with ``A_m``. Roots get 0 (they have no edge).
+    "depth-wise advantage"). Every edge ``parent -> m`` trains with ``A_m``. Roots get 0 (they have no
+    edge), and so does every node of a (tree, depth) level whose node rewards are all equal. Computed in
+    float64: nodes whose rewards are equal in exact arithmetic but reached by different sums then differ by
+    ~1e-16, not ~1e-8.
 
     Args:
         leaf_rewards: ``[M]`` rewards at leaves; entries at internal nodes are ignored (may be NaN).
@@ -209,27 +242,28 @@ def tree_depthwise(
         ancestor = torch.where(has, parent[ancestor.clamp(min=0)], ancestor)
     tree = root_of if tree_ids is None else tree_ids
 
-    dtype = leaf_rewards.dtype if leaf_rewards.is_floating_point() else torch.float32
+    dtype = leaf_rewards.dtype if leaf_rewards.is_floating_point() else torch.float32  # of the results
+    wide = torch.float64  # of the sums and statistics (see _wide)
     if fusion == "mean":
-        edge_weight = torch.ones(m, dtype=dtype, device=parent.device)
+        edge_weight = torch.ones(m, dtype=wide, device=parent.device)
     elif fusion == "path_prob":
         if edge_logprob is None:
             raise ValueError("fusion='path_prob' needs edge_logprob, the log-prob of the edge into each node")
         check_same_shape(edge_logprob=edge_logprob, parent=parent)
         # softmax over siblings: exp(l_c - max) / sum over siblings
         sib = torch.where(parent >= 0, parent, ids)
-        lp = edge_logprob.to(dtype)
-        sib_max = torch.full((m,), -torch.inf, dtype=dtype, device=parent.device).scatter_reduce(
+        lp = edge_logprob.to(wide)
+        sib_max = torch.full((m,), -torch.inf, dtype=wide, device=parent.device).scatter_reduce(
             0, sib, lp, reduce="amax"
         )
         expd = (lp - sib_max[sib]).exp()
-        edge_weight = expd / torch.zeros(m, dtype=dtype, device=parent.device).index_add(0, sib, expd)[sib]
+        edge_weight = expd / torch.zeros(m, dtype=wide, device=parent.device).index_add(0, sib, expd)[sib]
     else:
         raise ValueError(f"fusion must be 'mean' or 'path_prob', got {fusion!r}")
 
     # Bottom-up: numerator/denominator of the weighted leaf mean, one level at a time.
-    num = torch.where(is_leaf, leaf_rewards.to(dtype), torch.zeros((), dtype=dtype, device=parent.device))
-    den = is_leaf.to(dtype)
+    num = torch.where(is_leaf, leaf_rewards.to(wide), torch.zeros((), dtype=wide, device=parent.device))
+    den = is_leaf.to(wide)
     for d in range(int(depth.max()), 0, -1):
         at = (depth == d).nonzero().squeeze(1)
         num = num.index_add(0, parent[at], edge_weight[at] * num[at])
@@ -240,8 +274,9 @@ def tree_depthwise(
     level = make_groups(key)
     mean = level.mean(node_reward)[level.index]
     std = level.std(node_reward)[level.index]
-    adv = ((node_reward - mean) / (std + eps)).masked_fill(parent < 0, 0.0)
-    return adv, node_reward
+    centred = torch.where(level.varies(node_reward), node_reward - mean, 0.0)  # equal rewards: exactly 0
+    adv = (centred / (std + eps)).masked_fill(parent < 0, 0.0)
+    return adv.to(dtype), node_reward.to(dtype)
 
 
 def process_supervised(

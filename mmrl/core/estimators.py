@@ -189,7 +189,10 @@ def dr_grpo(batch: RewardBatch) -> Advantages:
     return Advantages(adv_lib.group_normalized(batch.rewards, batch.group_ids, std="none"))
 
 
-@register_estimator("global_std", "group mean / batch std (REINFORCE++ 2501.03262)")
+@register_estimator(
+    "global_std",
+    "group mean / batch std of the rewards (TRL scale_rewards='batch'; LitePPO 2508.08221; not REINFORCE++)",
+)
 def global_std(batch: RewardBatch) -> Advantages:
     return Advantages(adv_lib.group_normalized(batch.rewards, batch.group_ids, std="global"))
 

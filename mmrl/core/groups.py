@@ -1,4 +1,4 @@
-"""Vectorised per-group reductions (sum, mean, population std, median) over arbitrary group ids.
+"""Vectorised per-group reductions (sum, mean, population std, min/max, median) over arbitrary group ids.
 
 A batch of rollouts is flat: sample ``i`` belongs to group ``group_ids[i]`` (a prompt, a tree depth, ...).
 Groups may have different sizes (the allocator gives prompts different rollout counts), so reductions use
@@ -30,29 +30,48 @@ class Groups:
     def num_groups(self) -> int:
         return int(self.sizes.numel())
 
+    def _sizes_like(self, x: torch.Tensor) -> torch.Tensor:
+        """Group sizes in ``x``'s dtype, shaped ``[G, 1, ...]`` to broadcast over ``x``'s trailing dims."""
+        return self.sizes.to(x.dtype).view(-1, *(1,) * (x.ndim - 1))
+
     def sum(self, x: torch.Tensor) -> torch.Tensor:
-        """``[G]`` per-group sums of ``x [N]``."""
-        return torch.zeros(self.num_groups, dtype=x.dtype, device=x.device).index_add_(0, self.index, x)
+        """``[G, ...]`` per-group sums of ``x [N, ...]`` (each trailing column separately)."""
+        out = torch.zeros((self.num_groups, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        return out.index_add_(0, self.index, x)
 
     def mean(self, x: torch.Tensor) -> torch.Tensor:
-        """``[G]`` per-group means of ``x [N]``."""
-        return self.sum(x) / self.sizes.to(x.dtype)
+        """``[G, ...]`` per-group means of ``x [N, ...]``."""
+        return self.sum(x) / self._sizes_like(x)
 
     def std(self, x: torch.Tensor, mean: torch.Tensor | None = None) -> torch.Tensor:
-        """``[G]`` per-group population standard deviations (ddof=0) of ``x [N]``."""
+        """``[G, ...]`` per-group population standard deviations (ddof=0) of ``x [N, ...]``."""
         mean = self.mean(x) if mean is None else mean
         centred = x - mean[self.index]
-        return (self.sum(centred * centred) / self.sizes.to(x.dtype)).sqrt()
+        return (self.sum(centred * centred) / self._sizes_like(x)).sqrt()
+
+    def _scatter(self, x: torch.Tensor, reduce: str, fill: float) -> torch.Tensor:
+        init = torch.full((self.num_groups, *x.shape[1:]), fill, dtype=x.dtype, device=x.device)
+        index = self.index.view(-1, *(1,) * (x.ndim - 1)).expand_as(x)  # [N, ...]: the group of every entry
+        return init.scatter_reduce(0, index, x, reduce=reduce)
 
     def amax(self, x: torch.Tensor) -> torch.Tensor:
-        """``[G]`` per-group maxima of ``x [N]``."""
-        init = torch.full((self.num_groups,), -torch.inf, dtype=x.dtype, device=x.device)
-        return init.scatter_reduce(0, self.index, x, reduce="amax")
+        """``[G, ...]`` per-group maxima of ``x [N, ...]``."""
+        return self._scatter(x, "amax", -torch.inf)
 
     def amin(self, x: torch.Tensor) -> torch.Tensor:
-        """``[G]`` per-group minima of ``x [N]``."""
-        init = torch.full((self.num_groups,), torch.inf, dtype=x.dtype, device=x.device)
-        return init.scatter_reduce(0, self.index, x, reduce="amin")
+        """``[G, ...]`` per-group minima of ``x [N, ...]``."""
+        return self._scatter(x, "amin", torch.inf)
+
+    def varies(self, x: torch.Tensor) -> torch.Tensor:
+        """``[N, ...]`` bool: True where the sample's group holds two different values of ``x [N, ...]``.
+
+        The comparison is exact (``max > min``, no tolerance). A group of equal rewards has a centred reward
+        of exactly 0 in exact arithmetic, but in floating point its mean is not exactly its reward (ten
+        float32 ``1.1``: ``sum / 10`` is off by ~1e-8), and dividing that noise by a std of the same size
+        plus ``eps`` gives advantages of order 0.1, one sign for the whole group. Estimators zero such groups
+        with this mask.
+        """
+        return (self.amax(x) > self.amin(x))[self.index]
 
     def sort_within(self, x: torch.Tensor) -> torch.Tensor:
         """Permutation ``[N]`` ordering samples by (group, value); ties keep batch order (stable)."""
@@ -106,6 +125,14 @@ def effective_ratio(rewards: torch.Tensor, group_ids: torch.Tensor) -> float:
     A group of identical rewards has zero advantage for every member under any group-relative estimator,
     so its rollouts were spent without learning signal (DAPO 2503.14476 sec. 3.2 "dynamic sampling").
     """
+    return float(varied_groups(rewards, group_ids).double().mean())
+
+
+def varied_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """``[N]`` bool, True for the samples of groups whose rewards are not all equal (:meth:`Groups.varies`).
+
+    DAPO's dynamic sampling (2503.14476 sec. 3.2) keeps exactly these samples: it drops or keeps whole groups,
+    never one sample of a group that varies, whatever its own advantage.
+    """
     groups = groups_for(rewards, group_ids)
-    varied = (groups.amax(rewards) > groups.amin(rewards))[groups.index]
-    return float(varied.double().mean())
+    return groups.varies(rewards)

@@ -187,7 +187,12 @@ class VLMTrainerConfig(Config):
     num_generations: int = Field(
         8, ge=2, description="Rollouts per prompt in group mode (G; MC-GRPO uses G+1)."
     )
-    dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal.")
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO: drop groups whose rewards are all equal (whole groups; every sample of a group "
+        "whose rewards vary stays, even one with zero advantage). DAPO also regenerates to refill the "
+        "batch; this does not, the step trains on fewer samples.",
+    )
     multi_reward: Literal["weighted_sum", "gdpo"] = Field(
         "weighted_sum",
         description="Group mode with several rewards (e.g. format + answer): the weighted sum then the "
@@ -219,9 +224,11 @@ class VLMTrainerConfig(Config):
     )
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = Field(
         "token_mean",
-        description="Loss aggregation (verl's loss_agg_mode). TRL's loss_type: dapo and bnpo = "
-        "token_mean, grpo = seq_mean_token_mean, dr_grpo = seq_mean_token_sum_norm (normalised by "
-        "generation.max_new_tokens, TRL's max_completion_length).",
+        description="Loss aggregation (verl's loss_agg_mode). TRL's loss_type: dapo = token_mean (every "
+        "token of the step weighs the same, across minibatches), grpo = seq_mean_token_mean, dr_grpo = "
+        "seq_mean_token_sum_norm (normalised by generation.max_new_tokens, TRL's max_completion_length). "
+        "TRL's bnpo normalises each micro-batch by its own token count, then divides by the accumulation "
+        "steps: it equals token_mean only when every minibatch holds the same number of completion tokens.",
     )
     tis: Literal["auto", "on", "off"] = Field(
         "auto",

@@ -45,7 +45,7 @@ from mmrl.core import advantages as adv_lib
 from mmrl.core import allocation as alloc_lib
 from mmrl.core import losses as loss_lib
 from mmrl.core.estimators import RewardBatch, get_estimator
-from mmrl.core.groups import effective_ratio
+from mmrl.core.groups import effective_ratio, varied_groups
 from mmrl.core.stats import PromptStats
 from mmrl.data.vqa import VQAExample, check_answers, load_vqa
 from mmrl.device import DTYPES
@@ -501,8 +501,8 @@ class VLMRLVRTrainer(TrainerBase):
             self.metrics.add("baseline/mean", baseline.mean())
         if settings.mode == "group":
             self.metrics.add("train/effective_ratio", effective_ratio(total, group_ids))
-            if settings.dynamic_sampling:
-                keep &= adv != 0
+            if settings.dynamic_sampling:  # DAPO keeps or drops whole groups, by whether their rewards vary
+                keep &= varied_groups(total, group_ids)
         self.metrics.add("reward/mean", total.mean(), count=len(pairs))
         for k, spec in enumerate(self.cfg.rewards):
             self.metrics.add(f"reward/{spec.key}/mean", raw[:, k].mean(), count=len(pairs))

@@ -301,3 +301,77 @@ def test_process_supervised_refuses_bad_spans():
         A.process_supervised(one, zero, zero, zero, zero, 1, 5, credit="future")
     with pytest.raises(ValueError, match="step_rewards contains NaN"):
         A.process_supervised(torch.tensor([float("nan")]), zero, zero, zero, zero, 1, 5)
+
+
+# Float32 sums such as 1 + 0.1 are not representable: the mean of ten of them is not the value itself (by
+# ~1e-8), and the old code divided that noise by a std of the same size plus eps, giving the whole group
+# +-0.1.
+_ONE_ONE = float(torch.tensor(1.0) + torch.tensor(0.1))  # math_verify 1 + format weight 0.1, in float32
+
+
+@pytest.mark.parametrize("center", ["mean", "median"])
+@pytest.mark.parametrize("std", ["group", "global", "none"])
+def test_equal_rounded_rewards_give_exactly_zero_group_normalized(std, center):
+    r = torch.tensor([_ONE_ONE] * 10 + [0.1] * 10 + [1.0, 0.0])  # float32, two constant groups
+    g = torch.tensor([0] * 10 + [1] * 10 + [2, 2])
+    adv = A.group_normalized(r, g, std=std, center=center)
+    assert adv.dtype == torch.float32
+    assert torch.equal(adv[:20], torch.zeros(20))
+    scale = {"group": 0.5, "global": float(r.double().std(correction=0)), "none": 1.0}[std]
+    centre = 0.5 if center == "mean" else 0.0  # lower median of [1, 0] is 0
+    expected = (torch.tensor([1.0, 0.0], dtype=torch.float64) - centre) / (
+        scale + (0 if std == "none" else 1e-6)
+    )
+    torch.testing.assert_close(adv[20:], expected.float())
+
+
+def test_equal_rounded_rewards_give_exactly_zero_rloo_and_median_centered():
+    r = torch.tensor([_ONE_ONE] * 10 + [0.1] * 10 + [1.0, 0.0, 0.0])
+    g = torch.tensor([0] * 10 + [1] * 10 + [2] * 3)
+    adv = A.rloo(r, g)
+    assert torch.equal(adv[:20], torch.zeros(20))
+    torch.testing.assert_close(adv[20:], torch.tensor([1.0, -0.5, -0.5]))
+    r_odd = torch.tensor([_ONE_ONE] * 9 + [0.1] * 9 + [1.0, 0.0, 0.0])  # MC-GRPO needs odd group sizes
+    g_odd = torch.tensor([0] * 9 + [1] * 9 + [2] * 3)
+    mc, pivot = A.median_centered(r_odd, g_odd)  # (its median is a sample: 0 before the fix too)
+    assert torch.equal(mc[:18], torch.zeros(18)) and int(pivot.sum()) == 3
+    torch.testing.assert_close(mc[18:], torch.tensor([1.0, 0.0, 0.0]) / (math.sqrt(2) / 3 + 1e-6))
+
+
+def test_equal_rounded_leaf_rewards_give_exactly_zero_tree_depthwise():
+    # root 0 -> {1, 2}, each with five leaves of 1.1: every node's reward is 1.1, so every advantage is 0
+    nan = float("nan")
+    parent = torch.tensor([-1, 0, 0] + [1] * 5 + [2] * 5)
+    leaf = torch.tensor([nan] * 3 + [_ONE_ONE] * 10)
+    adv, node = A.tree_depthwise(leaf, parent)
+    assert torch.equal(adv, torch.zeros(13))
+    torch.testing.assert_close(node, torch.full((13,), _ONE_ONE))
+
+
+def test_decoupled_constant_reward_column_adds_nothing():
+    # column 1 is constant in each group (1.1 in group 0, 0 in group 1): only column 0 may move advantages.
+    # The old code gave group 0 a shift of w_1 * (rounding / (rounding + eps)) ~ -0.05 that whitening kept.
+    col0 = torch.tensor([1.0] * 5 + [0.0] * 5)
+    raw = torch.cat(
+        [torch.stack([col0, torch.full((10,), _ONE_ONE)], 1), torch.stack([col0, torch.zeros(10)], 1)]
+    )
+    raw = torch.cat([raw, torch.tensor([[0.0, 0.1]] * 3)])  # group 2: no reward varies
+    g = torch.tensor([0] * 10 + [1] * 10 + [2] * 3)
+    adv = A.decoupled_multi_reward(raw, g, torch.tensor([1.0, 0.5]))
+    a0 = (col0.double() - 0.5) / (0.5 + 1e-6)  # column 0 normalised in its group: +-1 / (1 + 2e-6)
+    s = torch.cat([a0, a0, torch.zeros(3, dtype=torch.float64)])  # weight 1 on column 0; group 2: 0
+    expected = (s - s.mean()) / (s.std(correction=0) + 1e-6)
+    torch.testing.assert_close(adv, expected.float())
+    assert torch.equal(adv[20:], torch.zeros(3))
+
+
+def test_groups_varies_per_sample_and_per_column():
+    from mmrl.core.groups import make_groups, varied_groups
+
+    groups = make_groups(torch.tensor([4, 4, 9, 9, 9]))
+    x = torch.tensor([[1.0, 2.0], [1.0, 3.0], [0.0, 5.0], [1.0, 5.0], [0.0, 5.0]])
+    expected = torch.tensor([[False, True], [False, True], [True, False], [True, False], [True, False]])
+    assert torch.equal(groups.varies(x), expected)
+    assert torch.equal(groups.varies(x[:, 0]), expected[:, 0])
+    assert torch.equal(varied_groups(x[:, 1], torch.tensor([4, 4, 9, 9, 9])), expected[:, 1])
+    torch.testing.assert_close(groups.mean(x), torch.tensor([[1.0, 2.5], [1 / 3, 5.0]]))

@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mmrl.config import ConfigError, load_config
 from mmrl.core import advantages as A
@@ -44,6 +46,49 @@ def test_estimators_are_the_core_formulas():
     single = estimate("single", b, center=True).adv
     torch.testing.assert_close(single, A.single_rollout(REWARDS, b.baseline, center=True))
     torch.testing.assert_close(estimate("gdpo", b).adv, A.decoupled_multi_reward(b.raw, GROUPS, b.weights))
+
+
+def test_the_reported_rounding_case_gives_exactly_zero_for_equal_groups():
+    # math_verify 1 + format weight 0.1 = 1.1 in float32; the old grpo gave -0.1065 to all ten correct answers
+    w = torch.tensor([1.0, 0.1])
+    raw = torch.tensor([[1.0, 1.0]] * 10 + [[0.0, 1.0]] * 10)
+    res = get_estimator("grpo").fn(RewardBatch(raw @ w, torch.tensor([0] * 10 + [1] * 10), raw, w))
+    assert torch.equal(res.adv, torch.zeros(20))
+
+
+_GROUP_ESTIMATORS = [name for name in list_estimators() if not get_estimator(name).single_rollout]
+
+
+@st.composite
+def _multi_reward_groups(draw, odd: bool):
+    """Float32 ``raw [N, K]`` and ``weights [K]`` whose weighted sums round (0.1, 0.3, 1.1, 2/3, ...), some
+    groups repeating one raw row (constant), the others drawn freely.
+
+    Returns ``(batch, constant [N] bool)``."""
+    k = draw(st.integers(1, 3))
+    weights = torch.tensor([draw(st.sampled_from([1.0, 0.1, 0.2, 0.3, 0.7, 2 / 3])) for _ in range(k)])
+    row = st.lists(st.sampled_from([0.0, 0.1, 0.5, 1.0, 1.1]), min_size=k, max_size=k)
+    rows, ids, constant = [], [], []
+    for gid in range(draw(st.integers(1, 5))):
+        size = draw(st.integers(2, 12))
+        size = size | 1 if odd else size
+        is_constant = draw(st.booleans())
+        group_rows = [draw(row)] * size if is_constant else [draw(row) for _ in range(size)]
+        rows += group_rows
+        ids += [gid] * size
+        constant += [is_constant] * size
+    raw = torch.tensor(rows, dtype=torch.float32)
+    return RewardBatch(raw @ weights, torch.tensor(ids), raw, weights), torch.tensor(constant)
+
+
+@pytest.mark.parametrize("name", _GROUP_ESTIMATORS)
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_a_constant_group_gets_exactly_zero_advantage_for_every_estimator(name, data):
+    batch, constant = data.draw(_multi_reward_groups(odd=get_estimator(name).odd_groups))
+    adv = estimate(name, batch).adv
+    assert bool(torch.isfinite(adv).all())
+    assert torch.equal(adv[constant], torch.zeros(int(constant.sum())))
 
 
 def test_registry_metadata_drives_the_trainers():

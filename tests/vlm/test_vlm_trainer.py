@@ -221,6 +221,60 @@ def test_group_mode_gdpo_normalises_each_reward_in_its_group(model_dir, tmp_path
         )
 
 
+# Rewards (exact_match, format) by position in each of the 4 prompt groups, weighted 1 and 0.1.
+_DAPO_GROUPS = {
+    # MC-GRPO, G+1 = 5: binary [1,0,0,0,0] and [1,1,0,0,0] vary (every non-pivot sample stays, also the zero-
+    # advantage ones tied with the median); 1.1 and 0.1 everywhere do not (all dropped)
+    "mc_grpo": ([[1, 0, 0, 0, 0], [1] * 5, [1, 1, 0, 0, 0], [0] * 5], [[1] * 5, [1] * 5, [1] * 5, [1] * 5]),
+    # GRPO, G = 3: graded [0, 0.5, 1] keeps its 0.5 sample (advantage 0); [1.1] * 3 and [0] * 3 are dropped
+    "grpo": ([[0, 0.5, 1], [1] * 3, [1, 0, 0], [0] * 3], [[0] * 3, [1] * 3, [0] * 3, [0] * 3]),
+}
+
+
+@pytest.mark.parametrize(
+    "estimator, overrides",
+    [("mc_grpo", ["trainer.num_generations=4"]), ("grpo", ["trainer.num_generations=3"])],
+)
+def test_dynamic_sampling_keeps_exactly_the_groups_whose_rewards_vary(
+    model_dir, tmp_path, estimator, overrides
+):
+    cfg = make_cfg(
+        model_dir,
+        tmp_path,
+        f"dapo_{estimator}",
+        "trainer.mode=group",
+        f"trainer.advantage={estimator}",
+        "trainer.dynamic_sampling=true",
+        "rewards=[{name: exact_match}, {name: format, options: {}, weight: 0.1}]",
+        *overrides,
+    )
+    trainer = VLMRLVRTrainer(cfg, None)
+    trainer.setup()
+    answer, fmt = _DAPO_GROUPS[estimator]
+
+    def fake_scores(pairs):
+        order = list(dict.fromkeys(ex.prompt_id for ex, _ in pairs))
+        seen: dict[str, int] = {}
+        rows = []
+        for ex, _ in pairs:
+            g, j = order.index(ex.prompt_id), seen.setdefault(ex.prompt_id, 0)
+            seen[ex.prompt_id] += 1
+            rows.append([answer[g][j], fmt[g][j]])
+        raw = torch.tensor(rows, dtype=torch.float32)
+        return raw @ trainer.reward_weights, raw, {}
+
+    trainer.score_samples = fake_scores
+    pairs, adv, keep, _ = trainer.collect()
+    order = list(dict.fromkeys(ex.prompt_id for ex, _ in pairs))
+    group = torch.tensor([order.index(ex.prompt_id) for ex, _ in pairs])
+    assert torch.equal(adv[group % 2 == 1], torch.zeros(int((group % 2 == 1).sum())))  # constant: exactly 0
+    if estimator == "mc_grpo":  # groups 0 and 2 keep their 4 non-pivot samples each; 1 and 3 nothing
+        assert [int(keep[group == g].sum()) for g in range(4)] == [4, 0, 4, 0]
+    else:  # groups 0 and 2 whole, the 0.5 sample of group 0 (advantage 0) included
+        assert keep.tolist() == (group % 2 == 0).tolist()
+        assert float(adv[keep & (group == 0)].abs().min()) == 0.0
+
+
 def test_a_verifier_used_twice_needs_labels_and_logs_under_each(model_dir, tmp_path):
     twice = "rewards=[{name: exact_match}, {name: exact_match, options: {number_words: true}, weight: 0.0}]"
     with pytest.raises(
