@@ -129,10 +129,16 @@ def effective_ratio(rewards: torch.Tensor, group_ids: torch.Tensor) -> float:
 
 
 def varied_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """``[N]`` bool, True for the samples of groups whose rewards are not all equal (:meth:`Groups.varies`).
+    """``[N]`` bool, True for the samples of groups whose rewards are not all equal (:meth:`Groups.varies`);
+    for ``rewards [N, K]`` (several rewards, as GDPO reads them), groups where any one of them varies.
 
     DAPO's dynamic sampling (2503.14476 sec. 3.2) keeps exactly these samples: it drops or keeps whole groups,
     never one sample of a group that varies, whatever its own advantage.
     """
-    groups = groups_for(rewards, group_ids)
-    return groups.varies(rewards)
+    if rewards.shape[:1] != group_ids.shape:
+        raise ValueError(
+            f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} hold different numbers "
+            "of samples"
+        )
+    varies = make_groups(group_ids).varies(rewards)
+    return varies if varies.ndim == 1 else varies.flatten(1).any(dim=1)

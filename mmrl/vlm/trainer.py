@@ -502,7 +502,8 @@ class VLMRLVRTrainer(TrainerBase):
         if settings.mode == "group":
             self.metrics.add("train/effective_ratio", effective_ratio(total, group_ids))
             if settings.dynamic_sampling:  # DAPO keeps or drops whole groups, by whether their rewards vary
-                keep &= varied_groups(total, group_ids)
+                # GDPO learns from a group where any one reward varies, even if their weighted sum does not
+                keep &= varied_groups(raw if estimator.multi_reward else total, group_ids)
         self.metrics.add("reward/mean", total.mean(), count=len(pairs))
         for k, spec in enumerate(self.cfg.rewards):
             self.metrics.add(f"reward/{spec.key}/mean", raw[:, k].mean(), count=len(pairs))

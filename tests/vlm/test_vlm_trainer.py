@@ -228,12 +228,25 @@ _DAPO_GROUPS = {
     "mc_grpo": ([[1, 0, 0, 0, 0], [1] * 5, [1, 1, 0, 0, 0], [0] * 5], [[1] * 5, [1] * 5, [1] * 5, [1] * 5]),
     # GRPO, G = 3: graded [0, 0.5, 1] keeps its 0.5 sample (advantage 0); [1.1] * 3 and [0] * 3 are dropped
     "grpo": ([[0, 0.5, 1], [1] * 3, [1, 0, 0], [0] * 3], [[0] * 3, [1] * 3, [0] * 3, [0] * 3]),
+    # GDPO, G = 2, both rewards weighted 1: group 0's sum is 1 twice, but each reward varies, so it is kept
+    "gdpo": ([[1, 0], [1, 1], [1, 0], [0, 0]], [[0, 1], [1, 1], [1, 1], [0, 0]]),
 }
 
 
 @pytest.mark.parametrize(
     "estimator, overrides",
-    [("mc_grpo", ["trainer.num_generations=4"]), ("grpo", ["trainer.num_generations=3"])],
+    [
+        ("mc_grpo", ["trainer.num_generations=4"]),
+        ("grpo", ["trainer.num_generations=3"]),
+        (
+            "gdpo",
+            [
+                "trainer.num_generations=2",
+                "trainer.multi_reward=gdpo",
+                "rewards=[{name: exact_match}, {name: format, options: {}, weight: 1.0}]",
+            ],
+        ),
+    ],
 )
 def test_dynamic_sampling_keeps_exactly_the_groups_whose_rewards_vary(
     model_dir, tmp_path, estimator, overrides
@@ -270,7 +283,7 @@ def test_dynamic_sampling_keeps_exactly_the_groups_whose_rewards_vary(
     assert torch.equal(adv[group % 2 == 1], torch.zeros(int((group % 2 == 1).sum())))  # constant: exactly 0
     if estimator == "mc_grpo":  # groups 0 and 2 keep their 4 non-pivot samples each; 1 and 3 nothing
         assert [int(keep[group == g].sum()) for g in range(4)] == [4, 0, 4, 0]
-    else:  # groups 0 and 2 whole, the 0.5 sample of group 0 (advantage 0) included
+    else:  # groups 0 and 2 whole (grpo: the 0.5 sample, advantage 0; gdpo: group 0, its sum constant)
         assert keep.tolist() == (group % 2 == 0).tolist()
         assert float(adv[keep & (group == 0)].abs().min()) == 0.0
 
