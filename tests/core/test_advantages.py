@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmrl.core import advantages as A
+from mmrl.core.groups import make_groups, varied_groups
 
 
 def _batch(draw_sizes, values):
@@ -366,12 +367,15 @@ def test_decoupled_constant_reward_column_adds_nothing():
 
 
 def test_groups_varies_per_sample_and_per_column():
-    from mmrl.core.groups import make_groups, varied_groups
-
     groups = make_groups(torch.tensor([4, 4, 9, 9, 9]))
     x = torch.tensor([[1.0, 2.0], [1.0, 3.0], [0.0, 5.0], [1.0, 5.0], [0.0, 5.0]])
     expected = torch.tensor([[False, True], [False, True], [True, False], [True, False], [True, False]])
     assert torch.equal(groups.varies(x), expected)
     assert torch.equal(groups.varies(x[:, 0]), expected[:, 0])
     assert torch.equal(varied_groups(x[:, 1], torch.tensor([4, 4, 9, 9, 9])), expected[:, 1])
+    # several rewards (GDPO): a group counts as varying when any one of them varies
+    assert varied_groups(x, torch.tensor([4, 4, 9, 9, 9])).tolist() == [True] * 5
+    assert varied_groups(x[:2, :1], torch.tensor([4, 4])).tolist() == [False, False]
+    with pytest.raises(ValueError, match=r"rewards \(5, 2\) and group_ids \(4,\) hold different numbers"):
+        varied_groups(x, torch.tensor([4, 4, 9, 9]))
     torch.testing.assert_close(groups.mean(x), torch.tensor([[1.0, 2.5], [1 / 3, 5.0]]))
