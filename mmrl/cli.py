@@ -75,6 +75,15 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_memory(args: argparse.Namespace) -> int:
+    if args.fsdp < 1:
+        raise ConfigError(f"--fsdp {args.fsdp}: the number of GPUs FSDP shards over is at least 1")
+    recipe, data = _recipe_of(args.config, args.overrides)
+    cfg = validate(recipe.load_config_class(), data)
+    print(recipe.load_memory()(cfg).table(fsdp=args.fsdp))
+    return 0
+
+
 def _cmd_recipes(args: argparse.Namespace) -> int:
     recipes = list_recipes()
     width = max(map(len, recipes))
@@ -148,6 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=_cmd_config)
+
+    p = sub.add_parser(
+        "memory",
+        help="GPU memory a recipe holds before activations, from the published architecture (no download)",
+    )
+    p.add_argument("config", help="YAML config (flow_grpo or vlm_rlvr)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.lora.rank=32")
+    p.add_argument("--fsdp", type=int, default=1, metavar="N", help="divide what FSDP shards over N GPUs")
+    p.set_defaults(func=_cmd_memory)
 
     p = sub.add_parser("recipes", help="list the available recipes")
     p.set_defaults(func=_cmd_recipes)

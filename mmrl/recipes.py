@@ -21,6 +21,7 @@ class Recipe:
     config_class: str
     description: str
     config_module: str | None = None  # where the config class lives, when importing the trainer is heavy
+    memory_module: str | None = None  # where its estimate_memory(cfg) lives, for `mmrl memory`
 
     def load_config_class(self) -> type[Config]:
         return getattr(importlib.import_module(self.config_module or self.module), self.config_class)
@@ -35,6 +36,14 @@ class Recipe:
             raise ValueError(f"recipe {self.module} has no evaluate(); `mmrl eval` does not apply to it")
         return mod.evaluate
 
+    def load_memory(self) -> Callable[[Any], Any]:
+        """The recipe's ``estimate_memory(cfg) -> MemoryEstimate`` (:mod:`mmrl.memory`)."""
+        if self.memory_module is None:
+            raise ValueError(
+                f"recipe {self.module} has no memory estimate; `mmrl memory` applies to flow_grpo and vlm_rlvr"
+            )
+        return importlib.import_module(self.memory_module).estimate_memory
+
 
 _RECIPES: dict[str, Recipe] = {
     "bandit": Recipe(
@@ -45,6 +54,7 @@ _RECIPES: dict[str, Recipe] = {
         "FlowGRPOConfig",
         "flow-matching GRPO / DiffusionNFT for text-to-image/video",
         config_module="mmrl.flow.config",
+        memory_module="mmrl.flow.memory",
     ),
     "flow_pretrain_shapes": Recipe(
         "mmrl.flow.pretrain_shapes",
@@ -62,6 +72,7 @@ _RECIPES: dict[str, Recipe] = {
         "VLMRLVRConfig",
         "single-rollout entropy-shaped RLVR (or group GRPO) for VLMs",
         config_module="mmrl.vlm.config",
+        memory_module="mmrl.vlm.memory",
     ),
 }
 

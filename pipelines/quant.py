@@ -380,6 +380,57 @@ def _first_float_param(module: nn.Module) -> torch.Tensor:
     raise ValueError(f"{type(module).__name__} has no floating-point parameter to quantize")
 
 
+def _base_and_patterns(module: nn.Module, skip: Iterable[str]) -> tuple[nn.Module, tuple[str, ...]]:
+    """The model under a peft wrapper, and the skip patterns applied below each of its ``quantize_roots``."""
+    if isinstance(skip, str):
+        raise ValueError(
+            f"skip must be a sequence of patterns, got the string {skip!r}; write skip=({skip!r},)"
+        )
+    base, _ = unwrap_peft(module)
+    # a container of several models (Wan2.2's two experts) names them in `quantize_roots`: the patterns then
+    # apply below each model, as they would to that model alone
+    roots = getattr(base, "quantize_roots", ())
+    return base, tuple(skip) + tuple(f"{root}.{pattern}" for root in roots for pattern in skip)
+
+
+def _skeleton(base: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy of ``base``'s structure whose parameters are meta placeholders (floats in ``dtype``), with peft
+    LoRA wrappers folded into their base layers and peft's adapter flags cleared."""
+    # each parameter is replaced by a placeholder through the deepcopy memo (tied parameters share one
+    # placeholder, so ties survive)
+    memo: dict[int, object] = {
+        id(p): nn.Parameter(
+            torch.empty_like(p, device="meta", dtype=dtype if p.is_floating_point() else p.dtype),
+            requires_grad=False,
+        )
+        for p in base.parameters()
+    }
+    copied = copy.deepcopy(base, memo)
+    for name in _lora_wrappers(copied):
+        copied.set_submodule(name, copied.get_submodule(name).get_base_layer())
+    for name, sub in copied.named_modules():
+        if _tuner_kind(sub) == "other":
+            raise ValueError(
+                f"module {name!r} is a {type(sub).__name__}; the quantized copy folds only plain LoRA layers "
+                "(no modules_to_save, LoHa, LoKr, ...)"
+            )
+        # The copy has no adapters; a stale flag would make diffusers/transformers adapter methods look for them.
+        if getattr(sub, "_hf_peft_config_loaded", False):
+            sub._hf_peft_config_loaded = False
+        if "peft_config" in vars(sub):
+            del sub.peft_config
+    return copied
+
+
+def _choose_layers(copied: nn.Module, scheme: str, skip: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """(quantized, skipped) names: every exact ``nn.Linear``, skipped where a pattern or the kernels say so."""
+    quantized, skipped = [], []
+    for name, sub in copied.named_modules():
+        if type(sub) is nn.Linear:
+            (skipped if _is_skipped(name, skip) or not _eligible(scheme, sub) else quantized).append(name)
+    return quantized, skipped
+
+
 def _lora_wrappers(base: nn.Module) -> list[str]:
     return [name for name, sub in base.named_modules() if _tuner_kind(sub) == "lora"]
 
@@ -458,15 +509,7 @@ def quantize_copy(
             Linear weights are already quantized, or an unsupported peft wrapper.
         ImportError: torchao scheme without torchao.
     """
-    if isinstance(skip, str):
-        raise ValueError(
-            f"skip must be a sequence of patterns, got the string {skip!r}; write skip=({skip!r},)"
-        )
-    base, _ = unwrap_peft(module)
-    # a container of several models (Wan2.2's two experts) names them in `quantize_roots`: the patterns then
-    # apply below each model, as they would to that model alone
-    roots = getattr(base, "quantize_roots", ())
-    skip = tuple(skip) + tuple(f"{root}.{pattern}" for root in roots for pattern in skip)
+    base, skip = _base_and_patterns(module, skip)
     reference = _first_float_param(base)
     check_scheme(scheme, reference.device)
     for name, sub in base.named_modules():
@@ -477,35 +520,10 @@ def quantize_copy(
             )
     dtype = compute_dtype or reference.dtype
     device = reference.device
-    # 1. copy the structure without weight data: each parameter is replaced by a meta placeholder through the
-    #    deepcopy memo (tied parameters share one placeholder, so ties survive).
-    memo: dict[int, object] = {
-        id(p): nn.Parameter(
-            torch.empty_like(p, device="meta", dtype=dtype if p.is_floating_point() else p.dtype),
-            requires_grad=False,
-        )
-        for p in base.parameters()
-    }
-    copied = copy.deepcopy(base, memo)
-    # 2. fold LoRA wrappers into their base layers: the copy computes with merged weights
-    for name in _lora_wrappers(copied):
-        copied.set_submodule(name, copied.get_submodule(name).get_base_layer())
-    for name, sub in copied.named_modules():
-        if _tuner_kind(sub) == "other":
-            raise ValueError(
-                f"module {name!r} is a {type(sub).__name__}; the quantized copy folds only plain LoRA layers "
-                "(no modules_to_save, LoHa, LoKr, ...)"
-            )
-        # The copy has no adapters; a stale flag would make diffusers/transformers adapter methods look for them.
-        if getattr(sub, "_hf_peft_config_loaded", False):
-            sub._hf_peft_config_loaded = False
-        if "peft_config" in vars(sub):
-            del sub.peft_config
+    # 1.-2. the structure with meta placeholders, LoRA folded away
+    copied = _skeleton(base, dtype)
     # 3. choose the layers to quantize
-    quantized, skipped = [], []
-    for name, sub in copied.named_modules():
-        if type(sub) is nn.Linear:
-            (skipped if _is_skipped(name, skip) or not _eligible(scheme, sub) else quantized).append(name)
+    quantized, skipped = _choose_layers(copied, scheme, skip)
     # 4. allocate the unquantized parameters (one tensor per placeholder, so ties stay ties); buffers
     #    (positional tables, ...) are cast like module.to(dtype) would
     real: dict[int, nn.Parameter] = {}
@@ -625,3 +643,65 @@ def weight_bytes(module: nn.Module) -> int:
             total += _tensor_bytes(param, seen)
             total += sum(_tensor_bytes(t, seen) for t in _quant_state_tensors(param, owner))
     return total
+
+
+def quantized_bytes(
+    module: nn.Module,
+    scheme: Scheme,
+    *,
+    skip: Iterable[str] = DEFAULT_SKIP,
+    compute_dtype: torch.dtype | None = None,
+    blocksize: int = 64,
+    double_quant: bool = True,
+) -> int:
+    """What :func:`weight_bytes` of ``quantize_copy(module, scheme, ...)``'s copy comes to, from shapes alone.
+
+    Nothing is quantized or allocated, so ``module`` may live on the ``meta`` device and the scheme's library
+    and hardware are not needed (memory estimates of real models: ``mmrl memory``). The same layers are chosen
+    as :func:`quantize_copy` chooses; per quantized ``[out, in]`` weight of ``n = out * in`` values, plus the
+    bias in ``compute_dtype``:
+
+    * ``none``: ``n`` values of ``compute_dtype``;
+    * ``int8``: ``n`` int8 codes + one fp32 scale per row;
+    * ``nf4`` / ``fp4``: ``ceil(n / 2)`` packed bytes + a 16-entry fp32 code table + per block of
+      ``blocksize``: an fp32 absmax, or with ``double_quant`` a uint8 absmax + one fp32 per 256 blocks + a
+      256-entry fp32 code table;
+    * ``fp8_weight_only`` / ``fp8``: ``n`` float8 values + one fp32 scale per row (torchao, row-wise);
+    * ``nvfp4``: ``ceil(n / 2)`` packed e2m1 bytes + one e4m3 scale per 16 values + one fp32 scale per tensor.
+
+    Every other parameter counts in ``compute_dtype`` (floats) or its own dtype, tied parameters once, LoRA
+    factors not at all (they are folded into the copy's weights). The bitsandbytes counts equal
+    :func:`weight_bytes` of a real copy exactly (tests/quant); the torchao ones follow its tensor layouts.
+    """
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown quantization scheme {scheme!r}. Available: {list(SCHEMES)}")
+    base, skip = _base_and_patterns(module, skip)
+    dtype = compute_dtype or _first_float_param(base).dtype
+    copied = _skeleton(base, dtype)
+    quantized, _ = _choose_layers(copied, scheme, skip)
+    total = 0
+    seen: set[int] = set()
+    for name, sub in copied.named_modules():
+        for param_name, param in sub._parameters.items():
+            if param is None or id(param) in seen:
+                continue
+            seen.add(id(param))
+            if name in quantized and param_name == "weight" and scheme != "none":
+                total += _quantized_weight_bytes(scheme, *param.shape, blocksize, double_quant)
+            else:
+                total += param.numel() * param.element_size()
+    return total
+
+
+def _quantized_weight_bytes(
+    scheme: str, out_features: int, in_features: int, blocksize: int, nested: bool
+) -> int:
+    """Bytes of one ``[out_features, in_features]`` weight stored as ``scheme`` (see :func:`quantized_bytes`)."""
+    n = out_features * in_features
+    if scheme in ("int8", "fp8_weight_only", "fp8"):
+        return n + 4 * out_features
+    if scheme == "nvfp4":
+        return -(-n // 2) + n // 16 + 4
+    blocks = -(-n // blocksize)
+    absmax = blocks + 4 * -(-blocks // 256) + 4 * 256 if nested else 4 * blocks
+    return -(-n // 2) + 4 * 16 + absmax

@@ -47,7 +47,7 @@ from mmrl.distributed import (
 )
 from mmrl.ema import EMA
 from mmrl.flow.batch import FlowSamples, StepBatch
-from mmrl.flow.config import FlowGRPOConfig
+from mmrl.flow.config import FlowGRPOConfig, FlowLora
 from mmrl.flow.objectives import get_objective
 from mmrl.flow.pooled import PooledFlowSource, pooled_worker_factory
 from mmrl.flow.rollouts import LoopFlowSource
@@ -131,30 +131,15 @@ class FlowGRPOTrainer(TrainerBase):
         self.ema: EMA | None = None
         # trainer.guidance_distill.refresh_every: the teacher, a copy refreshed from the evaluated weights
         self.distill_teacher: torch.nn.Module | None = None
-        if cfg.model.lora is not None:
-            from peft import LoraConfig
-
-            lora = cfg.model.lora
-            transformer.add_adapter(
-                LoraConfig(
-                    r=lora.rank,
-                    lora_alpha=lora.alpha,
-                    lora_dropout=lora.dropout,
-                    target_modules=list(lora.target_modules),
-                    init_lora_weights="gaussian",
-                )
-            )
-            if cfg.model.init_lora:
-                self.adapter.load_lora(Path(cfg.model.init_lora))
-        else:
-            transformer.requires_grad_(True)
-            distill = cfg.trainer.guidance_distill
-            frozen_teacher = distill.weight > 0 and distill.refresh_every is None
-            if (cfg.trainer.beta > 0 or frozen_teacher) and for_training:
-                self.reference = copy.deepcopy(transformer).requires_grad_(False).eval()
-            if distill.refresh_every is not None and for_training:
-                # the start weights until the first refresh (refresh_teacher)
-                self.distill_teacher = copy.deepcopy(transformer).requires_grad_(False).eval()
+        make_trainable(transformer, cfg.model.lora)
+        if cfg.model.lora is not None and cfg.model.init_lora:
+            self.adapter.load_lora(Path(cfg.model.init_lora))
+        copies = start_copies(cfg) if for_training else ()
+        if "reference" in copies:
+            self.reference = copy.deepcopy(transformer).requires_grad_(False).eval()
+        if "distill_teacher" in copies:
+            # the start weights until the first refresh (refresh_teacher)
+            self.distill_teacher = copy.deepcopy(transformer).requires_grad_(False).eval()
         if cfg.model.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
         if self.dist.fsdp:
@@ -1026,6 +1011,38 @@ class FlowGRPOTrainer(TrainerBase):
                 self.save_transformer(directory, exported_weights(state))
 
         self.write_checkpoint(state, extra)
+
+
+def make_trainable(transformer: torch.nn.Module, lora: FlowLora | None) -> None:
+    """Make the frozen denoiser ``transformer`` trainable as the recipe says: a LoRA adapter (peft, through
+    diffusers' ``add_adapter``; the base weights stay frozen) or, with ``lora`` None, every weight."""
+    if lora is None:
+        transformer.requires_grad_(True)
+        return
+    from peft import LoraConfig
+
+    transformer.add_adapter(
+        LoraConfig(
+            r=lora.rank,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=list(lora.target_modules),
+            init_lora_weights="gaussian",
+        )
+    )
+
+
+def start_copies(cfg: FlowGRPOConfig) -> tuple[str, ...]:
+    """The frozen copies of the start weights that full fine-tuning keeps while it trains: ``reference`` for the
+    KL (``trainer.beta > 0``) and the frozen guidance-distillation teacher, ``distill_teacher`` for a teacher
+    refreshed every ``trainer.guidance_distill.refresh_every`` steps. A LoRA run keeps none: its reference and
+    teacher are the transformer with the adapter switched off."""
+    if cfg.model.lora is not None:
+        return ()
+    distill = cfg.trainer.guidance_distill
+    frozen_teacher = distill.weight > 0 and distill.refresh_every is None
+    copies = ("reference",) if cfg.trainer.beta > 0 or frozen_teacher else ()
+    return copies + (("distill_teacher",) if distill.refresh_every is not None else ())
 
 
 def exported_weights(state: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -61,7 +61,7 @@ from mmrl.rollouts import StepRequest
 from mmrl.run import write_summary_json
 from mmrl.schedule import learning_rate
 from mmrl.trainer_base import TrainerBase
-from mmrl.vlm.config import VLMRLVRConfig
+from mmrl.vlm.config import VLMModelConfig, VLMRLVRConfig
 from mmrl.vlm.pooled import PooledVLMSource, pooled_worker_factory
 from mmrl.vlm.process_credit import process_advantages
 from mmrl.vlm.rollouts import LoopVLMSource, VLMPairs
@@ -115,27 +115,7 @@ class VLMRLVRTrainer(TrainerBase):
         self.processor, model = load_vlm(model_cfg.path, **kwargs)
         if not model_cfg.load_in_4bit:
             model.to(self.device)
-        model.requires_grad_(False)
-        if model_cfg.lora is not None:
-            from peft import LoraConfig, get_peft_model
-
-            model = get_peft_model(
-                model,
-                LoraConfig(
-                    r=model_cfg.lora.rank,
-                    lora_alpha=model_cfg.lora.alpha,
-                    lora_dropout=model_cfg.lora.dropout,
-                    target_modules=self.family.lora_target_pattern(
-                        model_cfg.lora.target_modules, model_cfg.train_vision
-                    ),
-                ),
-            )
-        else:
-            model.requires_grad_(True)
-            if not model_cfg.train_vision:
-                for name, param in model.named_parameters():
-                    if self.family.is_vision_parameter(name):
-                        param.requires_grad_(False)
+        model = make_trainable(model, model_cfg, self.family)
         if model_cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.reference = None
@@ -933,6 +913,32 @@ def _pad_logprobs(rows: list[torch.Tensor], width: int) -> torch.Tensor:
     for i, r in enumerate(rows):
         out[i, : r.numel()] = r[:width].float()
     return out
+
+
+def make_trainable(model: torch.nn.Module, model_cfg: VLMModelConfig, family: VLMFamily) -> torch.nn.Module:
+    """The policy to train from the loaded ``model``: a peft LoRA model around it (``model.lora``; the base
+    frozen), or ``model`` itself with every weight trainable but the vision tower's (unless
+    ``model.train_vision``)."""
+    model.requires_grad_(False)
+    if model_cfg.lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        lora = model_cfg.lora
+        return get_peft_model(
+            model,
+            LoraConfig(
+                r=lora.rank,
+                lora_alpha=lora.alpha,
+                lora_dropout=lora.dropout,
+                target_modules=family.lora_target_pattern(lora.target_modules, model_cfg.train_vision),
+            ),
+        )
+    model.requires_grad_(True)
+    if not model_cfg.train_vision:
+        for name, param in model.named_parameters():
+            if family.is_vision_parameter(name):
+                param.requires_grad_(False)
+    return model
 
 
 def main(cfg: VLMRLVRConfig) -> dict[str, float]:

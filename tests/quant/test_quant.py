@@ -20,7 +20,14 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from pipelines.quant import check_scheme, list_schemes, quantize_copy, sync_lora, weight_bytes
+from pipelines.quant import (
+    check_scheme,
+    list_schemes,
+    quantize_copy,
+    quantized_bytes,
+    sync_lora,
+    weight_bytes,
+)
 
 try:
     import torchao  # noqa: F401
@@ -469,6 +476,40 @@ def test_dora_is_rejected(built):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+@peft_warning
+@pytest.mark.parametrize("scheme", CPU_SCHEMES)
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_quantized_bytes_equals_the_copy_and_needs_no_weights(built, model_name, scheme):
+    """The memory estimate's count from shapes alone: the bytes of the real copy, for a LoRA-adapted model
+    (factors folded away), either 4-bit scale layout, bf16 compute, and the same model on the meta device."""
+    needs(scheme)
+    model = built[model_name][0]
+    trained = (
+        get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj"]))
+        if model_name == "lm"
+        else with_diffusers_lora(model)
+    )
+    for double_quant in (True, False):
+        for dtype in (None, torch.bfloat16):
+            kwargs = {"double_quant": double_quant, "compute_dtype": dtype}
+            real = weight_bytes(quantize_copy(trained, scheme, **kwargs).module)
+            assert quantized_bytes(trained, scheme, **kwargs) == real
+            assert quantized_bytes(copy.deepcopy(trained).to("meta"), scheme, **kwargs) == real
+
+
+def test_quantized_bytes_of_the_gpu_formats():
+    """fp8: a byte per value + an fp32 scale per row; nvfp4: half a byte per value + an e4m3 scale per 16 values
+    + an fp32 scale per tensor (checked against real torchao copies by the GPU test below)."""
+    layer = nn.Linear(64, 32, bias=True, device="meta", dtype=torch.bfloat16)
+    bias = 32 * 2
+    assert quantized_bytes(layer, "fp8", skip=()) == 32 * 64 + 32 * 4 + bias
+    assert quantized_bytes(layer, "fp8_weight_only", skip=()) == 32 * 64 + 32 * 4 + bias
+    assert quantized_bytes(layer, "nvfp4", skip=()) == 32 * 64 // 2 + 32 * 64 // 16 + 4 + bias
+    assert quantized_bytes(layer, "none", skip=()) == 32 * 64 * 2 + bias
+    with pytest.raises(ValueError, match="unknown quantization scheme 'fp6'"):
+        quantized_bytes(layer, "fp6")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", ["int8", "nf4", "fp4", "fp8", "nvfp4"])
 def test_gpu_schemes_bf16(built, scheme):
@@ -487,3 +528,4 @@ def test_gpu_schemes_bf16(built, scheme):
     reference = merged_reference(model, trained.float().cpu(), scaling=2.0).to("cuda", torch.bfloat16)
     bound = 0.05 if scheme == "int8" else 0.25
     assert rel_err(forward(explorer.module, inputs), forward(reference, inputs)) < bound
+    assert quantized_bytes(trained, scheme, compute_dtype=torch.bfloat16) == weight_bytes(explorer.module)

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -229,6 +229,13 @@ class FlowAdapter(ABC):
             cls.pipeline_class, model_id_or_path, torch_dtype, device, quantization_config, **kwargs
         )
         return cls(pipe, **options)
+
+    @classmethod
+    def trained_components(cls, options: Mapping[str, Any]) -> tuple[str, ...]:
+        """The pipeline components RL trains when the adapter is built with ``options`` (``model.options``),
+        known before anything is loaded (a memory estimate builds the published architecture on ``meta`` and
+        gives these gradients and optimizer states): the transformer."""
+        return ("transformer",)
 
     # ---- the interface ---------------------------------------------------------------------------------------
 

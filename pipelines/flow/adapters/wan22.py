@@ -22,7 +22,8 @@ when the folder holds both. One guidance scale serves both experts (the pipeline
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import inspect
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
@@ -144,6 +145,21 @@ class Wan22Adapter(WanAdapter):
         if trained_expert != "both":
             frozen = pipe.transformer_2 if trained_expert == "high" else pipe.transformer
             frozen.requires_grad_(False)
+
+    @classmethod
+    def trained_components(cls, options: Mapping[str, Any]) -> tuple[str, ...]:
+        default = inspect.signature(cls.__init__).parameters["trained_expert"].default
+        expert = options.get("trained_expert", default)
+        experts = {
+            "high": ("transformer",),
+            "low": ("transformer_2",),
+            "both": ("transformer", "transformer_2"),
+        }
+        if expert not in experts:
+            raise ValueError(
+                f"model.options.trained_expert must be one of {list(EXPERT_CHOICES)}, got {expert!r}"
+            )
+        return experts[expert]
 
     @property
     def trained_component(self) -> str:

@@ -1,0 +1,272 @@
+"""The published architectures of the real VLMs the recipes train, built on PyTorch's ``meta`` device.
+
+What it is for: knowing what a real-model recipe (``configs/vlm/*.yaml``) costs in GPU memory before launching
+it, and real-size smoke tests, on a machine that cannot download weights. :func:`build_on_meta` instantiates the
+very ``*ForConditionalGeneration`` class mmrl trains, at its published size, on the ``meta`` device: every
+parameter and buffer has its real shape and dtype and no storage, so building takes about a second and no memory.
+:func:`model_config` gives the config it is built from: a local folder's ``config.json``, the embedded published
+config of a known Hub id (no network), or any other Hub id's ``config.json`` (one small download).
+
+The embedded configs are the models' published ``config.json`` files with their values unchanged, keeping only
+the keys the installed transformers (5.x) config classes read; left out, as nothing reads them:
+
+- ``Qwen/Qwen2.5-VL-3B-Instruct``: ``vision_token_id``, ``vision_config.in_chans``,
+  ``vision_config.spatial_patch_size``, ``transformers_version`` ("4.41.2"). The file is in the flat pre-4.49
+  layout (language-model keys at the top level, ``rope_scaling`` of type "mrope"); ``Qwen2_5_VLConfig`` moves
+  them into ``text_config`` itself. Verified against two independent public copies of the file found on GitHub
+  by their values (the search index did not name either repository): a Markdown dump headed
+  "Qwen/Qwen2.5-VL-3B-Instruct" holding the config, the module tree and a torchinfo table, whose per-block
+  counts (vision block 19,702,200, merger MLP 36,707,328, patch embedding 1,505,280, decoder layer 77,076,992)
+  equal the ones this config builds; and the same values written as keyword arguments of a ``qwen2_5_vl``
+  config in a Qwen2.5-VL-based robot policy's configuration code.
+- ``Qwen/Qwen3-VL-4B-Instruct``: ``text_config.bos_token_id``, ``text_config.eos_token_id``,
+  ``text_config.tie_word_embeddings`` (the top-level ``tie_word_embeddings``, the one read, is kept; both are
+  true), ``transformers_version`` ("4.57.0.dev0"). Verified against kohya-ss/musubi-tuner
+  ``src/musubi_tuner/krea2/krea2_encoder.py`` (``QWEN3_VL_4B_INSTRUCT_CONFIG``, vendored from the Hub file) and
+  an independent copy written as ``Qwen3VLConfig`` keyword arguments in a DiffSynth-style ``WanMLLMEncoder``
+  (repository not named by the search index); the two agree key for key.
+- ``google/gemma-3-4b-it``: ``eos_token_id`` ([1, 106]; transformers 5 reads it from ``generation_config.json``,
+  not from ``Gemma3Config``), ``transformers_version`` ("4.50.0.dev0"). The file names few keys (no
+  ``vocab_size``, head counts or ``head_dim``): ``Gemma3TextConfig``'s defaults, which are the 4B's (262,208
+  tokens, 8 heads, 4 KV heads, head_dim 256), fill the rest, as they do when transformers loads the Hub file.
+  Verified against a fixture quoting the file's top-level and ``text_config`` keys verbatim (a Rust test of
+  config classification, "The shape of google/gemma-3-4b-it's config.json, vision tower omitted") and a C# test
+  quoting the file's keys with its whole ``vision_config`` ("The original gemma-3-4b-it's config.json names few
+  keys"; repositories not named by the search index). The token ids, ``mm_tokens_per_image`` and the
+  ``text_config`` sizes, rope scaling and sliding window also match AI-Hypercomputer/maxtext
+  ``MaxText/utils/ckpt_conversion/utils/hf_model_configs.py`` (``gemma3_4b_config``, an expanded copy).
+
+Parameter counts (unique parameters, tied embeddings counted once), computed from these configs with
+transformers 5.24 against the published figures:
+
+=============================  ==============  ===============  ===============  ======================
+model                          total           language model   vision tower     published
+=============================  ==============  ===============  ===============  ======================
+Qwen/Qwen2.5-VL-3B-Instruct    3,754,622,976   3,085,938,688    668,684,288 (a)  3.75 B (b)
+Qwen/Qwen3-VL-4B-Instruct      4,437,815,808   4,022,468,096    415,347,712 (a)  4.44 B (c)
+google/gemma-3-4b-it           4,300,079,472   3,880,263,168    416,866,032 (d)  4.3 B (e)
+=============================  ==============  ===============  ===============  ======================
+
+(a) the Qwen towers (``model.visual``) include their patch merger. (b) the Hub page's figure, as given with
+this task; no public copy of it was found without Hub access, but the torchinfo table cited above agrees block
+by block with the computed counts. (c) the Hub page's figure as third-party model listings quote it ("4.4B params"; "Dense transformer
+(36 layers, GQA 32/8) with 4.44B parameters", mixpeek.com's model page). (d) the SigLIP tower
+(``model.vision_tower``) only; Gemma's projector (``model.multi_modal_projector``, 2,950,272) sits outside both.
+(e) the model card's "4.3 billion parameter" size, as repackaged-model cards and a parameter-count test
+("what each model card claims": 4.30e9) quote it.
+
+Example::
+
+    model = build_on_meta("Qwen/Qwen3-VL-4B-Instruct")           # no download, no memory
+    n = sum(p.numel() for p in model.parameters())                 # 4,437,815,808
+    model = build_on_meta("checkpoints/shapes_vlm", torch.float32)  # a local folder's config.json
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForImageTextToText, PretrainedConfig
+
+from pipelines.hub import model_not_found
+from pipelines.vlm.families import family_for_model_type
+
+__all__ = [
+    "GEMMA_3_4B_IT",
+    "PUBLISHED_CONFIGS",
+    "QWEN2_5_VL_3B_INSTRUCT",
+    "QWEN3_VL_4B_INSTRUCT",
+    "build_on_meta",
+    "model_config",
+]
+
+#: ``Qwen/Qwen2.5-VL-3B-Instruct``'s ``config.json`` (flat layout; sources in the module docstring).
+QWEN2_5_VL_3B_INSTRUCT: dict[str, Any] = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "vision_start_token_id": 151652,
+    "vision_end_token_id": 151653,
+    "image_token_id": 151655,
+    "video_token_id": 151656,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 11008,
+    "max_position_embeddings": 128000,
+    "max_window_layers": 70,
+    "model_type": "qwen2_5_vl",
+    "num_attention_heads": 16,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "sliding_window": 32768,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vision_config": {
+        "depth": 32,
+        "hidden_act": "silu",
+        "hidden_size": 1280,
+        "intermediate_size": 3420,
+        "num_heads": 16,
+        "out_hidden_size": 2048,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "window_size": 112,
+        "fullatt_block_indexes": [7, 15, 23, 31],
+        "tokens_per_second": 2,
+        "temporal_patch_size": 2,
+    },
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    "vocab_size": 151936,
+}
+
+#: ``Qwen/Qwen3-VL-4B-Instruct``'s ``config.json`` (sources in the module docstring).
+QWEN3_VL_4B_INSTRUCT: dict[str, Any] = {
+    "architectures": ["Qwen3VLForConditionalGeneration"],
+    "image_token_id": 151655,
+    "model_type": "qwen3_vl",
+    "text_config": {
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "dtype": "bfloat16",
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 2560,
+        "initializer_range": 0.02,
+        "intermediate_size": 9728,
+        "max_position_embeddings": 262144,
+        "model_type": "qwen3_vl_text",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 36,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"},
+        "rope_theta": 5000000,
+        "use_cache": True,
+        "vocab_size": 151936,
+    },
+    "tie_word_embeddings": True,
+    "video_token_id": 151656,
+    "vision_config": {
+        "deepstack_visual_indexes": [5, 11, 17],
+        "depth": 24,
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_size": 1024,
+        "in_channels": 3,
+        "initializer_range": 0.02,
+        "intermediate_size": 4096,
+        "model_type": "qwen3_vl",
+        "num_heads": 16,
+        "num_position_embeddings": 2304,
+        "out_hidden_size": 2560,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    },
+    "vision_end_token_id": 151653,
+    "vision_start_token_id": 151652,
+}
+
+#: ``google/gemma-3-4b-it``'s ``config.json`` (sources in the module docstring; unnamed keys take the
+#: ``Gemma3TextConfig`` / ``SiglipVisionConfig`` defaults, as they do when transformers loads the Hub file).
+GEMMA_3_4B_IT: dict[str, Any] = {
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "boi_token_index": 255999,
+    "eoi_token_index": 256000,
+    "image_token_index": 262144,
+    "initializer_range": 0.02,
+    "mm_tokens_per_image": 256,
+    "model_type": "gemma3",
+    "text_config": {
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024,
+    },
+    "torch_dtype": "bfloat16",
+    "vision_config": {
+        "hidden_size": 1152,
+        "image_size": 896,
+        "intermediate_size": 4304,
+        "model_type": "siglip_vision_model",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 27,
+        "patch_size": 14,
+        "vision_use_head": False,
+    },
+}
+
+#: Hub id -> embedded published ``config.json``: the models the ``configs/vlm`` recipes name.
+PUBLISHED_CONFIGS: dict[str, dict[str, Any]] = {
+    "Qwen/Qwen2.5-VL-3B-Instruct": QWEN2_5_VL_3B_INSTRUCT,
+    "Qwen/Qwen3-VL-4B-Instruct": QWEN3_VL_4B_INSTRUCT,
+    "google/gemma-3-4b-it": GEMMA_3_4B_IT,
+}
+
+
+def model_config(model_id_or_path: str) -> PretrainedConfig:
+    """The transformers config of a VLM: a local folder's, a known Hub id's published one, or a Hub download.
+
+    1. a local folder: ``AutoConfig.from_pretrained(folder)`` (its ``config.json``);
+    2. a Hub id in :data:`PUBLISHED_CONFIGS`: the embedded published config, no network;
+    3. any other Hub id: ``AutoConfig.from_pretrained(hub_id)``, which downloads ``config.json`` only.
+
+    Args:
+        model_id_or_path: a local folder (absolute, or relative to the working directory) or a Hub id.
+
+    Returns:
+        The config (a fresh object: callers may change it).
+
+    Raises:
+        OSError: neither a local folder nor a known id, and the Hub could not supply it (both places named, with
+            the loader's reason); or a local folder without a readable ``config.json``.
+    """
+    if Path(model_id_or_path).is_dir():
+        return AutoConfig.from_pretrained(model_id_or_path)
+    if model_id_or_path in PUBLISHED_CONFIGS:
+        # a deep copy: Qwen2_5_VLConfig rewrites its vision_config dict in place, and the table must stay as published
+        return AutoConfig.for_model(**copy.deepcopy(PUBLISHED_CONFIGS[model_id_or_path]))
+    try:
+        return AutoConfig.from_pretrained(model_id_or_path)
+    except (
+        OSError,
+        ValueError,
+    ) as error:  # (a string that is no valid repo id fails the Hub's id check: ValueError)
+        raise model_not_found("VLM config", model_id_or_path, error) from error
+
+
+def build_on_meta(model_id_or_path: str, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """The model mmrl trains for ``model_id_or_path``, built on the ``meta`` device: real shapes, no storage.
+
+    The class is the one the VLM backends load (``AutoModelForImageTextToText``, i.e. the
+    ``*ForConditionalGeneration`` class of the config's ``model_type``), once a registered VLM family is known to
+    serve that ``model_type``. Nothing is allocated and no weight is initialised, so a 4 B model builds in about
+    a second; its parameters can be counted and their bytes summed (``numel() * element_size()``), not computed
+    with.
+
+    Args:
+        model_id_or_path: a local folder or a Hub id (resolved by :func:`model_config`).
+        dtype: the parameters' dtype (the published checkpoints' is bfloat16).
+
+    Returns:
+        The model, in train mode as ``from_config`` leaves it, every parameter and buffer on ``meta``.
+
+    Raises:
+        OSError: the config cannot be found (see :func:`model_config`).
+        ValueError: no registered VLM family serves the config's ``model_type`` (the registered ones named).
+    """
+    config = model_config(model_id_or_path)
+    # Only a model_type some family serves is one mmrl can train; this raises for any other.
+    family_for_model_type(config.model_type)
+    with torch.device("meta"):
+        return AutoModelForImageTextToText.from_config(config, dtype=dtype)
