@@ -1015,7 +1015,8 @@ class FlowGRPOTrainer(TrainerBase):
 
 def make_trainable(transformer: torch.nn.Module, lora: FlowLora | None) -> None:
     """Make the frozen denoiser ``transformer`` trainable as the recipe says: a LoRA adapter (peft, through
-    diffusers' ``add_adapter``; the base weights stay frozen) or, with ``lora`` None, every weight."""
+    diffusers' ``add_adapter``; the base weights stay frozen, the factors are float32 whatever ``model.dtype``)
+    or, with ``lora`` None, every weight (in ``model.dtype``)."""
     if lora is None:
         transformer.requires_grad_(True)
         return
@@ -1030,6 +1031,13 @@ def make_trainable(transformer: torch.nn.Module, lora: FlowLora | None) -> None:
             init_lora_weights="gaussian",
         )
     )
+    # add_adapter makes the factors in the base's dtype; in bfloat16 AdamW's small steps on them round away
+    # (a relative step under 2^-9 is lost), so they train in float32 on a bfloat16 base, as peft's
+    # get_peft_model keeps them (Flow-GRPO's LoRA, and the VLM trainer's); peft casts the input to the factors'
+    # dtype and their output back
+    for param in transformer.parameters():
+        if param.requires_grad:
+            param.data = param.data.float()
 
 
 def start_copies(cfg: FlowGRPOConfig) -> tuple[str, ...]:

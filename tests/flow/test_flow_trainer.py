@@ -75,6 +75,23 @@ def test_grpo_step_trains_lora_only_and_ratio_starts_at_one(model_dir, tmp_path)
     trainer.cleanup()
 
 
+@pytest.mark.parametrize("objective", ["grpo", "nft"])
+def test_lora_on_a_bfloat16_base_trains_float32_factors(model_dir, tmp_path, objective):
+    """In bfloat16 an AdamW step of lr 1e-4 on a factor entry of 0.05 rounds away (its ulp is 2.4e-4); the
+    factors train in float32 on the bfloat16 base, as peft's get_peft_model (Flow-GRPO) keeps them."""
+    cfg = make_cfg(model_dir, tmp_path, objective, "model.dtype=bfloat16", f"trainer.objective={objective}")
+    trainer = FlowGRPOTrainer(cfg, None)
+    trainer.setup()
+    named = dict(trainer.adapter.transformer.named_parameters())
+    assert {p.dtype for n, p in named.items() if "lora_" in n} == {torch.float32}
+    assert {p.dtype for n, p in named.items() if "lora_" not in n} == {torch.bfloat16}
+    before = [p.detach().clone() for p in trainer.trainable]
+    metrics = trainer.train_step()
+    assert all(torch.isfinite(torch.tensor(v)) for k, v in metrics.items() if k.startswith("loss"))
+    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.trainable, strict=True))
+    assert {p.dtype for p in trainer.trainable} == {torch.float32}
+
+
 def test_lora_checkpoint_loads_in_diffusers(model_dir, tmp_path):
     from diffusers import StableDiffusion3Pipeline
 
