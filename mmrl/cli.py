@@ -225,7 +225,14 @@ def error_message(err: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run one command. Every error ends as one ``mmrl: error: ...`` message on stderr (exit status 2 for bad
     input, 1 for anything else); ``--verbose`` prints the traceback before it."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # overrides may follow an option (`mmrl memory CONFIG --fsdp 8 model.lora.rank=32`), which argparse's
+    # positional list stops at: the leftover key=value words are the command's overrides
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or any(word.startswith("-") or "=" not in word for word in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     quiet_libraries(args.verbose)
     try:
         return args.func(args)

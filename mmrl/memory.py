@@ -143,3 +143,23 @@ def _row(part: MemoryPart, fsdp: int, prefix: str = "") -> tuple[str, str, str, 
     values = f"{part.params / 1e9:.3f} B" if part.params >= 1e7 else f"{part.params / 1e6:.2f} M"
     note = part.note + (" (sharded)" if part.sharded and fsdp > 1 else "")
     return (prefix + part.name, values, f"{part.bytes_per_gpu(fsdp) / GIB:.2f}", note)
+
+
+def check_fits(estimate: MemoryEstimate, free_bytes: float, total_bytes: float, fsdp: int = 1) -> float:
+    """The estimate's peak on a GPU of ``total_bytes`` with ``free_bytes`` free; raises when it cannot fit.
+
+    Called before a trainer loads any weight on a GPU: a recipe whose weights and training state alone exceed
+    what is free would fail with an out-of-memory error only after minutes of loading.
+
+    Raises:
+        MemoryError: the peak exceeds ``free_bytes``; the message has the estimate's table and what to change.
+    """
+    peak = estimate.peak_bytes(total_bytes, fsdp)
+    if peak > free_bytes:
+        raise MemoryError(
+            f"this recipe holds {peak / GIB:.1f} GiB per GPU before any activation (`mmrl memory`), and the GPU has "
+            f"{free_bytes / GIB:.1f} GiB free of {total_bytes / GIB:.1f}: train LoRA (model.lora), shard with FSDP "
+            "(configs/accelerate/fsdp.yaml), use trainer.optimizer=adamw8bit, or take a larger GPU.\n"
+            + estimate.table(fsdp)
+        )
+    return peak

@@ -54,10 +54,18 @@ class FlowModelConfig(Config):
     device: str = Field(
         "auto", description="'auto' (cuda when available, else cpu), 'cpu', 'cuda', 'cuda:1'..."
     )
+    master_weight_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="dtype of the trained parameters (full fine-tuning's transformer, or the LoRA factors), their "
+        "gradients, AdamW states and EMA; the frozen weights stay in model.dtype. float32 (Flow-Factory's "
+        "master_weight_dtype default; peft's for LoRA): in bfloat16 an AdamW step below 2^-9 of a weight rounds "
+        "away. bfloat16: pure bfloat16 training in half the memory.",
+    )
     autocast: Literal["bfloat16", "float16"] | None = Field(
         None,
-        description="Mixed precision: the transformer computes in this dtype under torch.autocast while weights, "
-        "LoRA and optimizer stay in model.dtype (faster on GPUs and on CPUs with bfloat16 instructions).",
+        description="Mixed precision: the transformer computes in this dtype under torch.autocast while its weights "
+        "keep their dtypes (faster on GPUs and on CPUs with bfloat16 instructions). null: model.dtype when the "
+        "trained parameters are kept in another dtype (float32 master weights of a bfloat16 model), else none.",
     )
     lora: FlowLora | None = Field(
         default_factory=FlowLora, description="LoRA settings; null trains the full transformer."
@@ -72,6 +80,15 @@ class FlowModelConfig(Config):
         default_factory=dict,
         description="More from_pretrained / adapter options (revision, variant, max_sequence_length, ...).",
     )
+
+    def compute_dtype(self) -> str | None:
+        """What the transformer computes in under ``torch.autocast`` (None: no autocast): ``autocast``, else
+        ``dtype`` when the trained parameters are kept in another dtype (``master_weight_dtype``)."""
+        if self.autocast is not None:
+            return self.autocast
+        if self.dtype != "float32" and self.master_weight_dtype != self.dtype:
+            return self.dtype
+        return None
 
 
 class FlowSamplingConfig(Config):

@@ -38,9 +38,12 @@ def estimate_memory(cfg: FlowGRPOConfig) -> MemoryEstimate:
     trained = get_adapter(cfg.model.family).trained_components(cfg.model.options)
     for module in components.values():
         module.requires_grad_(False)
+    # the frozen start copies are taken before the trained weights become master weights (as the trainer does)
+    start_count = sum(p.numel() for name in trained for p in module_params(components[name]))
+    start_size = sum(module_bytes(components[name]) for name in trained)
     for name in trained:
         # peft makes each LoRA factor on the CPU, then moves it to its base layer's device and dtype (meta)
-        make_trainable(components[name], cfg.model.lora)
+        make_trainable(components[name], cfg.model.lora, DTYPES[cfg.model.master_weight_dtype])
 
     parts = [
         MemoryPart(
@@ -61,15 +64,13 @@ def estimate_memory(cfg: FlowGRPOConfig) -> MemoryEstimate:
         parts.append(
             MemoryPart("AdamW states", 2 * count, 2 * size, sharded=True, note="exp_avg, exp_avg_sq")
         )
-    trained_size = sum(module_bytes(components[name]) for name in trained)
-    trained_count = sum(p.numel() for name in trained for p in module_params(components[name]))
     for copy in start_copies(cfg):
         note = {
             "reference": "full fine-tuning's start weights: KL reference and distillation teacher",
             "distill_teacher": "trainer.guidance_distill.refresh_every's teacher",
         }[copy]
         parts.append(
-            MemoryPart(f"{copy} copy", trained_count, trained_size, sharded=copy == "reference", note=note)
+            MemoryPart(f"{copy} copy", start_count, start_size, sharded=copy == "reference", note=note)
         )
     if cfg.trainer.ema_decay:
         parts.append(
@@ -93,16 +94,20 @@ def _component_note(name: str, trained: bool, cfg: FlowGRPOConfig) -> str:
     dtype = cfg.model.dtype
     if not trained:
         return f"frozen, {dtype}"
+    master = cfg.model.master_weight_dtype
     if cfg.model.lora is None:
-        return f"trained in full, {dtype}"
-    return f"frozen {dtype} base + LoRA r{cfg.model.lora.rank}"
+        return f"trained in full, {master}" + (
+            f" master weights of the {dtype} model" if master != dtype else ""
+        )
+    return f"frozen {dtype} base + LoRA r{cfg.model.lora.rank} in {master}"
 
 
 def _explorer_part(
     components: dict[str, torch.nn.Module], trained: tuple[str, ...], cfg: FlowGRPOConfig
 ) -> MemoryPart:
     scheme = cfg.explore.scheme
-    size = sum(quantized_bytes(components[name], scheme) for name in trained)
+    dtype = DTYPES[cfg.model.dtype]
+    size = sum(quantized_bytes(components[name], scheme, compute_dtype=dtype) for name in trained)
     count = sum(
         p.numel() for name in trained for key, p in components[name].named_parameters() if "lora_" not in key
     )

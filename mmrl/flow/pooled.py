@@ -155,7 +155,7 @@ def pooled_worker_factory(
         initial,
         device=device,
         torch_dtype=DTYPES[model.dtype],
-        autocast_dtype=DTYPES[model.autocast] if model.autocast else None,
+        autocast_dtype=DTYPES[model.compute_dtype()] if model.compute_dtype() else None,
         **model.options,
     )
 

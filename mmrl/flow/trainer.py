@@ -107,6 +107,10 @@ class FlowGRPOTrainer(TrainerBase):
         cfg = self.cfg
         # 1. seeds and device; one process per GPU under `accelerate launch` (mmrl/distributed.py)
         self.setup_runtime(cfg.model.device)
+        if for_training:  # before minutes of loading: do the weights and training state fit at all?
+            from mmrl.flow.memory import estimate_memory
+
+            self.check_memory(estimate_memory)
         # 2. model
         if cfg.model.family not in list_adapters():
             raise ValueError(
@@ -119,7 +123,8 @@ class FlowGRPOTrainer(TrainerBase):
             device=self.device,
             **cfg.model.options,
         )
-        self.adapter.autocast_dtype = DTYPES[cfg.model.autocast] if cfg.model.autocast else None
+        compute = cfg.model.compute_dtype()
+        self.adapter.autocast_dtype = DTYPES[compute] if compute else None
         transformer = self.adapter.transformer
         transformer.requires_grad_(False)
         for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"):
@@ -131,15 +136,16 @@ class FlowGRPOTrainer(TrainerBase):
         self.ema: EMA | None = None
         # trainer.guidance_distill.refresh_every: the teacher, a copy refreshed from the evaluated weights
         self.distill_teacher: torch.nn.Module | None = None
-        make_trainable(transformer, cfg.model.lora)
-        if cfg.model.lora is not None and cfg.model.init_lora:
-            self.adapter.load_lora(Path(cfg.model.init_lora))
+        # the frozen copies of the start weights, in model.dtype (before the trained weights become master weights)
         copies = start_copies(cfg) if for_training else ()
         if "reference" in copies:
-            self.reference = copy.deepcopy(transformer).requires_grad_(False).eval()
+            self.reference = copy.deepcopy(transformer).eval()
         if "distill_teacher" in copies:
             # the start weights until the first refresh (refresh_teacher)
-            self.distill_teacher = copy.deepcopy(transformer).requires_grad_(False).eval()
+            self.distill_teacher = copy.deepcopy(transformer).eval()
+        make_trainable(transformer, cfg.model.lora, DTYPES[cfg.model.master_weight_dtype])
+        if cfg.model.lora is not None and cfg.model.init_lora:
+            self.adapter.load_lora(Path(cfg.model.init_lora))
         if cfg.model.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
         if self.dist.fsdp:
@@ -201,7 +207,9 @@ class FlowGRPOTrainer(TrainerBase):
         if cfg.explore.enabled:
             from pipelines.quant import quantize_copy, weight_bytes
 
-            self.explorer = quantize_copy(transformer, cfg.explore.scheme)
+            self.explorer = quantize_copy(
+                transformer, cfg.explore.scheme, compute_dtype=DTYPES[cfg.model.dtype]
+            )
             full, small = weight_bytes(transformer), weight_bytes(self.explorer.module)
             logger.info(
                 "explorer (%s): %.2f MB of weights vs %.2f MB (%.2fx smaller)",
@@ -1013,31 +1021,33 @@ class FlowGRPOTrainer(TrainerBase):
         self.write_checkpoint(state, extra)
 
 
-def make_trainable(transformer: torch.nn.Module, lora: FlowLora | None) -> None:
-    """Make the frozen denoiser ``transformer`` trainable as the recipe says: a LoRA adapter (peft, through
-    diffusers' ``add_adapter``; the base weights stay frozen, the factors are float32 whatever ``model.dtype``)
-    or, with ``lora`` None, every weight (in ``model.dtype``)."""
+def make_trainable(transformer: torch.nn.Module, lora: FlowLora | None, master_dtype: torch.dtype) -> None:
+    """Make the frozen denoiser ``transformer`` trainable as the recipe says, its trained parameters in
+    ``master_dtype`` (``model.master_weight_dtype``) or wider: a LoRA adapter (peft, through diffusers' ``add_adapter``;
+    the base weights stay frozen in their dtype) or, with ``lora`` None, every weight (buffers keep theirs)."""
     if lora is None:
         transformer.requires_grad_(True)
-        return
-    from peft import LoraConfig
+    else:
+        from peft import LoraConfig
 
-    transformer.add_adapter(
-        LoraConfig(
-            r=lora.rank,
-            lora_alpha=lora.alpha,
-            lora_dropout=lora.dropout,
-            target_modules=list(lora.target_modules),
-            init_lora_weights="gaussian",
+        transformer.add_adapter(
+            LoraConfig(
+                r=lora.rank,
+                lora_alpha=lora.alpha,
+                lora_dropout=lora.dropout,
+                target_modules=list(lora.target_modules),
+                init_lora_weights="gaussian",
+            )
         )
-    )
-    # add_adapter makes the factors in the base's dtype; in bfloat16 AdamW's small steps on them round away
-    # (a relative step under 2^-9 is lost), so they train in float32 on a bfloat16 base, as peft's
-    # get_peft_model keeps them (Flow-GRPO's LoRA, and the VLM trainer's); peft casts the input to the factors'
-    # dtype and their output back
+    # master weights: in bfloat16 an AdamW step below 2^-9 of a weight rounds away, so by default the trained
+    # parameters are float32 on a bfloat16 model (Flow-Factory's master weights; peft's get_peft_model keeps LoRA
+    # factors so, as Flow-GRPO's LoRA and the VLM trainer's); the forward casts its inputs to the transformer's
+    # dtype, and model.compute_dtype() computes in model.dtype under autocast. Only ever widened: the modules
+    # diffusers keeps in float32 in a bfloat16 model (Wan's norms and embedders) stay float32 in pure bfloat16.
+    master_bits = torch.finfo(master_dtype).bits
     for param in transformer.parameters():
-        if param.requires_grad:
-            param.data = param.data.float()
+        if param.requires_grad and torch.finfo(param.dtype).bits < master_bits:
+            param.data = param.data.to(master_dtype)
 
 
 def start_copies(cfg: FlowGRPOConfig) -> tuple[str, ...]:

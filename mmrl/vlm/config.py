@@ -44,7 +44,11 @@ class VLMModelConfig(Config):
         "gemma3): its prompt layout, vision tokens and tower. null: the family serving the checkpoint's "
         "model_type.",
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="Weights dtype. LoRA factors train in float32 whatever it is (peft's get_peft_model); full "
+        "fine-tuning trains the weights in it (pure bfloat16 when bfloat16: no float32 master weights).",
+    )
     device: str = Field("auto", description="'auto', 'cpu', 'cuda', ...")
     lora: VLMLora | None = Field(
         default_factory=VLMLora, description="LoRA settings; null: full fine-tuning."

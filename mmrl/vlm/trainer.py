@@ -102,6 +102,10 @@ class VLMRLVRTrainer(TrainerBase):
         model_cfg = cfg.model
         # one process per GPU under `accelerate launch` (mmrl/distributed.py): each rank rolls out its own prompts
         self.setup_runtime(model_cfg.device)
+        if for_training:  # before minutes of loading: do the weights and training state fit at all?
+            from mmrl.vlm.memory import estimate_memory
+
+            self.check_memory(estimate_memory)
         if self.dist.fsdp:
             self._check_fsdp()
         # 1. model and processor, loaded as users load Qwen2.5-VL

@@ -75,21 +75,45 @@ def test_grpo_step_trains_lora_only_and_ratio_starts_at_one(model_dir, tmp_path)
     trainer.cleanup()
 
 
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
 @pytest.mark.parametrize("objective", ["grpo", "nft"])
-def test_lora_on_a_bfloat16_base_trains_float32_factors(model_dir, tmp_path, objective):
-    """In bfloat16 an AdamW step of lr 1e-4 on a factor entry of 0.05 rounds away (its ulp is 2.4e-4); the
-    factors train in float32 on the bfloat16 base, as peft's get_peft_model (Flow-GRPO) keeps them."""
-    cfg = make_cfg(model_dir, tmp_path, objective, "model.dtype=bfloat16", f"trainer.objective={objective}")
+def test_a_bfloat16_model_trains_float32_master_weights(model_dir, tmp_path, objective, lora):
+    """In bfloat16 an AdamW step of lr 1e-4 on a weight of 0.05 rounds away (its ulp is 2.4e-4): the trained
+    parameters (LoRA factors, or the whole transformer) are float32 master weights of the bfloat16 model, which
+    computes in bfloat16 under autocast; frozen weights and buffers stay bfloat16."""
+    extra = [] if lora else ["model.lora=null", "trainer.beta=0.01"]
+    cfg = make_cfg(
+        model_dir, tmp_path, objective, "model.dtype=bfloat16", f"trainer.objective={objective}", *extra
+    )
     trainer = FlowGRPOTrainer(cfg, None)
     trainer.setup()
-    named = dict(trainer.adapter.transformer.named_parameters())
-    assert {p.dtype for n, p in named.items() if "lora_" in n} == {torch.float32}
-    assert {p.dtype for n, p in named.items() if "lora_" not in n} == {torch.bfloat16}
+    transformer = trainer.adapter.transformer
+    assert {p.dtype for p in trainer.trainable} == {torch.float32}
+    assert {p.dtype for p in transformer.parameters() if not p.requires_grad} <= {torch.bfloat16}
+    assert {b.dtype for b in transformer.buffers() if b.is_floating_point()} <= {torch.bfloat16}
+    assert trainer.adapter.autocast_dtype == torch.bfloat16
+    if not lora:  # the KL reference holds the start weights as loaded
+        assert {p.dtype for p in trainer.reference.parameters()} == {torch.bfloat16}
     before = [p.detach().clone() for p in trainer.trainable]
     metrics = trainer.train_step()
     assert all(torch.isfinite(torch.tensor(v)) for k, v in metrics.items() if k.startswith("loss"))
     assert any(not torch.equal(b, p) for b, p in zip(before, trainer.trainable, strict=True))
     assert {p.dtype for p in trainer.trainable} == {torch.float32}
+
+
+def test_pure_bfloat16_training_is_a_choice(model_dir, tmp_path):
+    cfg = make_cfg(
+        model_dir,
+        tmp_path,
+        "pure",
+        "model.dtype=bfloat16",
+        "model.master_weight_dtype=bfloat16",
+        "model.lora=null",
+    )
+    trainer = FlowGRPOTrainer(cfg, None)
+    trainer.setup()
+    assert {p.dtype for p in trainer.trainable} == {torch.bfloat16}
+    assert trainer.adapter.autocast_dtype is None  # weights and compute in bfloat16: nothing to cast
 
 
 def test_lora_checkpoint_loads_in_diffusers(model_dir, tmp_path):

@@ -11,7 +11,7 @@ from mmrl.config import load_config
 from mmrl.flow.config import FlowGRPOConfig
 from mmrl.flow.memory import estimate_memory
 from mmrl.flow.trainer import FlowGRPOTrainer
-from mmrl.memory import module_bytes, tensors_bytes
+from mmrl.memory import GIB, module_bytes, tensors_bytes
 from pipelines.flow.tiny import build_tiny_pipeline
 from pipelines.quant import weight_bytes
 from tests.flow.test_families import family_config
@@ -20,6 +20,16 @@ from tests.flow.test_families import family_config
 CASES = {
     "sd3 LoRA, EMA and old policy": ("sd3", None, ["trainer.ema_decay=0.9", "trainer.old_policy_decay=0.5"]),
     "sd3 LoRA in bfloat16": ("sd3", None, ["model.dtype=bfloat16"]),
+    "sd3 full fine-tuning of a bfloat16 model, float32 master weights, KL reference": (
+        "sd3",
+        None,
+        ["model.dtype=bfloat16", "model.lora=null", "trainer.beta=0.01", "trainer.ema_decay=0.9"],
+    ),
+    "sd3 pure bfloat16 full fine-tuning": (
+        "sd3",
+        None,
+        ["model.dtype=bfloat16", "model.master_weight_dtype=bfloat16", "model.lora=null"],
+    ),
     "sd3 full fine-tuning with a KL reference": ("sd3", None, ["model.lora=null", "trainer.beta=0.01"]),
     "sd3 LoRA with an nf4 explorer": ("sd3", None, ["explore.enabled=true", "explore.scheme=nf4"]),
     "wan22, both experts trained in full": ("wan22", "both", ["model.lora=null"]),
@@ -118,6 +128,14 @@ def test_cli_prints_the_table_and_names_bad_input(capsys):
     out = capsys.readouterr().out
     assert "Qwen/Qwen-Image, one GPU" in out
     assert "LoRA r32" in out
+    # overrides after an option are overrides too; an unknown option is named
+    assert cli_main(["memory", "configs/flow/qwen_image_ocr.yaml", "--fsdp", "2", "model.lora.rank=16"]) == 0
+    out = capsys.readouterr().out
+    assert "Qwen/Qwen-Image, FSDP over 2 GPUs" in out
+    assert "LoRA r16" in out
+    with pytest.raises(SystemExit):
+        cli_main(["memory", "configs/flow/qwen_image_ocr.yaml", "--fsdp", "2", "--gpus"])
+    assert "unrecognized arguments: --gpus" in capsys.readouterr().err
     assert "A100/H100 80GB:" in out
     assert cli_main(["memory", "configs/flow/qwen_image_ocr.yaml", "--fsdp", "0"]) == 2
     assert "--fsdp 0" in capsys.readouterr().err
@@ -133,3 +151,43 @@ def test_fsdp_divides_only_what_it_shards():
     assert one - eight == pytest.approx(sharded * 7 / 8)
     frozen = {part.name for part in estimate.parts if not part.sharded}
     assert {"transformer_2 weights", "text_encoder weights", "vae weights"} <= frozen
+
+
+def test_a_gpu_without_room_stops_the_run_before_loading(tmp_path, monkeypatch, caplog):
+    """On a GPU the trainer checks the estimate before loading any weight: Qwen-Image's LoRA recipe holds 60.1 GiB
+    before activations, so 40 GiB free stops it with the table; 139 GiB free lets it go on, saying the figure."""
+    cfg = load_config(FlowGRPOConfig, "configs/flow/qwen_image_ocr.yaml", [f"run.output_dir={tmp_path}"])
+    trainer = FlowGRPOTrainer(cfg, None)
+    trainer.setup_runtime("cpu")
+    trainer.device = torch.device("cuda", 0)  # what setup_runtime resolves on a GPU machine
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (40 * GIB, 80 * GIB))
+    with pytest.raises(
+        MemoryError, match=r"holds 60\.1 GiB per GPU before any activation .* 40\.0 GiB free of 80\.0"
+    ):
+        trainer.check_memory(estimate_memory)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (139 * GIB, 141 * GIB))
+    with caplog.at_level("INFO", logger="mmrl.trainer_base"):
+        trainer.check_memory(estimate_memory)
+    assert "60.1 GiB per GPU before activations (139.0 GiB free)" in caplog.text
+
+
+def test_master_weights_only_widen(tmp_path):
+    """Pure bfloat16 training of Wan2.2 keeps the modules diffusers loads in float32 (its norms and embedders)
+    float32; float32 master weights widen the rest; the estimate follows both."""
+    build_tiny_pipeline("wan22", seed=0).save_pretrained(tmp_path / "model")
+    dtypes = {}
+    for master in ("bfloat16", "float32"):
+        cfg = family_config(
+            "wan22",
+            "nft",
+            tmp_path,
+            "model.dtype=bfloat16",
+            f"model.master_weight_dtype={master}",
+            "model.lora=null",
+        )
+        trainer = FlowGRPOTrainer(cfg, None)
+        trainer.setup()
+        dtypes[master] = {p.dtype for p in trainer.trainable}
+        trained = {part.name: part.bytes for part in estimate_memory(cfg).parts}["transformer weights"]
+        assert trained == module_bytes(trainer.adapter.pipe.transformer)
+    assert dtypes == {"bfloat16": {torch.bfloat16, torch.float32}, "float32": {torch.float32}}
