@@ -121,6 +121,10 @@ def test_every_published_recipe_is_estimated_without_a_download(path, monkeypatc
             and any(name == t or name.endswith("." + t) for t in targets)
         )
         assert parts["gradients"].params == expected
+    # the header's memory line quotes this estimate: its peak on one GPU, or per GPU under its FSDP launch
+    header = path.read_text().split("\nrecipe:")[0].replace("\n# ", " ")
+    one, eight = (f"{estimate.peak_bytes(78 * GIB, fsdp) / GIB:.1f} GiB" for fsdp in (1, 8))
+    assert one in header or ("--fsdp=8" in header and eight in header), (one, eight)
 
 
 def test_cli_prints_the_table_and_names_bad_input(capsys):

@@ -75,6 +75,8 @@ def test_every_published_recipe_is_estimated_without_a_download(path, monkeypatc
     weights = 2 * (parts["policy weights"].params - lora) + 4 * lora
     assert 0 <= parts["policy weights"].bytes - weights < 1e6  # the rest: buffers (rotary frequencies)
     assert parts["gradients"].bytes == 4 * lora
+    header = path.read_text().split("\nrecipe:")[0].replace("\n# ", " ")
+    assert f"{estimate.resident_bytes() / GIB:.1f} GiB" in header  # the header quotes this estimate
     if cfg.generation.backend == "vllm":
         share = cfg.generation.vllm_gpu_memory_utilization
         assert estimate.peak_bytes(78 * GIB) == pytest.approx(estimate.resident_bytes() + share * 78 * GIB)
