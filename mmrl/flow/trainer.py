@@ -116,13 +116,7 @@ class FlowGRPOTrainer(TrainerBase):
             raise ValueError(
                 f"model.family: unknown flow family {cfg.model.family!r}; registered: {list_adapters()}"
             )
-        self.adapter: FlowAdapter = load_adapter(
-            cfg.model.family,
-            cfg.model.path,
-            torch_dtype=DTYPES[cfg.model.dtype],
-            device=self.device,
-            **cfg.model.options,
-        )
+        self.adapter: FlowAdapter = self.load_model()
         compute = cfg.model.compute_dtype()
         self.adapter.autocast_dtype = DTYPES[compute] if compute else None
         transformer = self.adapter.transformer
@@ -244,6 +238,15 @@ class FlowGRPOTrainer(TrainerBase):
                 explore_config=self._explore_config(),
                 preview_reward=self.preview_reward,
             )
+
+    def load_model(self) -> FlowAdapter:
+        """The family's adapter around the pipeline ``model.path`` names, loaded in ``model.dtype`` on the
+        device (``from_pretrained``, as users load it). A subclass may build it otherwise (benchmarks/real_size.py:
+        the published architecture with random weights)."""
+        model = self.cfg.model
+        return load_adapter(
+            model.family, model.path, torch_dtype=DTYPES[model.dtype], device=self.device, **model.options
+        )
 
     def preview_reward(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         """``[B]`` weighted training reward of the explorer's previews."""

@@ -829,16 +829,26 @@ def _cast_like_diffusers_load(model: torch.nn.Module, dtype: torch.dtype) -> Non
             )
 
 
-def _build_one(component: Component, dtype: torch.dtype) -> torch.nn.Module:
+def _build_one(
+    component: Component, dtype: torch.dtype, device: torch.device | str = "meta"
+) -> torch.nn.Module:
     cls = _model_class(component.library, component.class_name)
     if cls is None:
         raise ValueError(
             f"{component.library}.{component.class_name} is not a model class of the installed "
             f"{component.library}; update {component.library} or check the pipeline's model_index.json"
         )
-    with torch.device("meta"):
+    with torch.device(device):
         if component.library == "diffusers":
-            model = cls.from_config(component.config)
+            # on a real device the weights are made in dtype at once: a float32 first draw of a 20 B model
+            # would need twice its memory
+            default = torch.get_default_dtype()
+            if torch.device(device).type != "meta":
+                torch.set_default_dtype(dtype)
+            try:
+                model = cls.from_config(component.config)
+            finally:
+                torch.set_default_dtype(default)
             _cast_like_diffusers_load(model, dtype)
         else:
             config = cls.config_class.from_dict(component.config)
@@ -871,4 +881,21 @@ def build_on_meta(model_id_or_path: str, dtype: torch.dtype = torch.bfloat16) ->
     """
     return {
         name: _build_one(component, dtype) for name, component in component_configs(model_id_or_path).items()
+    }
+
+
+def build_random(
+    model_id_or_path: str, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cuda"
+) -> dict[str, torch.nn.Module]:
+    """Every model component of a pipeline with random weights (each class's own initialisation) on ``device``,
+    as :func:`build_on_meta` builds them on ``meta``: a real-size pipeline without its checkpoint, for smoke
+    tests of memory and step time (``python -m benchmarks.real_size``). The weights are drawn in ``dtype``.
+
+    Raises:
+        OSError: the pipeline cannot be found (see :func:`component_configs`).
+        ValueError: a component class the installed diffusers / transformers does not have.
+    """
+    return {
+        name: _build_one(component, dtype, device)
+        for name, component in component_configs(model_id_or_path).items()
     }
