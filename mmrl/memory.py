@@ -39,7 +39,7 @@ GIB = 1024**3
 
 
 def tensors_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of ``tensors``, each storage counted once (tied embeddings, shared buffers); meta tensors count
+    """Bytes of ``tensors``, each tensor counted once (a tied embedding is one parameter); meta tensors count
     what they would hold."""
     seen: set[int] = set()
     total = 0

@@ -23,7 +23,7 @@ from mmrl.core.stats import PromptStats
 from mmrl.device import resolve_device
 from mmrl.distributed import all_reduce_grads, full_tensor, init_distributed
 from mmrl.loop import train_loop
-from mmrl.memory import MemoryEstimate, check_fits
+from mmrl.memory import GIB, MemoryEstimate, check_fits
 from mmrl.rollouts import RolloutSource
 from mmrl.run import MetricAccumulator, Run, resume_checkpoint
 from mmrl.seeding import get_rng_state, seed_everything, set_rng_state
@@ -77,20 +77,20 @@ class TrainerBase:
     def check_memory(self, estimate: Callable[[Any], MemoryEstimate]) -> None:
         """On a GPU, before any weight is loaded: stop when the recipe's weights and training state alone
         (``estimate(cfg)``, what ``mmrl memory`` prints) exceed the GPU's free memory; log the figure otherwise.
-        An estimate that cannot be made (a model whose configs cannot be read) only logs why."""
+        An estimate that cannot be made (a model whose configs cannot be read, offline) only logs why."""
         if self.device.type != "cuda":
             return
         try:
             memory = estimate(self.cfg)
-        except (OSError, ValueError, KeyError) as err:
-            logger.warning("no memory estimate before loading the model (%s)", err)
+        except Exception as err:  # an estimate is advice: whatever stops it must not stop the run
+            logger.warning("no memory estimate before loading the model (%s: %s)", type(err).__name__, err)
             return
         free, total = torch.cuda.mem_get_info(self.device)
         peak = check_fits(memory, free, total, self.world_size if self.dist.fsdp else 1)
         logger.info(
             "weights and training state: %.1f GiB per GPU before activations (%.1f GiB free)",
-            peak / 2**30,
-            free / 2**30,
+            peak / GIB,
+            free / GIB,
         )
 
     def resume(self, map_location: str | torch.device = "cpu") -> None:

@@ -10,6 +10,8 @@ every tensor the trainer keeps is counted (:mod:`mmrl.memory` has the byte rules
 * the EMA (``trainer.ema_decay``) and old-policy (``trainer.old_policy_decay``) copies of the trained parameters;
 * the quantized explorer (``explore.enabled``), counted with :func:`pipelines.quant.quantized_bytes`;
 * during evaluation with an EMA, the live weights' copy the swap keeps.
+
+A rollout pool's workers (``pool.enabled``) hold their own copies on their own devices: not counted here.
 """
 
 from __future__ import annotations
@@ -85,7 +87,9 @@ def estimate_memory(cfg: FlowGRPOConfig) -> MemoryEstimate:
     phases = []
     if cfg.trainer.ema_decay:
         phases.append(
-            MemoryPart("evaluation", count, size, sharded=True, note="the live weights while the EMA is in")
+            MemoryPart(
+                "evaluation", count, size, sharded=True, note="the live weights while the EMA is swapped in"
+            )
         )
     return MemoryEstimate(model=cfg.model.path, parts=parts, phases=phases)
 

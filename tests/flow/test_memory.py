@@ -174,6 +174,13 @@ def test_a_gpu_without_room_stops_the_run_before_loading(tmp_path, monkeypatch, 
         trainer.check_memory(estimate_memory)
     assert "60.1 GiB per GPU before activations (139.0 GiB free)" in caplog.text
 
+    def broken(cfg):
+        raise RuntimeError("a model class this estimate cannot build")
+
+    with caplog.at_level("WARNING", logger="mmrl.trainer_base"):
+        trainer.check_memory(broken)  # advice only: the run goes on
+    assert "no memory estimate before loading the model (RuntimeError: a model class" in caplog.text
+
 
 def test_master_weights_only_widen(tmp_path):
     """Pure bfloat16 training of Wan2.2 keeps the modules diffusers loads in float32 (its norms and embedders)
