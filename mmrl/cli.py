@@ -81,6 +81,11 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     recipe, data = _recipe_of(args.config, args.overrides)
     cfg = validate(recipe.load_config_class(), data)
     print(recipe.load_memory()(cfg).table(fsdp=args.fsdp))
+    if args.fsdp > 1 and getattr(cfg.model, "lora", None) is not None:
+        print(
+            "note: the trainers refuse FSDP with LoRA (sharding a frozen base only adds all-gathers); a LoRA run "
+            "launches with configs/accelerate/ddp.yaml and holds the one-GPU figures on every GPU"
+        )
     return 0
 
 

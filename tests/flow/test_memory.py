@@ -137,6 +137,7 @@ def test_cli_prints_the_table_and_names_bad_input(capsys):
     out = capsys.readouterr().out
     assert "Qwen/Qwen-Image, FSDP over 2 GPUs" in out
     assert "LoRA r16" in out
+    assert "the trainers refuse FSDP with LoRA" in out
     with pytest.raises(SystemExit):
         cli_main(["memory", "configs/flow/qwen_image_ocr.yaml", "--fsdp", "2", "--gpus"])
     assert "unrecognized arguments: --gpus" in capsys.readouterr().err
