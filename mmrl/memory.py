@@ -24,7 +24,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["GPUS", "MemoryEstimate", "MemoryPart", "module_bytes", "module_params", "tensors_bytes"]
+__all__ = [
+    "GIB",
+    "GPUS",
+    "MemoryEstimate",
+    "MemoryPart",
+    "check_fits",
+    "module_bytes",
+    "module_params",
+    "tensors_bytes",
+]
 
 #: usable memory of common training GPUs in GiB (about what ``torch.cuda.mem_get_info`` reports free on an idle
 #: card: the marketed size less what the driver reserves)

@@ -520,11 +520,11 @@ def quantize_copy(
             )
     dtype = compute_dtype or reference.dtype
     device = reference.device
-    # 1.-2. the structure with meta placeholders, LoRA folded away
+    # 1. the structure with meta placeholders, LoRA folded away
     copied = _skeleton(base, dtype)
-    # 3. choose the layers to quantize
+    # 2. choose the layers to quantize
     quantized, skipped = _choose_layers(copied, scheme, skip)
-    # 4. allocate the unquantized parameters (one tensor per placeholder, so ties stay ties); buffers
+    # 3. allocate the unquantized parameters (one tensor per placeholder, so ties stay ties); buffers
     #    (positional tables, ...) are cast like module.to(dtype) would
     real: dict[int, nn.Parameter] = {}
     owners = []
@@ -552,7 +552,7 @@ def quantize_copy(
         blocksize=blocksize,
         double_quant=double_quant,
     )
-    # 5. write every parameter from the training module: LoRA merged, quantized where chosen
+    # 4. write every parameter from the training module: LoRA merged, quantized where chosen
     _write(explorer, base, owners)
     logger.info(
         "quantized copy (%s): %d Linear layers quantized, %d kept in %s; weights %.2f MB -> %.2f MB",

@@ -46,13 +46,12 @@ def estimate_memory(cfg: VLMRLVRConfig) -> MemoryEstimate:
     else:
         size = module_bytes(policy)
         note = f"{m.dtype}" + (f" base + LoRA r{m.lora.rank}" if m.lora is not None else ", trained in full")
+    trainable = module_params(policy, trainable_only=True)
+    trained_count, trained_size = sum(p.numel() for p in trainable), tensors_bytes(trainable)
     parts = [MemoryPart("policy weights", count, size, sharded=m.lora is None, note=note)]
     if m.load_in_4bit and m.lora is not None:
         # quantized_bytes folds LoRA away (an explorer's view); the trained factors are kept beside the base
-        lora = [p for p in module_params(policy, trainable_only=True)]
-        parts.append(MemoryPart("LoRA factors", sum(p.numel() for p in lora), tensors_bytes(lora)))
-    trainable = module_params(policy, trainable_only=True)
-    trained_count, trained_size = sum(p.numel() for p in trainable), tensors_bytes(trainable)
+        parts.append(MemoryPart("LoRA factors", trained_count, trained_size))
     sharded = m.lora is None  # FSDP is for full fine-tuning only (the trainer refuses LoRA under FSDP)
     parts.append(
         MemoryPart("gradients", trained_count, trained_size, sharded=sharded, note="the parameters' dtype")
