@@ -36,3 +36,9 @@ def test_two_steps_of_a_recipe_on_random_weights(recipe, family, tmp_path):
     assert len(row["step_s"]) == 2 and all(seconds > 0 for seconds in row["step_s"])
     assert row["estimate_resident_gib"] > 0
     assert json.loads(out.read_text()) == rows
+
+
+def test_a_published_size_is_no_cpu_check():
+    (row,) = main(["--device", "cpu", "--recipes", "configs/flow/qwen_image_ocr.yaml"])
+    assert row["skipped"].startswith("a 60.1 GiB model is no CPU check")
+    assert "step_s" not in row
