@@ -203,3 +203,11 @@ def test_master_weights_only_widen(tmp_path):
         trained = {part.name: part.bytes for part in estimate_memory(cfg).parts}["transformer weights"]
         assert trained == module_bytes(trainer.adapter.pipe.transformer)
     assert dtypes == {"bfloat16": {torch.bfloat16, torch.float32}, "float32": {torch.float32}}
+
+
+def test_the_readme_shows_what_the_command_prints():
+    readme = Path("README.md").read_text()
+    command = "$ mmrl memory configs/flow/qwen_image_ocr.yaml\n"
+    shown = readme[readme.index(command) + len(command) :].split("```")[0]
+    cfg = load_config(FlowGRPOConfig, "configs/flow/qwen_image_ocr.yaml", [])
+    assert shown == estimate_memory(cfg).table() + "\n"
