@@ -47,8 +47,7 @@ Qwen/Qwen3-VL-4B-Instruct      4,437,815,808   4,022,468,096    415,347,712 (a) 
 google/gemma-3-4b-it           4,300,079,472   3,880,263,168    416,866,032 (d)  4.3 B (e)
 =============================  ==============  ===============  ===============  ======================
 
-(a) the Qwen towers (``model.visual``) include their patch merger. (b) the Hub page's figure, as given with
-this task; no public copy of it was found without Hub access, but the torchinfo table cited above agrees block
+(a) the Qwen towers (``model.visual``) include their patch merger. (b) the Hub page's figure; no public copy of it was found without Hub access, but the torchinfo table cited above agrees block
 by block with the computed counts. (c) the Hub page's figure as third-party model listings quote it ("4.4B params"; "Dense transformer
 (36 layers, GQA 32/8) with 4.44B parameters", mixpeek.com's model page). (d) the SigLIP tower
 (``model.vision_tower``) only; Gemma's projector (``model.multi_modal_projector``, 2,950,272) sits outside both.
@@ -238,10 +237,8 @@ def model_config(model_id_or_path: str) -> PretrainedConfig:
         return AutoConfig.for_model(**copy.deepcopy(PUBLISHED_CONFIGS[model_id_or_path]))
     try:
         return AutoConfig.from_pretrained(model_id_or_path)
-    except (
-        OSError,
-        ValueError,
-    ) as error:  # (a string that is no valid repo id fails the Hub's id check: ValueError)
+    # a string that is no valid repo id fails the Hub's id check with a ValueError
+    except (OSError, ValueError) as error:
         raise model_not_found("VLM config", model_id_or_path, error) from error
 
 

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 #: Hub id -> (family, published parameter count, exact totals computed with transformers 5.24 as a regression
 #: guard: (total, language model, vision tower)). Unique parameters, tied embeddings counted once.
 EXPECTED = {
-    # 3.75 B: the Hub page's count for Qwen/Qwen2.5-VL-3B-Instruct, as given with the task (no Hub access here).
+    # 3.75 B: the Hub page's count for Qwen/Qwen2.5-VL-3B-Instruct (the Hub is not reachable from the tests).
     "Qwen/Qwen2.5-VL-3B-Instruct": ("qwen2_5_vl", 3.75e9, (3_754_622_976, 3_085_938_688, 668_684_288)),
     # 4.44 B: the Hub page's count for Qwen/Qwen3-VL-4B-Instruct ("4.44B parameters", mixpeek.com model page).
     "Qwen/Qwen3-VL-4B-Instruct": ("qwen3_vl", 4.44e9, (4_437_815_808, 4_022_468_096, 415_347_712)),
