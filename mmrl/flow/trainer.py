@@ -146,7 +146,10 @@ class FlowGRPOTrainer(TrainerBase):
             self._check_fsdp()
             if self.reference is not None:
                 shard_model(self.reference, self.dist.reshard_after_forward)
-            shard_model(transformer, self.dist.reshard_after_forward)
+            # master weights wider than the model's dtype are gathered in the model's dtype
+            model_dtype, master = DTYPES[cfg.model.dtype], DTYPES[cfg.model.master_weight_dtype]
+            gathered = model_dtype if torch.finfo(model_dtype).bits < torch.finfo(master).bits else None
+            shard_model(transformer, self.dist.reshard_after_forward, param_dtype=gathered)
         self.trainable = [p for p in transformer.parameters() if p.requires_grad]
         if not self.dist.fsdp:  # (sharded weights come from the same checkpoint on every rank)
             broadcast_params(self.trainable, self.world_size)  # a LoRA's random init differs per rank's seed

@@ -157,6 +157,19 @@ def test_flow_fsdp_full_finetune_matches_ddp_and_resumes_exactly(tmp_path):
     )
 
 
+def test_flow_fsdp_gathers_float32_master_weights_of_a_bfloat16_model(tmp_path):
+    """model.dtype bfloat16, master weights float32: FSDP keeps float32 shards, gathers them in bfloat16 for the
+    forward and backward, reduces gradients in float32, and the steps train."""
+    common = (*FLOW, "model.lora=null", "model.dtype=bfloat16", "trainer.objective=grpo", "trainer.lr=1e-4")
+    ranks = launch(tmp_path, "flow_grpo", "bf16_fsdp", *common, env=fsdp_env())
+    assert ranks[0]["sharded"]
+    base, trained = ranks[0]["initial"], ranks[0]["weights"]
+    assert {t.dtype for t in trained.values()} == {torch.float32}
+    assert all(torch.isfinite(t).all() for t in trained.values())
+    assert all(torch.equal(trained[n], ranks[1]["weights"][n]) for n in trained)
+    assert max(float((trained[n] - base[n]).abs().max()) for n in base) > 1e-5
+
+
 def test_flow_fsdp_refuses_lora(tmp_path):
     with pytest.raises(AssertionError, match=r"configs/accelerate/ddp\.yaml"):
         launch(tmp_path, "flow_grpo", "fsdp_lora", *FLOW, env=fsdp_env())
