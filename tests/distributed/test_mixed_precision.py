@@ -4,9 +4,9 @@ shards, bfloat16 weights inside the forward, float32 gradients on the shards."""
 import pytest
 import torch
 import torch.distributed as dist
-from diffusers import SD3Transformer2DModel
 
 from mmrl.distributed import shard_model
+from tests.quant.test_quant import make_sd3
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"
@@ -17,31 +17,13 @@ pytestmark = pytest.mark.skipif(
 def test_the_forward_sees_the_gathered_dtype_and_the_shards_keep_theirs(tmp_path, param_dtype):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        torch.manual_seed(0)
-        model = SD3Transformer2DModel(
-            sample_size=8,
-            patch_size=2,
-            in_channels=4,
-            out_channels=4,
-            num_layers=2,
-            attention_head_dim=8,
-            num_attention_heads=2,
-            joint_attention_dim=16,
-            caption_projection_dim=16,
-            pooled_projection_dim=8,
-            pos_embed_max_size=8,
-        )
+        model, inputs = make_sd3()
         seen = []
         model.transformer_blocks[0].attn.to_q.register_forward_pre_hook(
             lambda m, a: seen.append(m.weight.dtype)
         )
         shard_model(model, param_dtype=param_dtype)
-        out = model(
-            hidden_states=torch.randn(2, 4, 8, 8),
-            encoder_hidden_states=torch.randn(2, 3, 16),
-            pooled_projections=torch.randn(2, 8),
-            timestep=torch.tensor([500.0, 200.0]),
-        ).sample
+        out = model(**inputs).sample
         out.float().square().mean().backward()
         assert seen == [param_dtype or torch.float32]
         assert {p.dtype for p in model.parameters()} == {torch.float32}
