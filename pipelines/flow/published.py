@@ -161,31 +161,9 @@ _T5_XXL = {
     "vocab_size": 32128,
 }
 
-# google/umt5-xxl, encoder only (Wan's text_encoder): 5.68 B parameters (each layer has its own position bias)
-_UMT5_XXL = {
-    "classifier_dropout": 0.0,
-    "d_ff": 10240,
-    "d_kv": 64,
-    "d_model": 4096,
-    "decoder_start_token_id": 0,
-    "dense_act_fn": "gelu_new",
-    "dropout_rate": 0.1,
-    "eos_token_id": 1,
-    "feed_forward_proj": "gated-gelu",
-    "initializer_factor": 1.0,
-    "is_encoder_decoder": True,
-    "is_gated_act": True,
-    "layer_norm_epsilon": 1e-06,
-    "num_decoder_layers": 24,
-    "num_heads": 64,
-    "num_layers": 24,
-    "pad_token_id": 0,
-    "relative_attention_max_distance": 128,
-    "relative_attention_num_buckets": 32,
-    "scalable_attention": True,
-    "tie_word_embeddings": False,
-    "vocab_size": 256384,
-}
+# google/umt5-xxl, encoder only (Wan's text_encoder): 5.68 B parameters (each layer has its own position bias);
+# T5 v1.1 XXL's published config but for these two values
+_UMT5_XXL = {**_T5_XXL, "scalable_attention": True, "vocab_size": 256384}
 
 # Qwen/Qwen2.5-VL-7B-Instruct (Qwen-Image's text_encoder, vision tower included): 8.29 B parameters
 _QWEN25_VL_7B = {

@@ -38,18 +38,31 @@ CASES = {
 TRAINED = {None: ["transformer"], "both": ["transformer", "transformer_2"], "low": ["transformer_2"]}
 
 
+def step_optimizer(trainer) -> None:
+    """One optimizer step on zero gradients: AdamW makes its states at the first step a parameter has a gradient
+    in, so after this every trained parameter has them."""
+    for param in trainer.trainable:
+        param.grad = torch.zeros_like(param)
+    trainer.optimizer.step()
+
+
+def adamw_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of AdamW's two moments over every parameter (the step counters aside)."""
+    states = [
+        tensor
+        for state in optimizer.state.values()
+        for key, tensor in state.items()
+        if key in ("exp_avg", "exp_avg_sq")
+    ]
+    return tensors_bytes(states)
+
+
 def held_bytes(trainer: FlowGRPOTrainer, component_names: list[str]) -> dict[str, int]:
     """What the trainer holds, by the estimate's part names, read from its tensors after an optimizer step."""
     pipe = trainer.adapter.pipe
     held = {f"{name} weights": module_bytes(getattr(pipe, name)) for name in component_names}
     held["gradients"] = tensors_bytes(trainer.trainable)
-    states = [
-        tensor
-        for state in trainer.optimizer.state.values()
-        for key, tensor in state.items()
-        if key in ("exp_avg", "exp_avg_sq")
-    ]
-    held["AdamW states"] = tensors_bytes(states)
+    held["AdamW states"] = adamw_state_bytes(trainer.optimizer)
     if trainer.reference is not None:
         held["reference copy"] = module_bytes(trainer.reference)
     if trainer.ema is not None:
@@ -73,9 +86,7 @@ def test_estimate_equals_what_the_trainer_holds(case, tmp_path):
     estimate = estimate_memory(cfg)
     trainer = FlowGRPOTrainer(cfg, None)
     trainer.setup()
-    for param in trainer.trainable:  # AdamW makes its states at the first step a parameter has a gradient in
-        param.grad = torch.zeros_like(param)
-    trainer.optimizer.step()
+    step_optimizer(trainer)
     parts = {part.name: part.bytes for part in estimate.parts}
     components = [name.removesuffix(" weights") for name in parts if name.endswith(" weights")]
     assert parts == held_bytes(trainer, components)

@@ -5,13 +5,13 @@ download."""
 from pathlib import Path
 
 import pytest
-import torch
 
 from mmrl.config import load_config
 from mmrl.memory import GIB, module_bytes, tensors_bytes
 from mmrl.vlm.config import VLMRLVRConfig
 from mmrl.vlm.memory import estimate_memory
 from mmrl.vlm.trainer import VLMRLVRTrainer
+from tests.flow.test_memory import adamw_state_bytes, step_optimizer
 from tests.vlm.test_vlm_trainer import make_cfg
 
 CASES = {
@@ -32,19 +32,11 @@ def test_estimate_equals_what_the_trainer_holds(case, tmp_path):
     estimate = estimate_memory(cfg)
     trainer = VLMRLVRTrainer(cfg, None)
     trainer.setup()
-    for param in trainer.trainable:  # AdamW makes its states at the first step a parameter has a gradient in
-        param.grad = torch.zeros_like(param)
-    trainer.optimizer.step()
-    states = [
-        tensor
-        for state in trainer.optimizer.state.values()
-        for key, tensor in state.items()
-        if key in ("exp_avg", "exp_avg_sq")
-    ]
+    step_optimizer(trainer)
     held = {
         "policy weights": module_bytes(trainer.model),
         "gradients": tensors_bytes(trainer.trainable),
-        "AdamW states": tensors_bytes(states),
+        "AdamW states": adamw_state_bytes(trainer.optimizer),
     }
     if trainer.reference is not None:
         held["reference copy"] = module_bytes(trainer.reference)

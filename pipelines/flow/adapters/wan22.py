@@ -167,7 +167,8 @@ class Wan22Adapter(WanAdapter):
             raise AttributeError(
                 "both Wan2.2 experts are trained: the trained module is adapter.transformer (WanExperts)"
             )
-        return "transformer" if self.trained_expert == "high" else "transformer_2"
+        (component,) = self.trained_components({"trained_expert": self.trained_expert})
+        return component
 
     @property
     def transformer(self) -> nn.Module:
