@@ -96,8 +96,6 @@ class VLMRLVRTrainer(TrainerBase):
 
     # ------------------------------------------------------------------ setup
     def setup(self, for_training: bool = True) -> None:
-        from pipelines.vlm.hf_backend import load_vlm
-
         cfg = self.cfg
         model_cfg = cfg.model
         # one process per GPU under `accelerate launch` (mmrl/distributed.py): each rank rolls out its own prompts
@@ -109,16 +107,7 @@ class VLMRLVRTrainer(TrainerBase):
         if self.dist.fsdp:
             self._check_fsdp()
         # 1. model and processor, loaded as users load Qwen2.5-VL
-        kwargs: dict[str, Any] = {"dtype": DTYPES[model_cfg.dtype]}
-        if model_cfg.load_in_4bit:
-            from transformers import BitsAndBytesConfig
-
-            kwargs["quantization_config"] = BitsAndBytesConfig(
-                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=DTYPES[model_cfg.dtype]
-            )
-        self.processor, model = load_vlm(model_cfg.path, **kwargs)
-        if not model_cfg.load_in_4bit:
-            model.to(self.device)
+        self.processor, model = self.load_model()
         model = make_trainable(model, model_cfg, self.family)
         if model_cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
@@ -230,6 +219,25 @@ class VLMRLVRTrainer(TrainerBase):
             self.rollout_source = LoopVLMSource(
                 self.plan, self._generate_ids, cfg.allocation.prompts_per_step
             )
+
+    def load_model(self) -> tuple[Any, torch.nn.Module]:
+        """``(processor, model)`` of ``model.path``, loaded as users load it (``from_pretrained``) in ``model.dtype``
+        on the device, NF4 through bitsandbytes with ``model.load_in_4bit``. A subclass may build them otherwise
+        (benchmarks/real_size_vlm.py: the published architecture with random weights)."""
+        from pipelines.vlm.hf_backend import load_vlm
+
+        model_cfg = self.cfg.model
+        kwargs: dict[str, Any] = {"dtype": DTYPES[model_cfg.dtype]}
+        if model_cfg.load_in_4bit:
+            from transformers import BitsAndBytesConfig
+
+            kwargs["quantization_config"] = BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=DTYPES[model_cfg.dtype]
+            )
+        processor, model = load_vlm(model_cfg.path, **kwargs)
+        if not model_cfg.load_in_4bit:
+            model.to(self.device)
+        return processor, model
 
     def _make_pooled_source(self) -> PooledVLMSource:
         """The pool source, its members started from the weights held now (version 0)."""
