@@ -17,6 +17,7 @@ from mmrl.core._checks import check_finite, check_same_shape
 __all__ = [
     "aggregate",
     "awm_log_likelihood",
+    "cispo_surrogate",
     "clip_fractions",
     "clipped_surrogate",
     "diffusion_nft_loss",
@@ -72,6 +73,35 @@ def clipped_surrogate(
             raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
         loss = torch.where(adv < 0, torch.minimum(loss, -dual_clip * adv), loss)
     return loss
+
+
+def cispo_surrogate(
+    logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, weight_max: float = 5.0
+) -> torch.Tensor:
+    """CISPO's per-element loss: REINFORCE on every token, weighted by its capped, detached importance ratio.
+
+    ``rho = exp(logp - old_logp)``; ``L = -sg(min(rho, weight_max)) * A * logp``, so
+    ``dL/dlogp = -min(rho, weight_max) * A`` (MiniMax-M1 2506.13585 eq. 4 with no lower bound, the form of
+    ScaleRL 2510.13786 and TRL's ``loss_type="cispo"``, whose ``epsilon_high`` is ``weight_max``, 5.0). Where
+    :func:`clipped_surrogate` gives a token outside the trust region exactly zero gradient, here every token keeps
+    one (rare, high-ratio tokens such as "wait" or "however" stay in the update); the cap bounds its weight. The
+    value itself is no objective to read: only its gradient is.
+
+    Args:
+        logp: ``[...]`` log-probs under the current policy (carries the gradient).
+        old_logp: ``[...]`` log-probs under the policy that produced the samples (no gradient).
+        adv: advantages broadcastable to ``logp``.
+        weight_max: cap on the importance weight, > 0.
+
+    Returns:
+        Per-element loss with the shape of ``logp``.
+    """
+    check_same_shape(logp=logp, old_logp=old_logp)
+    if weight_max <= 0:
+        raise ValueError(f"weight_max must be > 0, got {weight_max}")
+    adv = adv.expand_as(logp) if adv.shape != logp.shape else adv
+    weight = torch.exp(logp - old_logp).clamp(max=weight_max).detach()
+    return -weight * adv * logp
 
 
 def clip_fractions(

@@ -46,8 +46,15 @@ class VLMModelConfig(Config):
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32",
-        description="Weights dtype. LoRA factors train in float32 whatever it is (peft's get_peft_model); full "
-        "fine-tuning trains the weights in it (pure bfloat16 when bfloat16: no float32 master weights).",
+        description="Weights dtype (bfloat16 on GPUs): the frozen weights, the KL reference and what the model "
+        "computes in; the trained parameters are kept in model.master_weight_dtype.",
+    )
+    master_weight_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="dtype of the trained parameters (the LoRA factors, or the language model's weights in full "
+        "fine-tuning), their gradients and AdamW states; float32 as verl's and EasyR1's FSDP actors and peft's "
+        "LoRA: in bfloat16 an AdamW step below 2^-9 of a weight rounds away. The model then computes in "
+        "model.dtype under torch.autocast. bfloat16: pure bfloat16 training in half the memory.",
     )
     device: str = Field("auto", description="'auto', 'cpu', 'cuda', ...")
     lora: VLMLora | None = Field(
@@ -58,6 +65,13 @@ class VLMModelConfig(Config):
     load_in_4bit: bool = Field(
         False, description="QLoRA: NF4 base weights through transformers' BitsAndBytesConfig."
     )
+
+    def compute_dtype(self) -> str | None:
+        """What the policy computes in under ``torch.autocast`` (None: no autocast): ``dtype`` when the trained
+        parameters are kept in a wider dtype (``master_weight_dtype``)."""
+        if self.dtype != "float32" and self.master_weight_dtype != self.dtype:
+            return self.dtype
+        return None
 
     @field_validator("family")
     @classmethod
@@ -219,6 +233,22 @@ class VLMTrainerConfig(Config):
         "clip-higher: 0.28). TRL defaults it to epsilon: set 0.2 here for TRL's default.",
     )
     dual_clip: float | None = Field(None, gt=1, description="Dual-clip constant (verl's clip_ratio_c, 3.0).")
+    policy_loss: Literal["clip", "cispo"] = Field(
+        "clip",
+        description="clip: PPO's clipped surrogate (epsilon_low, epsilon_high, dual_clip). cispo: MiniMax-M1's "
+        "CISPO as ScaleRL and TRL's loss_type=cispo write it: REINFORCE on every token weighted by its detached "
+        "importance ratio capped at trainer.cispo_weight_max, so no token leaves the gradient.",
+    )
+    cispo_weight_max: float = Field(
+        5.0, gt=0, description="CISPO's cap on the importance weight (ScaleRL's and TRL's 5.0)."
+    )
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token",
+        description="token: each token's own ratio (GRPO). sequence: GSPO, every token of a completion gets its "
+        "length-normalised sequence ratio exp(mean_t log(pi / pi_old)), clipped per sequence (GSPO-token form: "
+        "token advantages still apply; TRL's name). The GSPO paper: epsilon_low 3e-4, epsilon_high 4e-4, beta 0, "
+        "loss_agg seq_mean_token_mean. On-policy (one minibatch, one epoch) both levels give the same gradient.",
+    )
     beta: float = Field(
         0.01,
         ge=0,
@@ -397,6 +427,12 @@ class VLMRLVRConfig(Config):
             )
         if self._gdpo_applies:
             check_gdpo_estimator(t.advantage, len(self.rewards))
+        if t.importance_sampling_level == "sequence" and t.loss_agg != "seq_mean_token_mean":
+            logger.warning(
+                "trainer.importance_sampling_level=sequence with trainer.loss_agg=%s weighs each completion by "
+                "its length; GSPO's objective averages per completion: trainer.loss_agg=seq_mean_token_mean",
+                t.loss_agg,
+            )
         estimator = check_estimator(self.estimator_name, t.advantage_options)
         if estimator.single_rollout != (t.mode == "single"):
             raise ValueError(

@@ -7,8 +7,10 @@ rules of :mod:`mmrl.memory`:
 * the policy's weights (LoRA factors included); with ``model.load_in_4bit`` the base's Linear weights as NF4
   (transformers' bitsandbytes loading: every Linear but ``lm_head``, no double quantization), counted with
   :func:`pipelines.quant.quantized_bytes`;
-* gradients and AdamW states of the trained parameters;
-* full fine-tuning's frozen reference copy under ``trainer.beta > 0`` (LoRA's reference is the adapter off);
+* gradients and AdamW states of the trained parameters, in ``model.master_weight_dtype`` (float32 master weights
+  of a bfloat16 model by default);
+* full fine-tuning's frozen reference copy under ``trainer.beta > 0``, in ``model.dtype`` (LoRA's reference is the
+  adapter off);
 * with ``generation.backend: vllm`` the colocated engine, which takes ``generation.vllm_gpu_memory_utilization``
   of the GPU while it rolls out and sleeps (weights to CPU memory, KV cache freed) while the trainer updates.
 """
@@ -37,17 +39,26 @@ def estimate_memory(cfg: VLMRLVRConfig) -> MemoryEstimate:
     family = get_vlm_family(m.family) if m.family else family_for_model_type(model_config(m.path).model_type)
     dtype = DTYPES[m.dtype]
     base = build_on_meta(m.path, dtype)
+    # the reference copy is taken before the trained weights become master weights (as the trainer does)
+    start_count, start_size = sum(p.numel() for p in module_params(base)), module_bytes(base)
     # peft makes each LoRA factor on the CPU, then moves it to its base layer's device and dtype (meta)
     policy = make_trainable(base, m, family)
     count = sum(p.numel() for p in module_params(policy))
-    if m.load_in_4bit:
-        size = quantized_bytes(policy, "nf4", skip=("lm_head",), compute_dtype=dtype, double_quant=False)
-        note = "NF4 base (model.load_in_4bit) + LoRA"
-    else:
-        size = module_bytes(policy)
-        note = f"{m.dtype}" + (f" base + LoRA r{m.lora.rank}" if m.lora is not None else ", trained in full")
     trainable = module_params(policy, trainable_only=True)
     trained_count, trained_size = sum(p.numel() for p in trainable), tensors_bytes(trainable)
+    trained_dtype = str(trainable[0].dtype).removeprefix("torch.") if trainable else m.dtype
+    if m.load_in_4bit:
+        size = quantized_bytes(policy, "nf4", skip=("lm_head",), compute_dtype=dtype, double_quant=False)
+        note = f"NF4 base (model.load_in_4bit) + LoRA in {trained_dtype}"
+    elif m.lora is not None:
+        size = module_bytes(policy)
+        note = f"{m.dtype} base + LoRA r{m.lora.rank} in {trained_dtype}"
+    else:
+        size = module_bytes(policy)
+        master = f" master weights of the {m.dtype} model" if trained_dtype != m.dtype else ""
+        note = f"trained in full, {trained_dtype}{master}" + (
+            "" if m.train_vision else "; vision tower frozen"
+        )
     parts = [MemoryPart("policy weights", count, size, sharded=m.lora is None, note=note)]
     if m.load_in_4bit and m.lora is not None:
         # quantized_bytes folds LoRA away (an explorer's view); the trained factors are kept beside the base
@@ -63,7 +74,13 @@ def estimate_memory(cfg: VLMRLVRConfig) -> MemoryEstimate:
     )
     if m.lora is None and cfg.trainer.beta > 0:
         parts.append(
-            MemoryPart("reference copy", count, size, sharded=True, note="trainer.beta's KL reference")
+            MemoryPart(
+                "reference copy",
+                start_count,
+                start_size,
+                sharded=True,
+                note=f"trainer.beta's KL reference, {m.dtype}",
+            )
         )
     engine_share = 0.0
     if cfg.generation.backend == "vllm" and not cfg.pool.enabled:

@@ -61,7 +61,7 @@ from mmrl.rollouts import StepRequest
 from mmrl.run import write_summary_json
 from mmrl.schedule import learning_rate
 from mmrl.trainer_base import TrainerBase
-from mmrl.vlm.config import VLMModelConfig, VLMRLVRConfig
+from mmrl.vlm.config import VLMModelConfig, VLMRLVRConfig, VLMTrainerConfig
 from mmrl.vlm.pooled import PooledVLMSource, pooled_worker_factory
 from mmrl.vlm.process_credit import process_advantages
 from mmrl.vlm.rollouts import LoopVLMSource, VLMPairs
@@ -108,14 +108,15 @@ class VLMRLVRTrainer(TrainerBase):
             self._check_fsdp()
         # 1. model and processor, loaded as users load Qwen2.5-VL
         self.processor, model = self.load_model()
+        self.reference = None
+        if model_cfg.lora is None and cfg.trainer.beta > 0 and for_training:
+            # the start weights in model.dtype (before the trained ones become master weights), whole (unsharded)
+            self.reference = copy.deepcopy(model).requires_grad_(False).eval()
         model = make_trainable(model, model_cfg, self.family)
         if model_cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        self.reference = None
-        if model_cfg.lora is None and cfg.trainer.beta > 0 and for_training:
-            self.reference = (
-                copy.deepcopy(model).requires_grad_(False).eval()
-            )  # before sharding: whole weights
+        compute = model_cfg.compute_dtype()
+        self.compute_dtype = DTYPES[compute] if compute else None
         if self.dist.fsdp:
             if self.reference is not None:
                 shard_model(
@@ -123,12 +124,14 @@ class VLMRLVRTrainer(TrainerBase):
                     self.dist.reshard_after_forward,
                     extra=_fsdp_units(self.reference, self.family),
                 )
-            # generate() runs the units itself: wrapped, its call is the root's forward (the policy's first call)
+            # generate() runs the units itself: wrapped, its call is the root's forward (the policy's first call);
+            # master weights wider than model.dtype are gathered in model.dtype
             shard_model(
                 model,
                 self.dist.reshard_after_forward,
                 extra=_fsdp_units(model, self.family),
                 methods=("generate",),
+                param_dtype=self.compute_dtype,
             )
         self.model = model
         self.trainable = [p for p in model.parameters() if p.requires_grad]  # DTensor shards under FSDP
@@ -296,6 +299,7 @@ class VLMRLVRTrainer(TrainerBase):
             batch_size=g.batch_size,
             synced_gpus=self.dist.fsdp,
             family=self.family,
+            autocast_dtype=self.compute_dtype,
         )
 
     def _check_fsdp(self) -> None:
@@ -415,16 +419,24 @@ class VLMRLVRTrainer(TrainerBase):
             self.dist.fsdp
         ):  # each call of the sharded LM head is a collective: the longest rank's number of chunks
             min_chunks = self.dist.max_over_ranks(math.ceil(batch.completion_ids.shape[1] / chunk_size))
-        return completion_token_stats(
-            model or self.model,
-            batch,
-            temperature=temperature or 1.0,
-            chunk_size=chunk_size,
-            suppressed_token_ids=suppressed,
-            min_chunks=min_chunks,
-            share_prompts=not self.dist.fsdp,
-            family=self.family,
-        )
+        with self.compute_context():
+            return completion_token_stats(
+                model or self.model,
+                batch,
+                temperature=temperature or 1.0,
+                chunk_size=chunk_size,
+                suppressed_token_ids=suppressed,
+                min_chunks=min_chunks,
+                share_prompts=not self.dist.fsdp,
+                family=self.family,
+            )
+
+    def compute_context(self) -> AbstractContextManager[Any]:
+        """Where the policy and its reference compute: under ``torch.autocast`` in ``model.dtype`` when the
+        trained parameters are wider master weights (``model.compute_dtype()``), else in the weights' dtypes."""
+        if self.compute_dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     def reference_context(self) -> AbstractContextManager[Any]:
         """Where the policy's forward is the reference's: the adapter disabled (LoRA), else nothing (a full
@@ -649,14 +661,7 @@ class VLMRLVRTrainer(TrainerBase):
                         if advantages.ndim == 1
                         else advantages
                     )
-                per_token = loss_lib.clipped_surrogate(
-                    new.logprobs,
-                    old.logprobs,
-                    token_adv,
-                    settings.epsilon_low,
-                    settings.epsilon_high,
-                    settings.dual_clip,
-                )
+                per_token = policy_loss(settings, new.logprobs, old.logprobs, token_adv, mask)
                 behaviour_rows = [sample.logprobs for _, sample in minibatch]
                 behaviour = _pad_logprobs(behaviour_rows, mask.shape[1]).to(mask.device)
                 self.metrics.add("tis/logprob_mismatch", _masked_mean((old.logprobs - behaviour).abs(), mask))
@@ -681,14 +686,7 @@ class VLMRLVRTrainer(TrainerBase):
                     "policy/ratio_mean", _masked_mean(torch.exp(new.logprobs.detach() - old.logprobs), mask)
                 )
                 self.metrics.add_dict(
-                    loss_lib.clip_fractions(
-                        new.logprobs,
-                        old.logprobs,
-                        token_adv,
-                        settings.epsilon_low,
-                        settings.epsilon_high,
-                        mask=mask,
-                    )
+                    clip_fractions(settings, new.logprobs.detach(), old.logprobs, token_adv, mask)
                 )
             # a function of the training step, so a resumed run continues a cosine exactly
             lr = learning_rate(self.step, settings.lr, settings.steps, schedule=settings.lr_schedule)
@@ -920,6 +918,45 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * m).sum() / m.sum().clamp(min=1.0)
 
 
+def policy_loss(
+    settings: VLMTrainerConfig,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """``[B, T]`` per-token policy loss: ``trainer.policy_loss`` (PPO's clipped surrogate or CISPO) on the ratios
+    of ``trainer.importance_sampling_level`` (each token's, or GSPO's sequence ratio); ``logp``, ``old_logp``,
+    ``adv`` ``[B, T]``, ``mask`` 1 on completion tokens."""
+    if settings.importance_sampling_level == "sequence":
+        logp = loss_lib.gspo_token_logp(logp, old_logp, mask)
+    if settings.policy_loss == "cispo":
+        return loss_lib.cispo_surrogate(logp, old_logp, adv, settings.cispo_weight_max)
+    return loss_lib.clipped_surrogate(
+        logp, old_logp, adv, settings.epsilon_low, settings.epsilon_high, settings.dual_clip
+    )
+
+
+def clip_fractions(
+    settings: VLMTrainerConfig,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """Shares of completion tokens whose ratio (at ``trainer.importance_sampling_level``) the loss clips:
+    ``clip/low_frac`` and ``clip/high_frac`` (:func:`mmrl.core.losses.clip_fractions`), or under CISPO
+    ``clip/cispo_capped_frac``, the tokens whose weight is capped, whatever their advantage's sign."""
+    if settings.importance_sampling_level == "sequence":
+        logp = loss_lib.gspo_token_logp(logp, old_logp, mask)
+    if settings.policy_loss == "cispo":
+        capped = (torch.exp(logp - old_logp) > settings.cispo_weight_max).to(logp.dtype)
+        return {"clip/cispo_capped_frac": _masked_mean(capped, mask)}
+    return loss_lib.clip_fractions(
+        logp, old_logp, adv, settings.epsilon_low, settings.epsilon_high, mask=mask
+    )
+
+
 def _pad_logprobs(rows: list[torch.Tensor], width: int) -> torch.Tensor:
     out = torch.zeros(len(rows), width)
     for i, r in enumerate(rows):
@@ -930,13 +967,13 @@ def _pad_logprobs(rows: list[torch.Tensor], width: int) -> torch.Tensor:
 def make_trainable(model: torch.nn.Module, model_cfg: VLMModelConfig, family: VLMFamily) -> torch.nn.Module:
     """The policy to train from the loaded ``model``: a peft LoRA model around it (``model.lora``; the base
     frozen), or ``model`` itself with every weight trainable but the vision tower's (unless
-    ``model.train_vision``)."""
+    ``model.train_vision``); the trained parameters in ``model.master_weight_dtype`` or wider."""
     model.requires_grad_(False)
     if model_cfg.lora is not None:
         from peft import LoraConfig, get_peft_model
 
         lora = model_cfg.lora
-        return get_peft_model(
+        model = get_peft_model(
             model,
             LoraConfig(
                 r=lora.rank,
@@ -944,12 +981,21 @@ def make_trainable(model: torch.nn.Module, model_cfg: VLMModelConfig, family: VL
                 lora_dropout=lora.dropout,
                 target_modules=family.lora_target_pattern(lora.target_modules, model_cfg.train_vision),
             ),
+            autocast_adapter_dtype=False,  # the factors' dtype is master_weight_dtype's, set below
         )
-    model.requires_grad_(True)
-    if not model_cfg.train_vision:
-        for name, param in model.named_parameters():
-            if family.is_vision_parameter(name):
-                param.requires_grad_(False)
+    else:
+        model.requires_grad_(True)
+        if not model_cfg.train_vision:
+            for name, param in model.named_parameters():
+                if family.is_vision_parameter(name):
+                    param.requires_grad_(False)
+    # master weights (verl's and EasyR1's float32 actor, peft's float32 LoRA factors): in bfloat16 an AdamW step
+    # below 2^-9 of a weight rounds away; the model then computes in model.dtype under autocast
+    # (model.compute_dtype()). Only ever widened, as the flow trainer's (mmrl.flow.trainer.make_trainable).
+    master = DTYPES[model_cfg.master_weight_dtype]
+    for param in model.parameters():
+        if param.requires_grad and torch.finfo(param.dtype).bits < torch.finfo(master).bits:
+            param.data = param.data.to(master)
     return model
 
 

@@ -85,6 +85,9 @@ class HFBackend(GenerationBackend):
             the same number of batches, on every rank. Off: transformers' default.
         family: the model's :class:`~pipelines.vlm.families.VLMFamily`; ``None`` detects it from
             ``model.config.model_type``.
+        autocast_dtype: generate under ``torch.autocast`` in this dtype (a policy whose trained weights are
+            float32 master weights of a bfloat16 model computes in bfloat16, as it does when it is scored);
+            ``None``: in the weights' own dtypes.
     """
 
     def __init__(
@@ -98,6 +101,7 @@ class HFBackend(GenerationBackend):
         suppress_vision_tokens: bool = True,
         synced_gpus: bool = False,
         family: VLMFamily | None = None,
+        autocast_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if batch_size is not None and batch_size < 1:
@@ -109,6 +113,7 @@ class HFBackend(GenerationBackend):
         self.max_prompt_length = max_prompt_length
         self.batch_size = batch_size
         self.synced_gpus = synced_gpus
+        self.autocast_dtype = autocast_dtype
         self.family = family if family is not None else family_for_model_type(model.config.model_type)
         self.suppressed_token_ids: list[int] = (
             self.family.suppressed_token_ids(self.tokenizer) if suppress_vision_tokens else []
@@ -162,7 +167,12 @@ class HFBackend(GenerationBackend):
             device = next(self.model.parameters()).device
             devices = [device.index or 0] if device.type == "cuda" else []
             seeded = params.seed is not None
-            with torch.random.fork_rng(devices=devices) if seeded else contextlib.nullcontext():
+            with (
+                torch.random.fork_rng(devices=devices) if seeded else contextlib.nullcontext(),
+                torch.autocast(device.type, dtype=self.autocast_dtype)
+                if self.autocast_dtype is not None
+                else contextlib.nullcontext(),
+            ):
                 if seeded:
                     torch.manual_seed(params.seed)
                 for start in range(0, len(prepared), step):

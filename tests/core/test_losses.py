@@ -162,6 +162,34 @@ def test_gspo_token_logp_gives_sequence_ratio_and_token_gradient():
     torch.testing.assert_close(logp.grad, torch.full((1, 3), math.exp(0.25)))
 
 
+def test_cispo_keeps_every_tokens_gradient_with_its_weight_capped():
+    # ratios 0.5, 1.5, 8 (capped at 5), 1; advantages 1, -2, 1, 3
+    old = torch.zeros(4)
+    logp = torch.log(torch.tensor([0.5, 1.5, 8.0, 1.0])).requires_grad_()
+    adv = torch.tensor([1.0, -2.0, 1.0, 3.0])
+    loss = L.cispo_surrogate(logp, old, adv, weight_max=5.0)
+    torch.testing.assert_close(loss, -torch.tensor([0.5, 1.5, 5.0, 1.0]) * adv * logp.detach())
+    loss.sum().backward()
+    torch.testing.assert_close(logp.grad, -torch.tensor([0.5, -3.0, 5.0, 3.0]))
+    # PPO's clip gives the tokens outside [0.8, 1.28] with the advantage's sign pushing them out no gradient
+    clipped = logp.detach().clone().requires_grad_()
+    L.clipped_surrogate(clipped, old, adv, 0.2, 0.28).sum().backward()
+    torch.testing.assert_close(clipped.grad, -torch.tensor([0.5, -3.0, 0.0, 3.0]))
+
+
+@given(
+    st.lists(st.tuples(st.floats(-3, 3), st.floats(-3, 3), st.floats(-3, 3)), min_size=1, max_size=32),
+    st.floats(1.0, 10.0),
+)
+def test_cispo_gradient_is_trls_capped_weight_times_the_advantage(rows, weight_max):
+    # TRL's loss_type="cispo": per_token_loss = -clamp(coef_1, max=epsilon_high).detach() * advantages * logps
+    logp, old, adv = (torch.tensor(col, dtype=torch.float64) for col in zip(*rows, strict=True))
+    logp.requires_grad_()
+    L.cispo_surrogate(logp, old, adv, weight_max).sum().backward()
+    trl_weight = torch.clamp(torch.exp(logp.detach() - old), max=weight_max)
+    torch.testing.assert_close(logp.grad, -trl_weight * adv)
+
+
 def test_gaussian_mean_kl():
     mean = torch.tensor([[1.0, 2.0]])
     ref = torch.tensor([[0.0, 2.0]])

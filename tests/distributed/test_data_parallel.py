@@ -161,7 +161,11 @@ def test_flow_fsdp_gathers_float32_master_weights_of_a_bfloat16_model(tmp_path):
     """model.dtype bfloat16, master weights float32: FSDP keeps float32 shards, gathers them in bfloat16 for the
     forward and backward, reduces gradients in float32, and the steps train."""
     common = (*FLOW, "model.lora=null", "model.dtype=bfloat16", "trainer.objective=grpo", "trainer.lr=1e-4")
-    ranks = launch(tmp_path, "flow_grpo", "bf16_fsdp", *common, env=fsdp_env())
+    assert_trained_float32_shards(launch(tmp_path, "flow_grpo", "bf16_fsdp", *common, env=fsdp_env()))
+
+
+def assert_trained_float32_shards(ranks: list[dict]) -> None:
+    """The ranks' sharded weights are float32, finite, equal on both ranks, and moved by the steps."""
     assert ranks[0]["sharded"]
     base, trained = ranks[0]["initial"], ranks[0]["weights"]
     assert {t.dtype for t in trained.values()} == {torch.float32}
@@ -239,6 +243,14 @@ def test_vlm_fsdp_full_finetune_matches_ddp_and_resumes_exactly(tmp_path):
     assert resumed[0]["metrics"]["eval/accuracy"] == pytest.approx(
         ddp[0]["metrics"]["eval/accuracy"], abs=1e-6
     )
+
+
+def test_vlm_fsdp_gathers_float32_master_weights_of_a_bfloat16_model(tmp_path):
+    """model.dtype bfloat16, master weights float32: the language model's shards stay float32 beside the frozen
+    bfloat16 vision tower, are gathered in bfloat16 for generate and the scoring forwards (under autocast),
+    gradients are reduced in float32, and the steps train."""
+    common = (*VLM, "model.lora=null", "model.dtype=bfloat16", "trainer.beta=0.04", "trainer.lr=1e-4")
+    assert_trained_float32_shards(launch(tmp_path, "vlm_rlvr", "vlm_bf16_fsdp", *common, env=fsdp_env()))
 
 
 def test_vlm_fsdp_pairs_up_uneven_completion_lengths(tmp_path):

@@ -23,6 +23,18 @@ CASES = {
         "trainer.beta=0",
         "model.train_vision=true",
     ],
+    # float32 master weights of a bfloat16 model: its language model trained in float32, the reference bfloat16
+    "full fine-tuning in bfloat16, master weights": [
+        "model.lora=null",
+        "model.dtype=bfloat16",
+        "trainer.beta=0.01",
+    ],
+    "full fine-tuning in pure bfloat16": [
+        "model.lora=null",
+        "model.dtype=bfloat16",
+        "model.master_weight_dtype=bfloat16",
+        "trainer.beta=0.01",
+    ],
 }
 
 

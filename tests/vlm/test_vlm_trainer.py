@@ -13,7 +13,7 @@ from mmrl.config import load_config
 from mmrl.data.shapes_math import Step, format_completion, format_trace, make_count_items, make_math_items
 from mmrl.data.shapes_vqa import make_vqa_items
 from mmrl.vlm.config import VLMRLVRConfig
-from mmrl.vlm.trainer import VLMRLVRTrainer, evaluate, load_examples, main
+from mmrl.vlm.trainer import VLMRLVRTrainer, clip_fractions, evaluate, load_examples, main, policy_loss
 from pipelines.vlm.backend import GenerationBackend
 from pipelines.vlm.tiny import build_tiny_vlm
 
@@ -87,6 +87,135 @@ def test_one_step_trains_only_lora(model_dir, tmp_path, mode):
     assert metrics["tis/logprob_mismatch"] < 1e-4  # the trainer re-scores what the HF backend sampled
     assert any(not torch.equal(lora[n], named[n]) for n in lora)
     assert all(torch.equal(frozen[n], named[n]) for n in frozen)
+
+
+def _spread_rewards(trainer):
+    """Fake rewards 0, 1, 0, 1, ... so every step has a learning signal (random weights never answer right)."""
+    original = trainer.score_samples
+
+    def spread(pairs):
+        _, raw, outputs = original(pairs)
+        return torch.arange(len(pairs), dtype=torch.float32) % 2, raw, outputs
+
+    trainer.score_samples = spread
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_a_bfloat16_model_trains_float32_master_weights(model_dir, tmp_path, lora):
+    """The trained parameters (LoRA factors, or the language model) are float32 master weights of the bfloat16
+    model, which generates and is scored under bfloat16 autocast, so the trainer's re-scored log-probs are those
+    the rollout sampled from; the frozen weights (the vision tower, a LoRA's base) and the KL reference stay
+    bfloat16."""
+    extra = [] if lora else ["model.lora=null", "trainer.beta=0.01"]
+    cfg = make_cfg(model_dir, tmp_path, "master", "model.dtype=bfloat16", "trainer.mode=single", *extra)
+    trainer = VLMRLVRTrainer(cfg, None)
+    trainer.setup()
+    assert {p.dtype for p in trainer.trainable} == {torch.float32}
+    assert {p.dtype for p in trainer.model.parameters() if not p.requires_grad} == {torch.bfloat16}
+    assert trainer.backend.autocast_dtype == torch.bfloat16
+    if not lora:
+        assert {p.dtype for p in trainer.reference.parameters()} == {torch.bfloat16}
+    _spread_rewards(trainer)
+    before = [p.detach().clone() for p in trainer.trainable]
+    metrics = trainer.train_step()
+    # both forwards in bfloat16 from the same weights (full fine-tuning scored without autocast: 4.3e-4)
+    assert metrics["tis/logprob_mismatch"] < 1e-4
+    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.trainable, strict=True))
+    assert {p.dtype for p in trainer.trainable} == {torch.float32}
+
+
+@pytest.mark.parametrize("master", ["float32", "bfloat16"])
+def test_a_small_step_survives_only_in_master_weights(model_dir, tmp_path, master):
+    """AdamW's first step moves every weight with a gradient by about lr = 1e-6; a bfloat16 weight of the median
+    magnitude here (0.013) has an ulp of 6.1e-5, so in pure bfloat16 (``model.master_weight_dtype=bfloat16``) the
+    step rounds away for all but the smallest weights, while float32 master weights keep it for every one."""
+    cfg = make_cfg(
+        model_dir,
+        tmp_path,
+        master,
+        "model.lora=null",
+        "model.dtype=bfloat16",
+        f"model.master_weight_dtype={master}",
+        "trainer.mode=single",
+        "trainer.lr=1e-6",
+    )
+    trainer = VLMRLVRTrainer(cfg, None)
+    trainer.setup()
+    assert trainer.backend.autocast_dtype == (torch.bfloat16 if master == "float32" else None)
+    _spread_rewards(trainer)
+    weights = {
+        n: p for n, p in trainer.model.named_parameters() if p.requires_grad and n.endswith("proj.weight")
+    }
+    before = {n: p.detach().float().clone() for n, p in weights.items()}
+    trainer.train_step()
+    moved = torch.cat([(weights[n].detach().float() != before[n]).flatten() for n in weights])
+    assert moved.float().mean() > 0.9 if master == "float32" else moved.float().mean() < 0.1
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss", ["clip", "cispo"])
+def test_policy_loss_gradients_by_hand(tmp_path, loss, level):
+    """d loss / d logp_t for two completions (3 and 2 tokens, advantages +1 and -1) against the formulas:
+    clip: -rho A inside the trust region, 0 where the clip binds; cispo: -min(rho, 5) A for every token; rho is
+    the token's ratio, or under GSPO the completion's exp(mean_t log ratio), the same for its every token."""
+    settings = make_cfg("unused", tmp_path, "loss", f"trainer.policy_loss={loss}").trainer
+    settings.importance_sampling_level = level
+    ratios = torch.tensor([[1.1, 9.0, 0.5], [1.5, 1.2, 1.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    adv = torch.tensor([[1.0] * 3, [-1.0] * 3])
+    old = torch.full((2, 3), -1.0)
+    logp = (old + ratios.log()).requires_grad_()
+    (policy_loss(settings, logp, old, adv, mask) * mask).sum().backward()
+    if (
+        level == "sequence"
+    ):  # geometric means over each completion's tokens: (1.1 * 9 * 0.5)^(1/3), (1.5 * 1.2)^(1/2)
+        ratios = torch.tensor([[4.95 ** (1 / 3)] * 3, [1.8**0.5] * 3])
+    if loss == "cispo":
+        expected = -ratios.clamp(max=5.0) * adv
+    else:  # clip range [0.8, 1.28]: binds where the ratio is above 1.28 with A > 0 or below 0.8 with A < 0
+        binds = ((ratios > 1.28) & (adv > 0)) | ((ratios < 0.8) & (adv < 0))
+        expected = torch.where(binds, 0.0, -ratios * adv)
+    torch.testing.assert_close(logp.grad, expected * mask)
+    fractions = clip_fractions(settings, logp.detach(), old, adv, mask)
+    if loss == "cispo":  # the token of ratio 9 is capped at 5 (at the sequence level no ratio reaches 5)
+        assert float(fractions["clip/cispo_capped_frac"]) == pytest.approx(1 / 5 if level == "token" else 0.0)
+    else:  # token: 9 (A > 0); sequence: the first completion's 1.70 (A > 0), three of five tokens
+        assert float(fractions["clip/high_frac"]) == pytest.approx(1 / 5 if level == "token" else 3 / 5)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [
+            "trainer.importance_sampling_level=sequence",
+            "trainer.epsilon_low=3e-4",
+            "trainer.epsilon_high=4e-4",
+        ],
+        ["trainer.policy_loss=cispo"],
+    ],
+    ids=["gspo", "cispo"],
+)
+def test_gspo_and_cispo_train_off_policy_epochs(model_dir, tmp_path, overrides):
+    cfg = make_cfg(
+        model_dir,
+        tmp_path,
+        "loss",
+        "trainer.mode=group",
+        "trainer.ppo_epochs=2",
+        "trainer.loss_agg=seq_mean_token_mean",
+        *overrides,
+    )
+    trainer = VLMRLVRTrainer(cfg, None)
+    trainer.setup()
+    _spread_rewards(trainer)
+    before = [p.detach().clone() for p in trainer.trainable]
+    metrics = trainer.train_step()
+    assert torch.isfinite(torch.tensor(metrics["loss"]))
+    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.trainable, strict=True))
+    if cfg.trainer.policy_loss == "cispo":
+        assert "clip/cispo_capped_frac" in metrics and "clip/high_frac" not in metrics
+    else:  # the second epoch is off-policy after a step of lr 1e-2: GSPO's 4e-4 range clips whole completions
+        assert metrics["clip/high_frac"] + metrics["clip/low_frac"] > 0
 
 
 @pytest.mark.parametrize("epochs", [1, 2])
