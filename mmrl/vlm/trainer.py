@@ -90,9 +90,9 @@ class VLMRLVRTrainer(TrainerBase):
         m = self.cfg.model
         if m.family:
             return get_vlm_family(m.family)
-        from transformers import AutoConfig
+        from pipelines.vlm.published import model_config  # (a published id's config is embedded: no download)
 
-        return family_for_model_type(AutoConfig.from_pretrained(m.path).model_type)
+        return family_for_model_type(model_config(m.path).model_type)
 
     # ------------------------------------------------------------------ setup
     def setup(self, for_training: bool = True) -> None:
@@ -226,7 +226,7 @@ class VLMRLVRTrainer(TrainerBase):
     def load_model(self) -> tuple[Any, torch.nn.Module]:
         """``(processor, model)`` of ``model.path``, loaded as users load it (``from_pretrained``) in ``model.dtype``
         on the device, NF4 through bitsandbytes with ``model.load_in_4bit``. A subclass may build them otherwise
-        (benchmarks/real_size_vlm.py: the published architecture with random weights)."""
+        (benchmarks/real_size.py: the published architecture with random weights)."""
         from pipelines.vlm.hf_backend import load_vlm
 
         model_cfg = self.cfg.model

@@ -7,6 +7,20 @@ parameter and buffer has its real shape and dtype and no storage, so building ta
 :func:`model_config` gives the config it is built from: a local folder's ``config.json``, the embedded published
 config of a known Hub id (no network), or any other Hub id's ``config.json`` (one small download).
 
+Random weights at the published size (``python -m benchmarks.real_size``): :func:`build_random` instantiates
+the same class with each module's own random initialisation, drawn in the given dtype on the given device, and
+:func:`build_processor` gives the processor that drives it. The published tokenizers cannot be downloaded, so
+for a published id the processor holds the family's tiny tokenizer (:mod:`pipelines.vlm.tiny`,
+:mod:`pipelines.vlm.tiny_gemma3`: a small vocabulary trained on the caller's texts plus the real special
+tokens; the tiny models' chat template, the real markup without Qwen's default system prompt) and the
+*published* image processor (:data:`PUBLISHED_IMAGE_PROCESSORS`: patch, merge and pixel bounds, or Gemma 3's
+896 px square), so an image expands to the number of image tokens the real model takes. What differs from the
+real checkpoint, besides the weights, is the special-token ids and nothing else: the config's image / video /
+vision start and end ids (Gemma: start, end and soft image token) and the language model's bos / eos ids are
+the tiny tokenizer's ids of the same tokens, which are valid ids of the real, larger vocabulary
+(:func:`random_config`). Every size (vocabulary included) is the published one; a prompt's text tokenises to a
+different number of tokens than with the real tokenizer, its image to the same number.
+
 The embedded configs are the models' published ``config.json`` files with their values unchanged, keeping only
 the keys the installed transformers (5.x) config classes read; left out, as nothing reads them:
 
@@ -59,27 +73,51 @@ Example::
     model = build_on_meta("Qwen/Qwen3-VL-4B-Instruct")           # no download, no memory
     n = sum(p.numel() for p in model.parameters())                 # 4,437,815,808
     model = build_on_meta("checkpoints/shapes_vlm", torch.float32)  # a local folder's config.json
+    processor = build_processor("google/gemma-3-4b-it", questions)  # tiny tokenizer, published image geometry
+    model = build_random("google/gemma-3-4b-it", processor, torch.bfloat16, "cuda")  # 8.6 GB, random
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForImageTextToText, PretrainedConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    Gemma3ImageProcessor,
+    Gemma3Processor,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    ProcessorMixin,
+    Qwen2_5_VLProcessor,
+    Qwen2VLImageProcessor,
+    Qwen2VLVideoProcessor,
+    Qwen3VLProcessor,
+    Qwen3VLVideoProcessor,
+)
 
 from pipelines.hub import model_not_found
 from pipelines.vlm.families import family_for_model_type
+from pipelines.vlm.tiny import CHAT_TEMPLATE, train_tokenizer
+from pipelines.vlm.tiny_gemma3 import GEMMA3_CHAT_TEMPLATE, train_gemma_tokenizer
 
 __all__ = [
     "GEMMA_3_4B_IT",
     "PUBLISHED_CONFIGS",
+    "PUBLISHED_IMAGE_PROCESSORS",
     "QWEN2_5_VL_3B_INSTRUCT",
     "QWEN3_VL_4B_INSTRUCT",
     "build_on_meta",
+    "build_processor",
+    "build_random",
     "model_config",
+    "random_config",
 ]
 
 #: ``Qwen/Qwen2.5-VL-3B-Instruct``'s ``config.json`` (flat layout; sources in the module docstring).
@@ -212,6 +250,79 @@ PUBLISHED_CONFIGS: dict[str, dict[str, Any]] = {
     "google/gemma-3-4b-it": GEMMA_3_4B_IT,
 }
 
+#: Hub id -> the image-processing keys of its published ``preprocessor_config.json``: what decides how many
+#: image tokens an image becomes (patch and merge sizes, pixel bounds; Gemma 3: the fixed square) and the
+#: normalisation. The class is the family's (:func:`build_processor`): transformers 5 names Qwen3-VL's
+#: ``Qwen2VLImageProcessorFast`` ``Qwen2VLImageProcessor``. Sources (repositories not named by the search
+#: index): Qwen2.5-VL's file quoted in a Rust test ("Trimmed from Qwen/Qwen2.5-VL-7B-Instruct"; the family's
+#: sizes share one processor file), its pixel bounds also in other projects' processor settings; Qwen3-VL's
+#: file quoted in Python and Swift tests and dumped from a Qwen3.5 checkpoint (the same file); Gemma 3's
+#: written out by a NeMo-RL Gemma 3 job script and offline loaders (``image_seq_length`` 256, the config's
+#: ``mm_tokens_per_image``, goes to the processor).
+PUBLISHED_IMAGE_PROCESSORS: dict[str, dict[str, Any]] = {
+    "Qwen/Qwen2.5-VL-3B-Instruct": {
+        "min_pixels": 3136,
+        "max_pixels": 12845056,
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+    },
+    "Qwen/Qwen3-VL-4B-Instruct": {
+        "size": {"shortest_edge": 65536, "longest_edge": 16777216},
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+    },
+    "google/gemma-3-4b-it": {
+        "size": {"height": 896, "width": 896},
+        "resample": 2,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "do_pan_and_scan": None,
+    },
+}
+
+_QWEN_VISION_TOKENS = {
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+}
+_QWEN_GENERATION_TOKENS: dict[str, Any] = {
+    "bos_token_id": "<|endoftext|>",
+    "eos_token_id": ["<|im_end|>", "<|endoftext|>"],
+    "pad_token_id": "<|endoftext|>",
+}
+#: family -> {config key: the token whose id it holds} (``text_config.`` keys are the language model's): every
+#: token id of the published configs, as the tokens they name in the real vocabulary.
+_CONFIG_TOKENS: dict[str, dict[str, str]] = {
+    "qwen2_5_vl": {
+        **_QWEN_VISION_TOKENS,
+        "text_config.bos_token_id": "<|endoftext|>",
+        "text_config.eos_token_id": "<|im_end|>",
+    },
+    "qwen3_vl": _QWEN_VISION_TOKENS,
+    "gemma3": {
+        "boi_token_index": "<start_of_image>",
+        "eoi_token_index": "<end_of_image>",
+        "image_token_index": "<image_soft_token>",
+        "text_config.pad_token_id": "<pad>",
+        "text_config.eos_token_id": "<eos>",
+        "text_config.bos_token_id": "<bos>",
+    },
+}
+#: family -> the token ids of the published ``generation_config.json``, as tokens (stop on the end of the turn
+#: or of the text); its sampling defaults are left out, as the generation backends pass every sampling knob.
+_GENERATION_TOKENS: dict[str, dict[str, Any]] = {
+    "qwen2_5_vl": _QWEN_GENERATION_TOKENS,
+    "qwen3_vl": _QWEN_GENERATION_TOKENS,
+    "gemma3": {"bos_token_id": "<bos>", "eos_token_id": ["<eos>", "<end_of_turn>"], "pad_token_id": "<pad>"},
+}
+
 
 def model_config(model_id_or_path: str) -> PretrainedConfig:
     """The transformers config of a VLM: a local folder's, a known Hub id's published one, or a Hub download.
@@ -262,8 +373,131 @@ def build_on_meta(model_id_or_path: str, dtype: torch.dtype = torch.bfloat16) ->
         OSError: the config cannot be found (see :func:`model_config`).
         ValueError: no registered VLM family serves the config's ``model_type`` (the registered ones named).
     """
-    config = model_config(model_id_or_path)
+    return _instantiate(model_config(model_id_or_path), dtype, "meta")
+
+
+def _instantiate(config: PretrainedConfig, dtype: torch.dtype, device: torch.device | str) -> PreTrainedModel:
+    """``AutoModelForImageTextToText.from_config(config)`` on ``device``, its weights made in ``dtype`` there
+    (no float32 first draw: transformers sets the default dtype while the modules are built)."""
     # Only a model_type some family serves is one mmrl can train; this raises for any other.
     family_for_model_type(config.model_type)
-    with torch.device("meta"):
+    with torch.device(device):
         return AutoModelForImageTextToText.from_config(config, dtype=dtype)
+
+
+def _family_name(config: PretrainedConfig) -> str:
+    """The family serving ``config``, one :func:`build_processor` knows how to drive."""
+    family = family_for_model_type(config.model_type).name
+    if family not in _CONFIG_TOKENS:
+        raise ValueError(
+            f"no random-weights processor for the {family!r} family (model_type {config.model_type!r}); "
+            f"available: {sorted(_CONFIG_TOKENS)}"
+        )
+    return family
+
+
+def build_processor(model_id_or_path: str, corpus: Iterable[str]) -> ProcessorMixin:
+    """The processor that drives :func:`build_random`'s model of ``model_id_or_path``.
+
+    A Hub id of :data:`PUBLISHED_IMAGE_PROCESSORS` (no network): the family's tiny tokenizer trained on
+    ``corpus`` (about 512 tokens plus the real special tokens), the tiny models' chat template, and the
+    published image processor, so an image becomes as many image tokens as with the real processor: Qwen ``(H
+    / patch) * (W / patch) / merge^2`` after its resize to a multiple of ``patch * merge`` within the pixel
+    bounds (a 448 x 448 image: 256 for Qwen2.5-VL, 196 for Qwen3-VL); Gemma 3 ``mm_tokens_per_image`` (256)
+    for any image, resized to 896 x 896. Qwen processors get a video processor of the image patch geometry
+    (the recipes ask no video questions). Anything else (a local folder, another Hub id): its own processor
+    (``AutoProcessor``), whose token ids its config already holds; ``corpus`` is then unused.
+
+    Raises:
+        OSError: the config or the processor cannot be found (both places named, see :func:`model_config`).
+        ValueError: no registered VLM family serves the model, or none this function drives.
+    """
+    if Path(model_id_or_path).is_dir() or model_id_or_path not in PUBLISHED_IMAGE_PROCESSORS:
+        try:
+            return AutoProcessor.from_pretrained(model_id_or_path)
+        except (OSError, ValueError) as error:  # (a string that is no repo id fails the Hub's id check)
+            if Path(model_id_or_path).exists():
+                raise
+            raise model_not_found("VLM processor", model_id_or_path, error) from error
+    config = model_config(model_id_or_path)
+    family = _family_name(config)
+    published = copy.deepcopy(PUBLISHED_IMAGE_PROCESSORS[model_id_or_path])
+    if family == "gemma3":
+        return Gemma3Processor(
+            image_processor=Gemma3ImageProcessor(**published),
+            tokenizer=train_gemma_tokenizer(corpus),
+            chat_template=GEMMA3_CHAT_TEMPLATE,
+            image_seq_length=config.mm_tokens_per_image,
+        )
+    processor_class, video_class = (
+        (Qwen3VLProcessor, Qwen3VLVideoProcessor)
+        if family == "qwen3_vl"
+        else (Qwen2_5_VLProcessor, Qwen2VLVideoProcessor)
+    )
+    geometry = {key: published[key] for key in ("patch_size", "temporal_patch_size", "merge_size")}
+    return processor_class(
+        image_processor=Qwen2VLImageProcessor(**published),
+        tokenizer=train_tokenizer(corpus),
+        video_processor=video_class(**geometry),
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def _token_ids(tokens: str | list[str], vocab: dict[str, int]) -> int | list[int]:
+    return vocab[tokens] if isinstance(tokens, str) else [vocab[token] for token in tokens]
+
+
+def random_config(model_id_or_path: str, processor: ProcessorMixin) -> PretrainedConfig:
+    """:func:`model_config` with each special-token id set to ``processor``'s tokenizer's id of that token.
+
+    The published ids (Qwen's ``<|image_pad|>`` 151655, Gemma's ``<image_soft_token>`` 262144...) belong to
+    the real vocabulary; a processor with another tokenizer writes its own ids of those tokens, which the
+    model must look for. Sizes are untouched: a small vocabulary's ids are valid rows of the real embedding
+    table.
+
+    Raises:
+        OSError, ValueError: as :func:`build_processor`.
+    """
+    config = model_config(model_id_or_path)
+    vocab = processor.tokenizer.get_vocab()
+    for key, token in _CONFIG_TOKENS[_family_name(config)].items():
+        owner, _, name = key.rpartition(".")
+        setattr(getattr(config, owner) if owner else config, name, vocab[token])
+    return config
+
+
+def build_random(
+    model_id_or_path: str,
+    processor: ProcessorMixin,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cuda",
+) -> PreTrainedModel:
+    """The published architecture with random weights, driven by ``processor`` (:func:`build_processor`): a
+    real-size VLM without its checkpoint, for smoke tests of memory and step time (``benchmarks.real_size``).
+
+    What differs from the real checkpoint: the weights (each module's own initialisation, drawn in ``dtype``
+    on ``device``) and the special-token ids, which are ``processor``'s (:func:`random_config`; so are the
+    stop, pad and bos ids of its ``generation_config``, which holds nothing else). A random model almost never
+    samples a stop token, so its completions run to ``max_new_tokens``: a step's worst case. Its ids outside
+    the tiny vocabulary decode to nothing.
+
+    Args:
+        model_id_or_path: a Hub id or a local folder (see :func:`model_config`).
+        processor: the processor whose token ids the model takes.
+        dtype: the weights' dtype.
+        device: where the weights are made (``"meta"``: shapes only, nothing allocated).
+
+    Returns:
+        The model in eval mode, as ``from_pretrained`` returns it.
+
+    Raises:
+        OSError, ValueError: as :func:`build_processor`.
+    """
+    config = random_config(model_id_or_path, processor)
+    model = _instantiate(config, dtype, device)
+    vocab = processor.tokenizer.get_vocab()
+    generation = _GENERATION_TOKENS[_family_name(config)]
+    model.generation_config = GenerationConfig(
+        **{key: _token_ids(tokens, vocab) for key, tokens in generation.items()}
+    )
+    return model.eval()
