@@ -247,7 +247,8 @@ class VLMTrainerConfig(Config):
         description="token: each token's own ratio (GRPO). sequence: GSPO, every token of a completion gets its "
         "length-normalised sequence ratio exp(mean_t log(pi / pi_old)), clipped per sequence (GSPO-token form: "
         "token advantages still apply; TRL's name). The GSPO paper: epsilon_low 3e-4, epsilon_high 4e-4, beta 0, "
-        "loss_agg seq_mean_token_mean. On-policy (one minibatch, one epoch) both levels give the same gradient.",
+        "loss_agg seq_mean_token_mean, trainer.updates_per_step 4. The levels differ only off-policy: with "
+        "trainer.updates_per_step and trainer.ppo_epochs 1 every ratio is 1 and both give the same gradient.",
     )
     beta: float = Field(
         0.01,
@@ -271,8 +272,21 @@ class VLMTrainerConfig(Config):
     )
     tis_cap: float = Field(2.0, gt=0, description="TIS cap C.")
     tis_mode: Literal["token", "sequence"] = "token"
-    minibatch_size: int = Field(16, ge=1, description="Sequences per forward/backward.")
-    ppo_epochs: int = Field(1, ge=1)
+    minibatch_size: int = Field(
+        16,
+        ge=1,
+        description="Sequences per forward/backward; an update accumulates its minibatches' gradients.",
+    )
+    updates_per_step: int = Field(
+        1,
+        ge=1,
+        description="Optimizer steps per training step: the step's samples are split into this many parts, each "
+        "trained and followed by its own AdamW step, so the later parts are off-policy (verl's "
+        "ppo_mini_batch_size = the step's samples / this; TRL's steps_per_generation / gradient_accumulation_steps; "
+        "the GSPO paper: 4). The later parts' old-policy log-probs come from a forward without gradients before "
+        "the first update.",
+    )
+    ppo_epochs: int = Field(1, ge=1, description="Passes over the step's samples (each part once per pass).")
     logprob_chunk_size: int = Field(128, ge=1, description="Positions per chunk of the head/softmax.")
     eval_every: int = Field(10, ge=1)
     sample_every: int = Field(10, ge=1, description="Write example completions every N steps.")

@@ -610,88 +610,110 @@ class VLMRLVRTrainer(TrainerBase):
         keep: torch.Tensor,
         lags: torch.Tensor | None = None,
     ) -> None:
-        """One update on the step's samples: ``adv`` per sequence ``[N]`` or per token ``[N, T]`` (cut or padded
+        """The step's updates on its samples: ``adv`` per sequence ``[N]`` or per token ``[N, T]`` (cut or padded
         to each minibatch's longest completion); ``lags [N]`` (default 0) are their weight lags.
 
-        The step's loss is ``L = sum_k w_k L_k`` over its minibatches, ``L_k`` the minibatch's ``loss_agg``
-        aggregate and ``w_k`` its share of the step (:func:`_minibatch_shares`), so ``L`` is the aggregate over
-        every kept row whatever ``trainer.minibatch_size`` cuts them into."""
+        The kept rows are split into ``trainer.updates_per_step`` parts, each trained for ``trainer.ppo_epochs``
+        with its own optimizer step. A part's loss is ``L = sum_k w_k L_k`` over its minibatches, ``L_k`` the
+        minibatch's ``loss_agg`` aggregate and ``w_k`` its share of the part (:func:`_minibatch_shares`), so
+        ``L`` is the aggregate over the part's rows whatever ``trainer.minibatch_size`` cuts them into."""
         if lags is None:
             lags = torch.zeros(len(pairs), dtype=torch.long)
         settings = self.cfg.trainer
         temperature = self.cfg.generation.temperature
         rows = torch.nonzero(keep).flatten()
+        # the kept rows in trainer.updates_per_step parts, each cut into minibatches and followed by its own
+        # optimizer step (tensor_split: every rank makes as many optimizer steps, empty parts included)
+        parts = [
+            part.split(settings.minibatch_size)
+            for part in torch.tensor_split(rows, settings.updates_per_step)
+        ]
         if (
             self.dist.fsdp
         ):  # every rank must make the same forwards; _check_fsdp refuses the settings that differ
-            num_minibatches = math.ceil(rows.numel() / settings.minibatch_size)
-            if self.dist.max_over_ranks(num_minibatches) != -self.dist.max_over_ranks(-num_minibatches):
-                raise RuntimeError(
-                    "FSDP ranks hold different numbers of minibatches; their forwards would not pair up"
-                )
+            for part in parts:
+                if self.dist.max_over_ranks(len(part)) != -self.dist.max_over_ranks(-len(part)):
+                    raise RuntimeError(
+                        "FSDP ranks hold different numbers of minibatches; their forwards would not pair up"
+                    )
         if rows.numel() == 0:
             self.metrics.add("train/skipped_no_signal", 1.0)
             if not self.dist.active:
                 return  # (under data parallelism the rank still takes part in the others' optimizer steps)
         # Old-policy statistics (log-probs for the ratio, entropies for the shaping) are those of the first epoch's
         # gradient forward, detached: no optimizer step comes before it, so its weights are the old policy's
-        # (TRL does the same at num_iterations=1). One forward per minibatch and epoch, none without gradients.
-        # With dropout on (LoRA dropout > 0) the old statistics are a train-mode draw, as TRL's.
+        # (TRL does the same at num_iterations=1). One forward per minibatch and epoch; the parts after the first
+        # are trained after an update, so theirs come first, from a forward without gradients. With dropout on
+        # (LoRA dropout > 0) the old statistics are a train-mode draw, as TRL's.
         self.model.train()
-        chunks = rows.split(settings.minibatch_size)
         lengths = torch.tensor([len(sample.completion_token_ids) for _, sample in pairs])
-        shares = _minibatch_shares([lengths[idx] for idx in chunks], settings.loss_agg)
-        old_stats: list[TokenStats | None] = [None] * len(chunks)
+        old_stats: list[list[TokenStats | None]] = [[None] * len(part) for part in parts]
+        with torch.no_grad():
+            for part, olds in zip(parts[1:], old_stats[1:], strict=True):
+                olds[:] = [self.token_stats([pairs[i] for i in idx.tolist()], temperature) for idx in part]
         for _ in range(settings.ppo_epochs):
-            for chunk, (idx, share) in enumerate(zip(chunks, shares, strict=True)):
-                minibatch = [pairs[i] for i in idx.tolist()]
-                new = self.token_stats(minibatch, temperature)
-                if old_stats[chunk] is None:
-                    old_stats[chunk] = new.detach()
-                old = old_stats[chunk]
-                mask = old.mask
-                advantages = _token_width(adv[idx], mask.shape[1]).to(mask.device).float()
-                shaping = settings.entropy_shaping
-                entropy = old.entropy if shaping.kind == "full" else old.sampled_entropy
-                if shaping.enabled:
-                    token_adv = adv_lib.entropy_shaped(advantages, entropy, shaping.alpha, shaping.kappa)
-                else:
-                    token_adv = (
-                        advantages.unsqueeze(1).expand_as(old.logprobs)
-                        if advantages.ndim == 1
-                        else advantages
-                    )
-                per_token = policy_loss(settings, new.logprobs, old.logprobs, token_adv, mask)
-                behaviour_rows = [sample.logprobs for _, sample in minibatch]
-                behaviour = _pad_logprobs(behaviour_rows, mask.shape[1]).to(mask.device)
-                self.metrics.add("tis/logprob_mismatch", _masked_mean((old.logprobs - behaviour).abs(), mask))
-                weights = self.loss_weights(old.logprobs, behaviour, mask, lags[idx])
-                if weights is not None:
-                    per_token = per_token * weights
-                    self.metrics.add("tis/weight_mean", _masked_mean(weights, mask))
-                if settings.beta > 0:
-                    with torch.no_grad(), self.reference_context():
-                        ref = self.token_stats(minibatch, temperature, model=self.reference)
-                    kl = loss_lib.kl_estimate(new.logprobs, ref.logprobs, kind="k3")
-                    per_token = per_token + settings.beta * kl
-                    self.metrics.add("policy/kl", _masked_mean(kl.detach(), mask))
-                loss = loss_lib.aggregate(
-                    per_token, mask, mode=settings.loss_agg, max_len=self.cfg.generation.max_new_tokens
-                )
-                (loss * share).backward()
-                # weighted by its share, the logged loss is the step's aggregate (per epoch)
-                self.metrics.add("loss", loss, count=share)
-                self.metrics.add("entropy/mean", _masked_mean(entropy, mask))
-                self.metrics.add(
-                    "policy/ratio_mean", _masked_mean(torch.exp(new.logprobs.detach() - old.logprobs), mask)
-                )
-                self.metrics.add_dict(
-                    clip_fractions(settings, new.logprobs.detach(), old.logprobs, token_adv, mask)
-                )
-            # a function of the training step, so a resumed run continues a cosine exactly
-            lr = learning_rate(self.step, settings.lr, settings.steps, schedule=settings.lr_schedule)
-            self.optimizer_step(self.optimizer, self.trainable, settings.max_grad_norm, lr=lr)
+            for part, olds in zip(parts, old_stats, strict=True):
+                shares = _minibatch_shares([lengths[idx] for idx in part], settings.loss_agg)
+                for chunk, (idx, share) in enumerate(zip(part, shares, strict=True)):
+                    olds[chunk] = self._train_minibatch(pairs, idx, adv, lags, olds[chunk], share)
+                # a function of the training step, so a resumed run continues a cosine exactly
+                lr = learning_rate(self.step, settings.lr, settings.steps, schedule=settings.lr_schedule)
+                self.optimizer_step(self.optimizer, self.trainable, settings.max_grad_norm, lr=lr)
         self.backend.sync_weights(self.model)
+
+    def _train_minibatch(
+        self,
+        pairs: list[tuple[VQAExample, GenerationSample]],
+        idx: torch.Tensor,
+        adv: torch.Tensor,
+        lags: torch.Tensor,
+        old: TokenStats | None,
+        share: float,
+    ) -> TokenStats:
+        """Forward and backward of the rows ``idx`` of ``pairs``, their loss weighted by ``share`` (its part of
+        the update's loss, :func:`_minibatch_shares`); ``old`` their old-policy statistics, None: this forward's.
+        Returns the old statistics."""
+        settings = self.cfg.trainer
+        temperature = self.cfg.generation.temperature
+        minibatch = [pairs[i] for i in idx.tolist()]
+        new = self.token_stats(minibatch, temperature)
+        old = new.detach() if old is None else old
+        mask = old.mask
+        advantages = _token_width(adv[idx], mask.shape[1]).to(mask.device).float()
+        shaping = settings.entropy_shaping
+        entropy = old.entropy if shaping.kind == "full" else old.sampled_entropy
+        if shaping.enabled:
+            token_adv = adv_lib.entropy_shaped(advantages, entropy, shaping.alpha, shaping.kappa)
+        else:
+            token_adv = (
+                advantages.unsqueeze(1).expand_as(old.logprobs) if advantages.ndim == 1 else advantages
+            )
+        per_token = policy_loss(settings, new.logprobs, old.logprobs, token_adv, mask)
+        behaviour_rows = [sample.logprobs for _, sample in minibatch]
+        behaviour = _pad_logprobs(behaviour_rows, mask.shape[1]).to(mask.device)
+        self.metrics.add("tis/logprob_mismatch", _masked_mean((old.logprobs - behaviour).abs(), mask))
+        weights = self.loss_weights(old.logprobs, behaviour, mask, lags[idx])
+        if weights is not None:
+            per_token = per_token * weights
+            self.metrics.add("tis/weight_mean", _masked_mean(weights, mask))
+        if settings.beta > 0:
+            with torch.no_grad(), self.reference_context():
+                ref = self.token_stats(minibatch, temperature, model=self.reference)
+            kl = loss_lib.kl_estimate(new.logprobs, ref.logprobs, kind="k3")
+            per_token = per_token + settings.beta * kl
+            self.metrics.add("policy/kl", _masked_mean(kl.detach(), mask))
+        loss = loss_lib.aggregate(
+            per_token, mask, mode=settings.loss_agg, max_len=self.cfg.generation.max_new_tokens
+        )
+        (loss * share).backward()
+        # weighted by its share, the logged loss is the update's aggregate (per epoch and part)
+        self.metrics.add("loss", loss, count=share)
+        self.metrics.add("entropy/mean", _masked_mean(entropy, mask))
+        self.metrics.add(
+            "policy/ratio_mean", _masked_mean(torch.exp(new.logprobs.detach() - old.logprobs), mask)
+        )
+        self.metrics.add_dict(clip_fractions(settings, new.logprobs.detach(), old.logprobs, token_adv, mask))
+        return old
 
     def train_step(self) -> dict[str, float]:
         start = time.perf_counter()
@@ -892,9 +914,9 @@ def _token_width(adv: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _minibatch_shares(lengths: list[torch.Tensor], loss_agg: str) -> list[float]:
-    """Each minibatch's weight ``w_k`` in the step's loss ``L = sum_k w_k L_k`` (``L_k``: its
+    """Each minibatch's weight ``w_k`` in an update's loss ``L = sum_k w_k L_k`` (``L_k``: its
     :func:`mmrl.core.losses.aggregate`; ``lengths``: per minibatch, its rows' completion lengths), such that ``L``
-    is the aggregate over all the step's rows:
+    is the aggregate over all the update's rows:
 
     - ``token_mean``: ``w_k = T_k / T``, tokens over the step's tokens (every token weighs the same);
     - ``seq_mean_token_mean``: ``w_k = R_k / R``, rows with a token over the step's such rows (every sequence

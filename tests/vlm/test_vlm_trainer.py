@@ -218,6 +218,39 @@ def test_gspo_and_cispo_train_off_policy_epochs(model_dir, tmp_path, overrides):
         assert metrics["clip/high_frac"] + metrics["clip/low_frac"] > 0
 
 
+def test_updates_per_step_steps_the_optimizer_per_part_with_the_samplers_old_policy(model_dir, tmp_path):
+    """Two parts, two AdamW steps; the second part's old-policy log-probs are the weights' that sampled it (taken
+    before the first update: their mismatch to the sampler's is float noise, where after an lr 1e-2 update it
+    would not be), so its ratios move off 1 and GSPO's 4e-4 range clips whole completions."""
+    cfg = make_cfg(
+        model_dir,
+        tmp_path,
+        "parts",
+        "trainer.mode=group",
+        "trainer.updates_per_step=2",
+        "trainer.minibatch_size=3",
+        "trainer.importance_sampling_level=sequence",
+        "trainer.epsilon_low=3e-4",
+        "trainer.epsilon_high=4e-4",
+    )
+    trainer = VLMRLVRTrainer(cfg, None)
+    trainer.setup()
+    _spread_rewards(trainer)
+    lrs = []
+    step_optimizer = trainer.optimizer_step
+
+    def counted(optimizer, params, max_norm, lr):
+        lrs.append(lr)
+        return step_optimizer(optimizer, params, max_norm, lr=lr)
+
+    trainer.optimizer_step = counted
+    metrics = trainer.train_step()
+    assert lrs == [cfg.trainer.lr, cfg.trainer.lr]  # one per part, at the training step's learning rate
+    assert metrics["tis/logprob_mismatch"] < 1e-4
+    assert metrics["clip/high_frac"] + metrics["clip/low_frac"] > 0
+    assert metrics["policy/ratio_mean"] != 1.0
+
+
 @pytest.mark.parametrize("epochs", [1, 2])
 def test_update_takes_old_policy_statistics_from_the_gradient_forward(model_dir, tmp_path, epochs):
     cfg = make_cfg(
