@@ -712,7 +712,7 @@ class VLMRLVRTrainer(TrainerBase):
         self.metrics.add(
             "policy/ratio_mean", _masked_mean(torch.exp(new.logprobs.detach() - old.logprobs), mask)
         )
-        self.metrics.add_dict(clip_fractions(settings, new.logprobs.detach(), old.logprobs, token_adv, mask))
+        self.metrics.add_dict(clip_metrics(settings, new.logprobs.detach(), old.logprobs, token_adv, mask))
         return old
 
     def train_step(self) -> dict[str, float]:
@@ -959,7 +959,7 @@ def policy_loss(
     )
 
 
-def clip_fractions(
+def clip_metrics(
     settings: VLMTrainerConfig,
     logp: torch.Tensor,
     old_logp: torch.Tensor,

@@ -13,7 +13,7 @@ from mmrl.config import load_config
 from mmrl.data.shapes_math import Step, format_completion, format_trace, make_count_items, make_math_items
 from mmrl.data.shapes_vqa import make_vqa_items
 from mmrl.vlm.config import VLMRLVRConfig
-from mmrl.vlm.trainer import VLMRLVRTrainer, clip_fractions, evaluate, load_examples, main, policy_loss
+from mmrl.vlm.trainer import VLMRLVRTrainer, clip_metrics, evaluate, load_examples, main, policy_loss
 from pipelines.vlm.backend import GenerationBackend
 from pipelines.vlm.tiny import build_tiny_vlm
 
@@ -176,7 +176,7 @@ def test_policy_loss_gradients_by_hand(tmp_path, loss, level):
         binds = ((ratios > 1.28) & (adv > 0)) | ((ratios < 0.8) & (adv < 0))
         expected = torch.where(binds, 0.0, -ratios * adv)
     torch.testing.assert_close(logp.grad, expected * mask)
-    fractions = clip_fractions(settings, logp.detach(), old, adv, mask)
+    fractions = clip_metrics(settings, logp.detach(), old, adv, mask)
     if loss == "cispo":  # the token of ratio 9 is capped at 5 (at the sequence level no ratio reaches 5)
         assert float(fractions["clip/cispo_capped_frac"]) == pytest.approx(1 / 5 if level == "token" else 0.0)
     else:  # token: 9 (A > 0); sequence: the first completion's 1.70 (A > 0), three of five tokens
