@@ -624,8 +624,9 @@ class VLMRLVRTrainer(TrainerBase):
         rows = torch.nonzero(keep).flatten()
         # the kept rows in trainer.updates_per_step parts, each cut into minibatches and followed by its own
         # optimizer step (tensor_split: every rank makes as many optimizer steps, empty parts included)
+        # (an empty part has no minibatch: split would give it one empty chunk)
         parts = [
-            part.split(settings.minibatch_size)
+            [chunk for chunk in part.split(settings.minibatch_size) if chunk.numel()]
             for part in torch.tensor_split(rows, settings.updates_per_step)
         ]
         if (

@@ -1,11 +1,11 @@
 """The published architectures of the real VLMs the recipes train, built on PyTorch's ``meta`` device.
 
 What it is for: knowing what a real-model recipe (``configs/vlm/*.yaml``) costs in GPU memory before launching
-it, and real-size smoke tests, on a machine that cannot download weights. :func:`build_on_meta` instantiates the
-very ``*ForConditionalGeneration`` class mmrl trains, at its published size, on the ``meta`` device: every
-parameter and buffer has its real shape and dtype and no storage, so building takes about a second and no memory.
-:func:`model_config` gives the config it is built from: a local folder's ``config.json``, the embedded published
-config of a known Hub id (no network), or any other Hub id's ``config.json`` (one small download).
+it, and real-size smoke tests, on a machine that cannot download weights. :func:`build_on_meta` instantiates
+the very ``*ForConditionalGeneration`` class mmrl trains, at its published size, on the ``meta`` device: every
+parameter and buffer has its real shape and dtype and no storage, so building takes about a second and no
+memory. :func:`model_config` gives the config it is built from: a local folder's ``config.json``, the embedded
+published config of a known Hub id (no network), or any other Hub id's ``config.json`` (one small download).
 
 Random weights at the published size (``python -m benchmarks.real_size``): :func:`build_random` instantiates
 the same class with each module's own random initialisation, drawn in the given dtype on the given device, and
@@ -36,37 +36,66 @@ the keys the installed transformers (5.x) config classes read; left out, as noth
 - ``Qwen/Qwen3-VL-4B-Instruct``: ``text_config.bos_token_id``, ``text_config.eos_token_id``,
   ``text_config.tie_word_embeddings`` (the top-level ``tie_word_embeddings``, the one read, is kept; both are
   true), ``transformers_version`` ("4.57.0.dev0"). Verified against kohya-ss/musubi-tuner
-  ``src/musubi_tuner/krea2/krea2_encoder.py`` (``QWEN3_VL_4B_INSTRUCT_CONFIG``, vendored from the Hub file) and
-  an independent copy written as ``Qwen3VLConfig`` keyword arguments in a DiffSynth-style ``WanMLLMEncoder``
-  (repository not named by the search index); the two agree key for key.
-- ``google/gemma-3-4b-it``: ``eos_token_id`` ([1, 106]; transformers 5 reads it from ``generation_config.json``,
-  not from ``Gemma3Config``), ``transformers_version`` ("4.50.0.dev0"). The file names few keys (no
-  ``vocab_size``, head counts or ``head_dim``): ``Gemma3TextConfig``'s defaults, which are the 4B's (262,208
-  tokens, 8 heads, 4 KV heads, head_dim 256), fill the rest, as they do when transformers loads the Hub file.
-  Verified against a fixture quoting the file's top-level and ``text_config`` keys verbatim (a Rust test of
-  config classification, "The shape of google/gemma-3-4b-it's config.json, vision tower omitted") and a C# test
-  quoting the file's keys with its whole ``vision_config`` ("The original gemma-3-4b-it's config.json names few
-  keys"; repositories not named by the search index). The token ids, ``mm_tokens_per_image`` and the
-  ``text_config`` sizes, rope scaling and sliding window also match AI-Hypercomputer/maxtext
-  ``MaxText/utils/ckpt_conversion/utils/hf_model_configs.py`` (``gemma3_4b_config``, an expanded copy).
+  ``src/musubi_tuner/krea2/krea2_encoder.py`` (``QWEN3_VL_4B_INSTRUCT_CONFIG``, vendored from the Hub file)
+  and an independent copy written as ``Qwen3VLConfig`` keyword arguments in a DiffSynth-style
+  ``WanMLLMEncoder`` (repository not named by the search index); the two agree key for key.
+- ``Qwen/Qwen3-VL-30B-A3B-Instruct``: ``text_config.norm_topk_prob`` (true; no config field, and transformers'
+  router renormalises the 8 selected experts' weights unconditionally, which is what true means),
+  ``transformers_version`` ("4.57.0.dev0"). Unlike the 4B's, this text config class reads ``bos_token_id`` /
+  ``eos_token_id``, so they are kept (151643 / 151645, ``<|endoftext|>`` / ``<|im_end|>``). Verified against
+  (1) a Markdown model-information report of the checkpoint folder (repository not named by the search index)
+  quoting the file verbatim under "Qwen3-VL-30B-A3B-Instruct/config.json", with its module tree and a
+  safetensors table (882 tensors, 31,070,754,032 parameters: this config builds the same 882 tensors and
+  count); (2) an independent Rust parser test (repository not named) holding "an inline copy" of the file
+  "transcribed byte-for-byte" at Hub commit 1fc78ad, which agrees on every key it copies: every size and
+  expert count, the vision token ids, rope and vision keys, ``tie_word_embeddings`` false, ``rms_norm_eps``,
+  ``mlp_only_layers``, ``decoder_sparse_step``; (3) for the language model, haod0ng/Agentic-MLLM-RL
+  ``scripts/models/qwen3-vl-30B-A3B.sh`` (Megatron arguments: 48 layers, 2048 hidden, 6144 FFN, 32 heads, 4
+  query groups, 128 KV channels, RMSNorm 1e-6, SwiGLU, untied embeddings, vocabulary 151,936, rotary base 5e6,
+  128 experts of width 768, top 8) and a Swift test's "real shape" ``text_config`` (the same sizes). Found in
+  copy (1) only, the others not naming them: ``text_config.attention_dropout`` (0.0), ``text_config.dtype``
+  ("bfloat16"), ``text_config.use_cache`` (true), ``vision_config.initializer_range`` (0.02), the text
+  ``bos_token_id`` / ``eos_token_id`` (Qwen's usual ids, which :func:`random_config` replaces anyway) and
+  ``text_config.hidden_act`` / ``initializer_range`` ("silu", 0.02; source (3) says SwiGLU, and another copy
+  of such a Megatron script ``--init-method-std 0.02``); none changes a shape, and each equals the 4B's value.
+- ``google/gemma-3-4b-it``: ``eos_token_id`` ([1, 106]; transformers 5 reads it from
+  ``generation_config.json``, not from ``Gemma3Config``), ``transformers_version`` ("4.50.0.dev0"). The file
+  names few keys (no ``vocab_size``, head counts or ``head_dim``): ``Gemma3TextConfig``'s defaults, which are
+  the 4B's (262,208 tokens, 8 heads, 4 KV heads, head_dim 256), fill the rest, as they do when transformers
+  loads the Hub file. Verified against a fixture quoting the file's top-level and ``text_config`` keys
+  verbatim (a Rust test of config classification, "The shape of google/gemma-3-4b-it's config.json, vision
+  tower omitted") and a C# test quoting the file's keys with its whole ``vision_config`` ("The original
+  gemma-3-4b-it's config.json names few keys"; repositories not named by the search index). The token ids,
+  ``mm_tokens_per_image`` and the ``text_config`` sizes, rope scaling and sliding window also match
+  AI-Hypercomputer/maxtext ``MaxText/utils/ckpt_conversion/utils/hf_model_configs.py`` (``gemma3_4b_config``,
+  an expanded copy).
 
 Parameter counts (unique parameters, tied embeddings counted once), computed from these configs with
 transformers 5.24 against the published figures:
 
-=============================  ==============  ===============  ===============  ======================
-model                          total           language model   vision tower     published
-=============================  ==============  ===============  ===============  ======================
-Qwen/Qwen2.5-VL-3B-Instruct    3,754,622,976   3,085,938,688    668,684,288 (a)  3.75 B (b)
-Qwen/Qwen3-VL-4B-Instruct      4,437,815,808   4,022,468,096    415,347,712 (a)  4.44 B (c)
-google/gemma-3-4b-it           4,300,079,472   3,880,263,168    416,866,032 (d)  4.3 B (e)
-=============================  ==============  ===============  ===============  ======================
+==============================  ==============  ===============  ===============  ======================
+model                           total           language model   vision tower     published
+==============================  ==============  ===============  ===============  ======================
+Qwen/Qwen2.5-VL-3B-Instruct     3,754,622,976   3,085,938,688    668,684,288 (a)  3.75 B (b)
+Qwen/Qwen3-VL-4B-Instruct       4,437,815,808   4,022,468,096    415,347,712 (a)  4.44 B (c)
+Qwen/Qwen3-VL-30B-A3B-Instruct  31,070,754,032  30,220,957,696   538,631,408 (a)  31.1 B (f)
+google/gemma-3-4b-it            4,300,079,472   3,880,263,168    416,866,032 (d)  4.3 B (e)
+==============================  ==============  ===============  ===============  ======================
 
-(a) the Qwen towers (``model.visual``) include their patch merger. (b) the Hub page's figure; no public copy of it was found without Hub access, but the torchinfo table cited above agrees block
-by block with the computed counts. (c) the Hub page's figure as third-party model listings quote it ("4.4B params"; "Dense transformer
-(36 layers, GQA 32/8) with 4.44B parameters", mixpeek.com's model page). (d) the SigLIP tower
-(``model.vision_tower``) only; Gemma's projector (``model.multi_modal_projector``, 2,950,272) sits outside both.
-(e) the model card's "4.3 billion parameter" size, as repackaged-model cards and a parameter-count test
-("what each model card claims": 4.30e9) quote it.
+(a) the Qwen towers (``model.visual``) include their patch merger. (b) the Hub page's figure; no public copy
+of it was found without Hub access, but the torchinfo table cited above agrees block by block with the
+computed counts. (c) the Hub page's figure as third-party model listings quote it ("4.4B params"; "Dense
+transformer (36 layers, GQA 32/8) with 4.44B parameters", mixpeek.com's model page). (d) the SigLIP tower
+(``model.vision_tower``) only; Gemma's projector (``model.multi_modal_projector``, 2,950,272) sits outside
+both. (e) the model card's "4.3 billion parameter" size, as repackaged-model cards and a parameter-count test
+("what each model card claims": 4.30e9) quote it. (f) the Hub page's count, as model listings quote it
+("Parameters 31.07" for the Instruct model; "31.1B-parameter" for its Thinking twin of the same architecture);
+no count quoted from the model card itself was found beyond the name's 30B total / 3B active. Its LM head is
+untied: the total is the language model, the tower and ``lm_head`` (151,936 x 2,048 = 311,164,928); the
+safetensors table of source (1) above sums to the same 31,070,754,032. Per token 8 of the 128 experts run:
+3,353,032,704 language-model parameters active (embeddings and head included), 3,891,664,112 with the tower.
+The language model has the shapes of the text-only Qwen3-30B-A3B, whose card states 30.5 B total and 3.3 B
+activated: the language model with its head here sums to 30,532,122,624.
 
 Example::
 
@@ -113,6 +142,7 @@ __all__ = [
     "PUBLISHED_IMAGE_PROCESSORS",
     "QWEN2_5_VL_3B_INSTRUCT",
     "QWEN3_VL_4B_INSTRUCT",
+    "QWEN3_VL_30B_A3B_INSTRUCT",
     "build_on_meta",
     "build_processor",
     "build_random",
@@ -212,6 +242,63 @@ QWEN3_VL_4B_INSTRUCT: dict[str, Any] = {
     "vision_start_token_id": 151652,
 }
 
+#: ``Qwen/Qwen3-VL-30B-A3B-Instruct``'s ``config.json`` (sources in the module docstring): Qwen3-VL-4B's
+#: layout with a mixture-of-experts language model (128 experts of width 768, 8 routed per token, in every
+#: layer) and an untied LM head.
+QWEN3_VL_30B_A3B_INSTRUCT: dict[str, Any] = {
+    "architectures": ["Qwen3VLMoeForConditionalGeneration"],
+    "image_token_id": 151655,
+    "model_type": "qwen3_vl_moe",
+    "text_config": {
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "decoder_sparse_step": 1,
+        "dtype": "bfloat16",
+        "eos_token_id": 151645,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 6144,
+        "max_position_embeddings": 262144,
+        "mlp_only_layers": [],
+        "model_type": "qwen3_vl_moe_text",
+        "moe_intermediate_size": 768,
+        "num_attention_heads": 32,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 48,
+        "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"},
+        "rope_theta": 5000000,
+        "use_cache": True,
+        "vocab_size": 151936,
+    },
+    "tie_word_embeddings": False,
+    "video_token_id": 151656,
+    "vision_config": {
+        "deepstack_visual_indexes": [8, 16, 24],
+        "depth": 27,
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_size": 1152,
+        "in_channels": 3,
+        "initializer_range": 0.02,
+        "intermediate_size": 4304,
+        # (as published; Qwen3VLMoeConfig renames it qwen3_vl_moe_vision, the vision sub-config's type)
+        "model_type": "qwen3_vl_moe",
+        "num_heads": 16,
+        "num_position_embeddings": 2304,
+        "out_hidden_size": 2048,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    },
+    "vision_end_token_id": 151653,
+    "vision_start_token_id": 151652,
+}
+
 #: ``google/gemma-3-4b-it``'s ``config.json`` (sources in the module docstring; unnamed keys take the
 #: ``Gemma3TextConfig`` / ``SiglipVisionConfig`` defaults, as they do when transformers loads the Hub file).
 GEMMA_3_4B_IT: dict[str, Any] = {
@@ -247,7 +334,19 @@ GEMMA_3_4B_IT: dict[str, Any] = {
 PUBLISHED_CONFIGS: dict[str, dict[str, Any]] = {
     "Qwen/Qwen2.5-VL-3B-Instruct": QWEN2_5_VL_3B_INSTRUCT,
     "Qwen/Qwen3-VL-4B-Instruct": QWEN3_VL_4B_INSTRUCT,
+    "Qwen/Qwen3-VL-30B-A3B-Instruct": QWEN3_VL_30B_A3B_INSTRUCT,
     "google/gemma-3-4b-it": GEMMA_3_4B_IT,
+}
+
+#: Qwen3-VL's ``preprocessor_config.json``, one file for the family's sizes (the entries below share it;
+#: :func:`build_processor` copies it before use).
+_QWEN3_VL_IMAGE_PROCESSOR: dict[str, Any] = {
+    "size": {"shortest_edge": 65536, "longest_edge": 16777216},
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
 }
 
 #: Hub id -> the image-processing keys of its published ``preprocessor_config.json``: what decides how many
@@ -258,7 +357,10 @@ PUBLISHED_CONFIGS: dict[str, dict[str, Any]] = {
 #: sizes share one processor file), its pixel bounds also in other projects' processor settings; Qwen3-VL's
 #: file quoted in Python and Swift tests and dumped from a Qwen3.5 checkpoint (the same file); Gemma 3's
 #: written out by a NeMo-RL Gemma 3 job script and offline loaders (``image_seq_length`` 256, the config's
-#: ``mm_tokens_per_image``, goes to the processor).
+#: ``mm_tokens_per_image``, goes to the processor). Qwen3-VL-30B-A3B takes the family's file on the same
+#: ground as Qwen2.5-VL-3B: no public copy of its own ``preprocessor_config.json`` was found, but its
+#: ``vision_config`` has the 4B's patch geometry (16 px patches, temporal patch 2, merge 2) and the file
+#: recurs unchanged across the family's checkpoints.
 PUBLISHED_IMAGE_PROCESSORS: dict[str, dict[str, Any]] = {
     "Qwen/Qwen2.5-VL-3B-Instruct": {
         "min_pixels": 3136,
@@ -269,14 +371,8 @@ PUBLISHED_IMAGE_PROCESSORS: dict[str, dict[str, Any]] = {
         "image_mean": [0.48145466, 0.4578275, 0.40821073],
         "image_std": [0.26862954, 0.26130258, 0.27577711],
     },
-    "Qwen/Qwen3-VL-4B-Instruct": {
-        "size": {"shortest_edge": 65536, "longest_edge": 16777216},
-        "patch_size": 16,
-        "temporal_patch_size": 2,
-        "merge_size": 2,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-    },
+    "Qwen/Qwen3-VL-4B-Instruct": _QWEN3_VL_IMAGE_PROCESSOR,
+    "Qwen/Qwen3-VL-30B-A3B-Instruct": _QWEN3_VL_IMAGE_PROCESSOR,
     "google/gemma-3-4b-it": {
         "size": {"height": 896, "width": 896},
         "resample": 2,
@@ -298,14 +394,20 @@ _QWEN_GENERATION_TOKENS: dict[str, Any] = {
     "pad_token_id": "<|endoftext|>",
 }
 #: family -> {config key: the token whose id it holds} (``text_config.`` keys are the language model's): every
-#: token id of the published configs, as the tokens they name in the real vocabulary.
+#: token id of the published configs, as the tokens they name in the real vocabulary (a key a config of the
+#: family leaves unset is skipped for it).
 _CONFIG_TOKENS: dict[str, dict[str, str]] = {
     "qwen2_5_vl": {
         **_QWEN_VISION_TOKENS,
         "text_config.bos_token_id": "<|endoftext|>",
         "text_config.eos_token_id": "<|im_end|>",
     },
-    "qwen3_vl": _QWEN_VISION_TOKENS,
+    # (the MoE text config's bos / eos ids; the dense one names none, and random_config leaves it so)
+    "qwen3_vl": {
+        **_QWEN_VISION_TOKENS,
+        "text_config.bos_token_id": "<|endoftext|>",
+        "text_config.eos_token_id": "<|im_end|>",
+    },
     "gemma3": {
         "boi_token_index": "<start_of_image>",
         "eoi_token_index": "<end_of_image>",
@@ -338,13 +440,14 @@ def model_config(model_id_or_path: str) -> PretrainedConfig:
         The config (a fresh object: callers may change it).
 
     Raises:
-        OSError: neither a local folder nor a known id, and the Hub could not supply it (both places named, with
-            the loader's reason); or a local folder without a readable ``config.json``.
+        OSError: neither a local folder nor a known id, and the Hub could not supply it (both places named,
+            with the loader's reason); or a local folder without a readable ``config.json``.
     """
     if Path(model_id_or_path).is_dir():
         return AutoConfig.from_pretrained(model_id_or_path)
     if model_id_or_path in PUBLISHED_CONFIGS:
-        # a deep copy: Qwen2_5_VLConfig rewrites its vision_config dict in place, and the table must stay as published
+        # a deep copy: Qwen2_5_VLConfig rewrites its vision_config dict in place (Qwen3VLMoeConfig its vision
+        # model_type), and the table must stay as published
         return AutoConfig.for_model(**copy.deepcopy(PUBLISHED_CONFIGS[model_id_or_path]))
     try:
         return AutoConfig.from_pretrained(model_id_or_path)
@@ -357,10 +460,10 @@ def build_on_meta(model_id_or_path: str, dtype: torch.dtype = torch.bfloat16) ->
     """The model mmrl trains for ``model_id_or_path``, built on the ``meta`` device: real shapes, no storage.
 
     The class is the one the VLM backends load (``AutoModelForImageTextToText``, i.e. the
-    ``*ForConditionalGeneration`` class of the config's ``model_type``), once a registered VLM family is known to
-    serve that ``model_type``. Nothing is allocated and no weight is initialised, so a 4 B model builds in about
-    a second; its parameters can be counted and their bytes summed (``numel() * element_size()``), not computed
-    with.
+    ``*ForConditionalGeneration`` class of the config's ``model_type``), once a registered VLM family is known
+    to serve that ``model_type``. Nothing is allocated and no weight is initialised, so a 4 B model builds in
+    about a second; its parameters can be counted and their bytes summed (``numel() * element_size()``), not
+    computed with.
 
     Args:
         model_id_or_path: a local folder or a Hub id (resolved by :func:`model_config`).
@@ -448,7 +551,8 @@ def _token_ids(tokens: str | list[str], vocab: dict[str, int]) -> int | list[int
 
 
 def random_config(model_id_or_path: str, processor: ProcessorMixin) -> PretrainedConfig:
-    """:func:`model_config` with each special-token id set to ``processor``'s tokenizer's id of that token.
+    """:func:`model_config` with each special-token id it sets changed to ``processor``'s tokenizer's id of
+    that token.
 
     The published ids (Qwen's ``<|image_pad|>`` 151655, Gemma's ``<image_soft_token>`` 262144...) belong to
     the real vocabulary; a processor with another tokenizer writes its own ids of those tokens, which the
@@ -462,7 +566,10 @@ def random_config(model_id_or_path: str, processor: ProcessorMixin) -> Pretraine
     vocab = processor.tokenizer.get_vocab()
     for key, token in _CONFIG_TOKENS[_family_name(config)].items():
         owner, _, name = key.rpartition(".")
-        setattr(getattr(config, owner) if owner else config, name, vocab[token])
+        holder = getattr(config, owner) if owner else config
+        # a key the published config leaves unset stays unset (Qwen3-VL's dense text config has no bos / eos)
+        if getattr(holder, name, None) is not None:
+            setattr(holder, name, vocab[token])
     return config
 
 

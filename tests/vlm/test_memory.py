@@ -73,14 +73,20 @@ def test_every_published_recipe_is_estimated_without_a_download(path, monkeypatc
     cfg = load_config(VLMRLVRConfig, str(path), [])
     estimate = estimate_memory(cfg)
     parts = {part.name: part for part in estimate.parts}
-    assert 3e9 < parts["policy weights"].params < 5e9
-    # a bfloat16 base, two bytes per value; peft's get_peft_model keeps the LoRA factors in float32
-    lora = parts["gradients"].params
-    weights = 2 * (parts["policy weights"].params - lora) + 4 * lora
+    assert 3e9 < parts["policy weights"].params < (3.2e10 if cfg.model.lora is None else 5e9)
+    # a bfloat16 base, two bytes per value; the trained values (LoRA factors, or the whole model) in
+    # model.master_weight_dtype, float32 unless the recipe trains in pure bfloat16
+    trained = parts["gradients"].params
+    trained_bytes = 4 if cfg.model.master_weight_dtype == "float32" else 2
+    weights = 2 * (parts["policy weights"].params - trained) + trained_bytes * trained
     assert 0 <= parts["policy weights"].bytes - weights < 1e6  # the rest: buffers (rotary frequencies)
-    assert parts["gradients"].bytes == 4 * lora
+    assert parts["gradients"].bytes == trained_bytes * trained
+    if cfg.model.lora is None:
+        assert trained == parts["policy weights"].params  # model.train_vision: every weight trains
     header = path.read_text().split("\nrecipe:")[0].replace("\n# ", " ")
-    assert f"{estimate.resident_bytes() / GIB:.1f} GiB" in header  # the header quotes this estimate
+    # the header quotes this estimate: on one GPU, or per GPU under FSDP over 8
+    one, eight = (f"{estimate.resident_bytes(fsdp) / GIB:.1f} GiB" for fsdp in (1, 8))
+    assert one in header and (cfg.model.lora is not None or ("--fsdp=8" in header and eight in header))
     if cfg.generation.backend == "vllm":
         share = cfg.generation.vllm_gpu_memory_utilization
         assert estimate.peak_bytes(78 * GIB) == pytest.approx(estimate.resident_bytes() + share * 78 * GIB)

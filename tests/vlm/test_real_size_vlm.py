@@ -5,6 +5,7 @@ of ``build_processor``, the recipe's own trainer with the smoke test's data, bac
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
@@ -27,6 +28,7 @@ RECIPES = {
     "configs/vlm/qwen25vl_3b_geometry_single.yaml": build_tiny_vlm,
     "configs/vlm/qwen3vl_4b_geometry_group.yaml": build_tiny_qwen3_vl,
     "configs/vlm/gemma3_4b_geometry_group.yaml": build_tiny_gemma3,
+    "configs/vlm/qwen3vl_30b_a3b_geometry_group.yaml": functools.partial(build_tiny_qwen3_vl, num_experts=4),
 }
 VLLM = "hf (recipe: vllm; it cannot load a model built in memory)"
 
@@ -79,8 +81,9 @@ def test_two_steps_of_a_recipe_on_random_weights(recipe, tmp_path):
     assert row["setup_s"] > 0
     assert len(row["step_s"]) == 2 and all(seconds > 0 for seconds in row["step_s"])
     assert row["estimate_resident_gib"] > 0
-    # the recipes that roll out with vLLM run transformers' generate, and say so; Gemma's runs it already
-    assert row.get("backend") == (None if "gemma3" in recipe else VLLM)
+    # the recipes that roll out with vLLM run transformers' generate, and say so; the others run it already
+    uses_vllm = real_size.load_config(real_size.VLMRLVRConfig, recipe, []).generation.backend == "vllm"
+    assert row.get("backend") == (VLLM if uses_vllm else None)
     assert not {"after_setup_gib", "after_step_gib", "peak_gib", "skipped"} & row.keys()  # no memory on a CPU
     assert json.loads(out.read_text()) == rows
 

@@ -251,6 +251,29 @@ def test_updates_per_step_steps_the_optimizer_per_part_with_the_samplers_old_pol
     assert metrics["policy/ratio_mean"] != 1.0
 
 
+def test_more_updates_than_samples_leave_the_extra_parts_empty(model_dir, tmp_path):
+    # 4 prompts x 3 completions = 12 rows in 16 parts: 12 one-row updates and 4 optimizer steps without a forward
+    cfg = make_cfg(
+        model_dir, tmp_path, "empty", "trainer.mode=group", "trainer.updates_per_step=16", "trainer.beta=0"
+    )
+    trainer = VLMRLVRTrainer(cfg, None)
+    trainer.setup()
+    _spread_rewards(trainer)
+    forwards, steps = [], []
+    score, step_optimizer = trainer.token_stats, trainer.optimizer_step
+    trainer.token_stats = lambda pairs, *args, **kwargs: (
+        forwards.append(len(pairs)) or score(pairs, *args, **kwargs)
+    )
+    trainer.optimizer_step = lambda *args, **kwargs: steps.append(1) or step_optimizer(*args, **kwargs)
+    before = [p.detach().clone() for p in trainer.trainable]
+    trainer.train_step()
+    assert len(steps) == 16
+    assert (
+        forwards.count(1) == 12 + 11
+    )  # each row's gradient forward, and the later 11 rows' old-policy forwards
+    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.trainable, strict=True))
+
+
 @pytest.mark.parametrize("epochs", [1, 2])
 def test_update_takes_old_policy_statistics_from_the_gradient_forward(model_dir, tmp_path, epochs):
     cfg = make_cfg(

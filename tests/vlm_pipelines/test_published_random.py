@@ -30,7 +30,14 @@ CORPUS = [
     "<think>shapes 4. red 2. 4-2=2</think><answer>2</answer>",
 ] * 10
 
-#: family -> {config key: the token whose processor id it must hold} ("text_config.": the language model's)
+#: model_type -> {config key: the token whose processor id it must hold} ("text_config.": the language
+#: model's)
+QWEN3_VL_SPECIAL_TOKENS = {
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+}
 SPECIAL_TOKENS = {
     "qwen2_5_vl": {
         "image_token_id": "<|image_pad|>",
@@ -39,11 +46,12 @@ SPECIAL_TOKENS = {
         "vision_end_token_id": "<|vision_end|>",
         "text_config.eos_token_id": "<|im_end|>",
     },
-    "qwen3_vl": {
-        "image_token_id": "<|image_pad|>",
-        "video_token_id": "<|video_pad|>",
-        "vision_start_token_id": "<|vision_start|>",
-        "vision_end_token_id": "<|vision_end|>",
+    "qwen3_vl": QWEN3_VL_SPECIAL_TOKENS,
+    # the MoE text config also names bos / eos ids (the dense one names none)
+    "qwen3_vl_moe": {
+        **QWEN3_VL_SPECIAL_TOKENS,
+        "text_config.bos_token_id": "<|endoftext|>",
+        "text_config.eos_token_id": "<|im_end|>",
     },
     "gemma3": {
         "boi_token_index": "<start_of_image>",
@@ -58,8 +66,16 @@ STOP_TOKENS = {
     "qwen3_vl": {"<|im_end|>", "<|endoftext|>"},
     "gemma3": {"<eos>", "<end_of_turn>"},
 }
-#: family -> (text, vision) sizes of a narrow copy; what decides the image-token count (patch, temporal patch
-#: and merge sizes, Gemma's image size and tokens per image) is left as published, head dims too (mRoPE)
+#: model_type -> (text, vision) sizes of a narrow copy; what decides the image-token count (patch, temporal
+#: patch and merge sizes, Gemma's image size and tokens per image) is left as published, head dims too (mRoPE)
+QWEN3_VL_NARROW_VISION = {
+    "depth": 1,
+    "hidden_size": 32,
+    "num_heads": 2,
+    "intermediate_size": 64,
+    "out_hidden_size": 128,
+    "deepstack_visual_indexes": [0],
+}
 NARROW = {
     "qwen2_5_vl": (
         {"hidden_size": 128, "num_attention_heads": 1, "num_key_value_heads": 1, "intermediate_size": 64},
@@ -67,14 +83,20 @@ NARROW = {
     ),
     "qwen3_vl": (
         {"hidden_size": 128, "num_attention_heads": 1, "num_key_value_heads": 1, "intermediate_size": 64},
+        QWEN3_VL_NARROW_VISION,
+    ),
+    # 4 experts of width 32, 2 routed per token (published: 128 of width 768, 8 routed)
+    "qwen3_vl_moe": (
         {
-            "depth": 1,
-            "hidden_size": 32,
-            "num_heads": 2,
+            "hidden_size": 128,
+            "num_attention_heads": 1,
+            "num_key_value_heads": 1,
             "intermediate_size": 64,
-            "out_hidden_size": 128,
-            "deepstack_visual_indexes": [0],
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
         },
+        QWEN3_VL_NARROW_VISION,
     ),
     "gemma3": (
         {
@@ -146,7 +168,7 @@ def test_every_special_token_id_is_the_processors(random_meta):
     model_id, processor, model = random_meta
     family = family_for_model_type(model.config.model_type)
     vocab = processor.tokenizer.get_vocab()
-    for key, token in SPECIAL_TOKENS[family.name].items():
+    for key, token in SPECIAL_TOKENS[model.config.model_type].items():
         assert attribute(model.config, key) == vocab[token], key
         if not key.startswith("text_config."):  # (the tiny Gemma keeps Gemma's <pad> 0, <eos> 1, <bos> 2)
             # the published id names the token in the real vocabulary; the tiny vocabulary's id differs
@@ -184,7 +206,7 @@ def test_an_image_gives_the_token_count_of_the_published_geometry(random_meta, s
 
 def narrow(config: PretrainedConfig) -> PretrainedConfig:
     """``config`` with a narrow, one-layer language model and vision tower; its image geometry unchanged."""
-    text, vision = NARROW[family_for_model_type(config.model_type).name]
+    text, vision = NARROW[config.model_type]
     geometry = {key: getattr(config.vision_config, key, None) for key in GEOMETRY}
     for key, value in text.items():
         setattr(config.text_config, key, value)
