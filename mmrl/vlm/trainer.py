@@ -623,15 +623,13 @@ class VLMRLVRTrainer(TrainerBase):
         temperature = self.cfg.generation.temperature
         rows = torch.nonzero(keep).flatten()
         # the kept rows in trainer.updates_per_step parts, each cut into minibatches and followed by its own
-        # optimizer step (tensor_split: every rank makes as many optimizer steps, empty parts included)
-        # (an empty part has no minibatch: split would give it one empty chunk)
+        # optimizer step (tensor_split: every rank makes as many optimizer steps; an empty part has no minibatch)
         parts = [
             [chunk for chunk in part.split(settings.minibatch_size) if chunk.numel()]
             for part in torch.tensor_split(rows, settings.updates_per_step)
         ]
-        if (
-            self.dist.fsdp
-        ):  # every rank must make the same forwards; _check_fsdp refuses the settings that differ
+        # under FSDP every rank must make the same forwards; _check_fsdp refuses the settings that differ
+        if self.dist.fsdp:
             for part in parts:
                 if self.dist.max_over_ranks(len(part)) != -self.dist.max_over_ranks(-len(part)):
                     raise RuntimeError(
