@@ -268,9 +268,8 @@ def test_more_updates_than_samples_leave_the_extra_parts_empty(model_dir, tmp_pa
     before = [p.detach().clone() for p in trainer.trainable]
     trainer.train_step()
     assert len(steps) == 16
-    assert (
-        forwards.count(1) == 12 + 11
-    )  # each row's gradient forward, and the later 11 rows' old-policy forwards
+    # each row's gradient forward, and the later 11 rows' old-policy forwards
+    assert forwards.count(1) == 12 + 11
     assert any(not torch.equal(b, p) for b, p in zip(before, trainer.trainable, strict=True))
 
 
@@ -332,6 +331,26 @@ def test_main_writes_peft_adapter_and_eval(model_dir, tmp_path):
         1,
     )
     assert summary["questions"] == 8 and (tmp_path / "eval/answers.jsonl").is_file()
+
+
+def test_a_bfloat16_full_finetune_checkpoint_loads_and_evaluates(model_dir, tmp_path):
+    """The model/ folder of a bfloat16 model trained with float32 master weights holds the master weights (the
+    frozen vision tower in bfloat16): from_pretrained in bfloat16 gives them rounded, and mmrl eval resumes them
+    exactly from state.pt."""
+    from transformers import AutoModelForImageTextToText
+
+    overrides = ("model.lora=null", "model.dtype=bfloat16", "trainer.beta=0")
+    main(make_cfg(model_dir, tmp_path, "bf16", *overrides, "trainer.steps=1", "trainer.eval_every=1"))
+    step = tmp_path / "bf16/checkpoints/step_00000001"
+    trained = torch.load(step / "state.pt", weights_only=False)["trainable"]
+    assert {t.dtype for t in trained.values()} == {torch.float32}
+    loaded = dict(
+        AutoModelForImageTextToText.from_pretrained(step / "model", dtype=torch.bfloat16).named_parameters()
+    )
+    for name, value in trained.items():
+        assert torch.equal(loaded[name], value.to(torch.bfloat16)), name
+    summary = evaluate(make_cfg(model_dir, tmp_path, "bf16", *overrides), None, tmp_path / "eval", step, 1)
+    assert summary["questions"] == 8
 
 
 def test_single_rollout_rl_from_the_committed_checkpoint_raises_heldout_accuracy():
