@@ -687,7 +687,8 @@ class VLMRLVRTrainer(TrainerBase):
             token_adv = (
                 advantages.unsqueeze(1).expand_as(old.logprobs) if advantages.ndim == 1 else advantages
             )
-        per_token = policy_loss(settings, new.logprobs, old.logprobs, token_adv, mask)
+        ratio_logp = ratio_logprobs(settings, new.logprobs, old.logprobs, mask)
+        per_token = policy_loss(settings, ratio_logp, old.logprobs, token_adv)
         behaviour_rows = [sample.logprobs for _, sample in minibatch]
         behaviour = _pad_logprobs(behaviour_rows, mask.shape[1]).to(mask.device)
         self.metrics.add("tis/logprob_mismatch", _masked_mean((old.logprobs - behaviour).abs(), mask))
@@ -711,7 +712,7 @@ class VLMRLVRTrainer(TrainerBase):
         self.metrics.add(
             "policy/ratio_mean", _masked_mean(torch.exp(new.logprobs.detach() - old.logprobs), mask)
         )
-        self.metrics.add_dict(clip_metrics(settings, new.logprobs.detach(), old.logprobs, token_adv, mask))
+        self.metrics.add_dict(clip_metrics(settings, ratio_logp.detach(), old.logprobs, token_adv, mask))
         return old
 
     def train_step(self) -> dict[str, float]:
@@ -939,18 +940,22 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * m).sum() / m.sum().clamp(min=1.0)
 
 
-def policy_loss(
-    settings: VLMTrainerConfig,
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    adv: torch.Tensor,
-    mask: torch.Tensor,
+def ratio_logprobs(
+    settings: VLMTrainerConfig, logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
-    """``[B, T]`` per-token policy loss: ``trainer.policy_loss`` (PPO's clipped surrogate or CISPO) on the ratios
-    of ``trainer.importance_sampling_level`` (each token's, or GSPO's sequence ratio); ``logp``, ``old_logp``,
-    ``adv`` ``[B, T]``, ``mask`` 1 on completion tokens."""
+    """``[B, T]`` log-probs whose ratio to ``old_logp`` the loss reads at ``trainer.importance_sampling_level``:
+    ``logp`` itself (token), or GSPO-token's (sequence: :func:`mmrl.core.losses.gspo_token_logp`, each token's
+    value the completion's length-normalised ratio, its gradient the token's); ``mask`` 1 on completion tokens."""
     if settings.importance_sampling_level == "sequence":
-        logp = loss_lib.gspo_token_logp(logp, old_logp, mask)
+        return loss_lib.gspo_token_logp(logp, old_logp, mask)
+    return logp
+
+
+def policy_loss(
+    settings: VLMTrainerConfig, logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor
+) -> torch.Tensor:
+    """``[B, T]`` per-token policy loss of ``trainer.policy_loss`` (PPO's clipped surrogate or CISPO) on the
+    ratios ``exp(logp - old_logp)`` (``logp`` from :func:`ratio_logprobs`); ``adv`` ``[B, T]``."""
     if settings.policy_loss == "cispo":
         return loss_lib.cispo_surrogate(logp, old_logp, adv, settings.cispo_weight_max)
     return loss_lib.clipped_surrogate(
@@ -965,11 +970,10 @@ def clip_metrics(
     adv: torch.Tensor,
     mask: torch.Tensor,
 ) -> dict[str, torch.Tensor]:
-    """Shares of completion tokens whose ratio (at ``trainer.importance_sampling_level``) the loss clips:
-    ``clip/low_frac`` and ``clip/high_frac`` (:func:`mmrl.core.losses.clip_fractions`), or under CISPO
-    ``clip/cispo_capped_frac``, the tokens whose weight is capped, whatever their advantage's sign."""
-    if settings.importance_sampling_level == "sequence":
-        logp = loss_lib.gspo_token_logp(logp, old_logp, mask)
+    """Shares of completion tokens (``mask``) whose ratio ``exp(logp - old_logp)`` (``logp`` from
+    :func:`ratio_logprobs`) the loss clips: ``clip/low_frac`` and ``clip/high_frac``
+    (:func:`mmrl.core.losses.clip_fractions`), or under CISPO ``clip/cispo_capped_frac``, the tokens whose
+    weight is capped, whatever their advantage's sign."""
     if settings.policy_loss == "cispo":
         capped = (torch.exp(logp - old_logp) > settings.cispo_weight_max).to(logp.dtype)
         return {"clip/cispo_capped_frac": _masked_mean(capped, mask)}

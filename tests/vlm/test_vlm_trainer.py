@@ -13,7 +13,15 @@ from mmrl.config import load_config
 from mmrl.data.shapes_math import Step, format_completion, format_trace, make_count_items, make_math_items
 from mmrl.data.shapes_vqa import make_vqa_items
 from mmrl.vlm.config import VLMRLVRConfig
-from mmrl.vlm.trainer import VLMRLVRTrainer, clip_metrics, evaluate, load_examples, main, policy_loss
+from mmrl.vlm.trainer import (
+    VLMRLVRTrainer,
+    clip_metrics,
+    evaluate,
+    load_examples,
+    main,
+    policy_loss,
+    ratio_logprobs,
+)
 from pipelines.vlm.backend import GenerationBackend
 from pipelines.vlm.tiny import build_tiny_vlm
 
@@ -165,7 +173,8 @@ def test_policy_loss_gradients_by_hand(tmp_path, loss, level):
     adv = torch.tensor([[1.0] * 3, [-1.0] * 3])
     old = torch.full((2, 3), -1.0)
     logp = (old + ratios.log()).requires_grad_()
-    (policy_loss(settings, logp, old, adv, mask) * mask).sum().backward()
+    ratio_logp = ratio_logprobs(settings, logp, old, mask)
+    (policy_loss(settings, ratio_logp, old, adv) * mask).sum().backward()
     if (
         level == "sequence"
     ):  # geometric means over each completion's tokens: (1.1 * 9 * 0.5)^(1/3), (1.5 * 1.2)^(1/2)
@@ -176,7 +185,7 @@ def test_policy_loss_gradients_by_hand(tmp_path, loss, level):
         binds = ((ratios > 1.28) & (adv > 0)) | ((ratios < 0.8) & (adv < 0))
         expected = torch.where(binds, 0.0, -ratios * adv)
     torch.testing.assert_close(logp.grad, expected * mask)
-    fractions = clip_metrics(settings, logp.detach(), old, adv, mask)
+    fractions = clip_metrics(settings, ratio_logp.detach(), old, adv, mask)
     if loss == "cispo":  # the token of ratio 9 is capped at 5 (at the sequence level no ratio reaches 5)
         assert float(fractions["clip/cispo_capped_frac"]) == pytest.approx(1 / 5 if level == "token" else 0.0)
     else:  # token: 9 (A > 0); sequence: the first completion's 1.70 (A > 0), three of five tokens
