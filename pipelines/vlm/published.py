@@ -382,11 +382,15 @@ PUBLISHED_IMAGE_PROCESSORS: dict[str, dict[str, Any]] = {
     },
 }
 
-_QWEN_VISION_TOKENS = {
+#: every special-token id a Qwen2.5-VL or Qwen3-VL config names (the dense Qwen3-VL's text config names no bos /
+#: eos ids, which random_config then leaves unset; the MoE's does)
+_QWEN_CONFIG_TOKENS = {
     "image_token_id": "<|image_pad|>",
     "video_token_id": "<|video_pad|>",
     "vision_start_token_id": "<|vision_start|>",
     "vision_end_token_id": "<|vision_end|>",
+    "text_config.bos_token_id": "<|endoftext|>",
+    "text_config.eos_token_id": "<|im_end|>",
 }
 _QWEN_GENERATION_TOKENS: dict[str, Any] = {
     "bos_token_id": "<|endoftext|>",
@@ -397,17 +401,8 @@ _QWEN_GENERATION_TOKENS: dict[str, Any] = {
 #: token id of the published configs, as the tokens they name in the real vocabulary (a key a config of the
 #: family leaves unset is skipped for it).
 _CONFIG_TOKENS: dict[str, dict[str, str]] = {
-    "qwen2_5_vl": {
-        **_QWEN_VISION_TOKENS,
-        "text_config.bos_token_id": "<|endoftext|>",
-        "text_config.eos_token_id": "<|im_end|>",
-    },
-    # (the MoE text config's bos / eos ids; the dense one names none, and random_config leaves it so)
-    "qwen3_vl": {
-        **_QWEN_VISION_TOKENS,
-        "text_config.bos_token_id": "<|endoftext|>",
-        "text_config.eos_token_id": "<|im_end|>",
-    },
+    "qwen2_5_vl": _QWEN_CONFIG_TOKENS,
+    "qwen3_vl": _QWEN_CONFIG_TOKENS,
     "gemma3": {
         "boi_token_index": "<start_of_image>",
         "eoi_token_index": "<end_of_image>",
