@@ -9,6 +9,7 @@ this module adds them up and writes the table ``mmrl memory CONFIG`` prints::
     bytes(gradients)  = bytes(trainable parameters)                      (gradients share the parameters' dtype)
     bytes(AdamW)      = 2 * bytes(trainable parameters)                  (exp_avg, exp_avg_sq in the param dtype)
     bytes(AdamW8bit)  = 2 * numel(trainable parameters)                  (one byte per state, block scales aside)
+    bytes(KahanAdamW) = 2 * bytes(trainable parameters) + 4 * numel(...)  (exp_avg, compensation; float32 exp_avg_sq)
 
 Activations (rollouts, the loss's forward and backward, gradient checkpointing's recomputation), reward models
 and the CUDA context are not counted: they depend on batch, resolution and kernels, so the estimate is a floor,
@@ -32,6 +33,7 @@ __all__ = [
     "check_fits",
     "module_bytes",
     "module_params",
+    "optimizer_states",
     "tensors_bytes",
 ]
 
@@ -91,6 +93,16 @@ class MemoryPart:
 
     def bytes_per_gpu(self, fsdp: int) -> float:
         return self.bytes / fsdp if self.sharded else float(self.bytes)
+
+
+def optimizer_states(optimizer: str, count: int, size: int, sharded: bool) -> MemoryPart:
+    """The states ``trainer.optimizer`` keeps for ``count`` trained values of ``size`` bytes (module docstring)."""
+    if optimizer == "adamw8bit":
+        return MemoryPart("AdamW8bit states", 2 * count, 2 * count, sharded=sharded, note="one byte each")
+    if optimizer == "adamw_kahan":
+        note = "exp_avg and Kahan compensation in the parameters' dtype, exp_avg_sq in float32"
+        return MemoryPart("KahanAdamW states", 3 * count, 2 * size + 4 * count, sharded=sharded, note=note)
+    return MemoryPart("AdamW states", 2 * count, 2 * size, sharded=sharded, note="exp_avg, exp_avg_sq")
 
 
 @dataclass(frozen=True)
@@ -168,7 +180,8 @@ def check_fits(estimate: MemoryEstimate, free_bytes: float, total_bytes: float, 
         raise MemoryError(
             f"this recipe holds {peak / GIB:.1f} GiB per GPU before any activation (`mmrl memory`), and the GPU has "
             f"{free_bytes / GIB:.1f} GiB free of {total_bytes / GIB:.1f}: train LoRA (model.lora), shard with FSDP "
-            "(configs/accelerate/fsdp.yaml), use trainer.optimizer=adamw8bit, or take a larger GPU.\n"
+            "(configs/accelerate/fsdp.yaml), use trainer.optimizer=adamw8bit (or pure bfloat16: "
+            "model.master_weight_dtype=bfloat16 with trainer.optimizer=adamw_kahan), or take a larger GPU.\n"
             + estimate.table(fsdp)
         )
     return peak

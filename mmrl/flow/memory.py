@@ -21,7 +21,14 @@ import torch
 from mmrl.device import DTYPES
 from mmrl.flow.config import FlowGRPOConfig
 from mmrl.flow.trainer import make_trainable, start_copies
-from mmrl.memory import MemoryEstimate, MemoryPart, module_bytes, module_params, tensors_bytes
+from mmrl.memory import (
+    MemoryEstimate,
+    MemoryPart,
+    module_bytes,
+    module_params,
+    optimizer_states,
+    tensors_bytes,
+)
 from pipelines.flow.adapters import get_adapter
 from pipelines.flow.published import build_on_meta
 from pipelines.quant import quantized_bytes
@@ -60,12 +67,7 @@ def estimate_memory(cfg: FlowGRPOConfig) -> MemoryEstimate:
     trainable = [p for name in trained for p in module_params(components[name], trainable_only=True)]
     count, size = sum(p.numel() for p in trainable), tensors_bytes(trainable)
     parts.append(MemoryPart("gradients", count, size, sharded=True, note="the trained parameters' dtype"))
-    if cfg.trainer.optimizer == "adamw8bit":
-        parts.append(MemoryPart("AdamW8bit states", 2 * count, 2 * count, sharded=True, note="one byte each"))
-    else:
-        parts.append(
-            MemoryPart("AdamW states", 2 * count, 2 * size, sharded=True, note="exp_avg, exp_avg_sq")
-        )
+    parts.append(optimizer_states(cfg.trainer.optimizer, count, size, sharded=True))
     for copy in start_copies(cfg):
         note = {
             "reference": "full fine-tuning's start weights: KL reference and distillation teacher",

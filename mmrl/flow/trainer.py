@@ -53,6 +53,7 @@ from mmrl.flow.pooled import PooledFlowSource, pooled_worker_factory
 from mmrl.flow.rollouts import LoopFlowSource
 from mmrl.images import make_grid, tensor_to_pil
 from mmrl.loop import run_recipe
+from mmrl.optim import make_optimizer
 from mmrl.rollouts import StepRequest
 from mmrl.run import Run, write_summary_json
 from mmrl.schedule import learning_rate
@@ -306,15 +307,7 @@ class FlowGRPOTrainer(TrainerBase):
             raise ValueError(
                 "no trainable parameters: check model.lora.target_modules against the transformer"
             )
-        if t.optimizer == "adamw8bit":
-            try:
-                import bitsandbytes as bnb
-            except ImportError as err:
-                raise ImportError(
-                    "trainer.optimizer=adamw8bit needs bitsandbytes (pip install bitsandbytes)"
-                ) from err
-            return bnb.optim.AdamW8bit(self.trainable, lr=t.lr, weight_decay=t.weight_decay)
-        return torch.optim.AdamW(self.trainable, lr=t.lr, weight_decay=t.weight_decay)
+        return make_optimizer(self.trainable, t.optimizer, lr=t.lr, weight_decay=t.weight_decay)
 
     # ------------------------------------------------------------------ policies
     @contextmanager

@@ -7,8 +7,8 @@ rules of :mod:`mmrl.memory`:
 * the policy's weights (LoRA factors included); with ``model.load_in_4bit`` the base's Linear weights as NF4
   (transformers' bitsandbytes loading: every Linear but ``lm_head``, no double quantization), counted with
   :func:`pipelines.quant.quantized_bytes`;
-* gradients and AdamW states of the trained parameters, in ``model.master_weight_dtype`` (float32 master weights
-  of a bfloat16 model by default);
+* gradients and optimizer states (``trainer.optimizer``) of the trained parameters, in
+  ``model.master_weight_dtype`` (float32 master weights of a bfloat16 model by default);
 * full fine-tuning's frozen reference copy under ``trainer.beta > 0``, in ``model.dtype`` (LoRA's reference is the
   adapter off);
 * with ``generation.backend: vllm`` the colocated engine, which takes ``generation.vllm_gpu_memory_utilization``
@@ -18,7 +18,14 @@ rules of :mod:`mmrl.memory`:
 from __future__ import annotations
 
 from mmrl.device import DTYPES
-from mmrl.memory import MemoryEstimate, MemoryPart, module_bytes, module_params, tensors_bytes
+from mmrl.memory import (
+    MemoryEstimate,
+    MemoryPart,
+    module_bytes,
+    module_params,
+    optimizer_states,
+    tensors_bytes,
+)
 from mmrl.vlm.config import VLMRLVRConfig
 from mmrl.vlm.trainer import make_trainable
 from pipelines.quant import quantized_bytes
@@ -67,11 +74,7 @@ def estimate_memory(cfg: VLMRLVRConfig) -> MemoryEstimate:
     parts.append(
         MemoryPart("gradients", trained_count, trained_size, sharded=sharded, note="the parameters' dtype")
     )
-    parts.append(
-        MemoryPart(
-            "AdamW states", 2 * trained_count, 2 * trained_size, sharded=sharded, note="exp_avg, exp_avg_sq"
-        )
-    )
+    parts.append(optimizer_states(cfg.trainer.optimizer, trained_count, trained_size, sharded=sharded))
     if m.lora is None and cfg.trainer.beta > 0:
         parts.append(
             MemoryPart(

@@ -57,6 +57,7 @@ from mmrl.distributed import (
     shard_model,
 )
 from mmrl.loop import run_recipe
+from mmrl.optim import make_optimizer
 from mmrl.rollouts import StepRequest
 from mmrl.run import write_summary_json
 from mmrl.schedule import learning_rate
@@ -190,8 +191,8 @@ class VLMRLVRTrainer(TrainerBase):
         # 4. optimizer and the persistent per-prompt baseline
         if not self.trainable:
             raise ValueError("no trainable parameters: check model.lora.target_modules")
-        self.optimizer = torch.optim.AdamW(
-            self.trainable, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay
+        self.optimizer = make_optimizer(
+            self.trainable, cfg.trainer.optimizer, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay
         )
         by_kind = [
             key

@@ -253,6 +253,30 @@ def test_vlm_fsdp_gathers_float32_master_weights_of_a_bfloat16_model(tmp_path):
     assert_trained_float32_shards(launch(tmp_path, "vlm_rlvr", "vlm_bf16_fsdp", *common, env=fsdp_env()))
 
 
+def test_vlm_fsdp_pure_bfloat16_kahan_adamw_resumes_exactly(tmp_path):
+    """model.master_weight_dtype bfloat16 with trainer.optimizer=adamw_kahan: bfloat16 shards whose KahanAdamW
+    states (bfloat16 momentum and compensation, float32 second moment) are sharded DTensors, saved whole and
+    resharded on resume, so two steps plus a resumed third equal three steps in one run, bit for bit."""
+    common = (
+        *VLM,
+        "model.lora=null",
+        "model.dtype=bfloat16",
+        "model.master_weight_dtype=bfloat16",
+        "trainer.optimizer=adamw_kahan",
+        "trainer.lr=1e-4",
+        "run.save_every=1",
+    )
+    straight = launch(tmp_path, "vlm_rlvr", "kahan_straight", *common, "trainer.steps=3", env=fsdp_env())
+    launch(tmp_path, "vlm_rlvr", "kahan", *common, env=fsdp_env())
+    resumed = launch(
+        tmp_path, "vlm_rlvr", "kahan", *common, "trainer.steps=3", "run.resume=true", env=fsdp_env()
+    )
+    trained, base = straight[0]["weights"], straight[0]["initial"]
+    assert straight[0]["sharded"] and {t.dtype for t in trained.values()} == {torch.bfloat16}
+    assert max(float((trained[n].float() - base[n].float()).abs().max()) for n in base) > 0
+    assert all(torch.equal(resumed[0]["weights"][n], trained[n]) for n in trained)
+
+
 def test_vlm_fsdp_pairs_up_uneven_completion_lengths(tmp_path):
     # one sequence per minibatch and one position per LM-head chunk: the ranks' completions need different numbers
     # of head calls, and each call of the sharded head is a collective; the ranks agree on the largest count.

@@ -12,6 +12,7 @@ from mmrl.flow.config import FlowGRPOConfig
 from mmrl.flow.memory import estimate_memory
 from mmrl.flow.trainer import FlowGRPOTrainer
 from mmrl.memory import GIB, module_bytes, tensors_bytes
+from mmrl.optim import KahanAdamW
 from pipelines.flow.tiny import build_tiny_pipeline
 from pipelines.quant import weight_bytes
 from tests.flow.test_families import family_config
@@ -30,6 +31,16 @@ CASES = {
         None,
         ["model.dtype=bfloat16", "model.master_weight_dtype=bfloat16", "model.lora=null"],
     ),
+    "sd3 pure bfloat16 full fine-tuning, KahanAdamW": (
+        "sd3",
+        None,
+        [
+            "model.dtype=bfloat16",
+            "model.master_weight_dtype=bfloat16",
+            "model.lora=null",
+            "trainer.optimizer=adamw_kahan",
+        ],
+    ),
     "sd3 full fine-tuning with a KL reference": ("sd3", None, ["model.lora=null", "trainer.beta=0.01"]),
     "sd3 LoRA with an nf4 explorer": ("sd3", None, ["explore.enabled=true", "explore.scheme=nf4"]),
     "wan22, both experts trained in full": ("wan22", "both", ["model.lora=null"]),
@@ -46,15 +57,17 @@ def step_optimizer(trainer) -> None:
     trainer.optimizer.step()
 
 
-def adamw_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of AdamW's two moments over every parameter (the step counters aside)."""
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of the optimizer's states over every parameter (the step counters aside), by the estimate's part
+    name: AdamW's two moments, and KahanAdamW's compensation beside them."""
     states = [
         tensor
         for state in optimizer.state.values()
         for key, tensor in state.items()
-        if key in ("exp_avg", "exp_avg_sq")
+        if key in ("exp_avg", "exp_avg_sq", "compensation")
     ]
-    return tensors_bytes(states)
+    name = "KahanAdamW states" if isinstance(optimizer, KahanAdamW) else "AdamW states"
+    return {name: tensors_bytes(states)}
 
 
 def held_bytes(trainer: FlowGRPOTrainer, component_names: list[str]) -> dict[str, int]:
@@ -62,7 +75,7 @@ def held_bytes(trainer: FlowGRPOTrainer, component_names: list[str]) -> dict[str
     pipe = trainer.adapter.pipe
     held = {f"{name} weights": module_bytes(getattr(pipe, name)) for name in component_names}
     held["gradients"] = tensors_bytes(trainer.trainable)
-    held["AdamW states"] = adamw_state_bytes(trainer.optimizer)
+    held.update(optimizer_state_bytes(trainer.optimizer))
     if trainer.reference is not None:
         held["reference copy"] = module_bytes(trainer.reference)
     if trainer.ema is not None:

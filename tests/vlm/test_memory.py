@@ -11,7 +11,7 @@ from mmrl.memory import GIB, module_bytes, tensors_bytes
 from mmrl.vlm.config import VLMRLVRConfig
 from mmrl.vlm.memory import estimate_memory
 from mmrl.vlm.trainer import VLMRLVRTrainer
-from tests.flow.test_memory import adamw_state_bytes, step_optimizer
+from tests.flow.test_memory import optimizer_state_bytes, step_optimizer
 from tests.vlm.test_vlm_trainer import make_cfg
 
 CASES = {
@@ -35,6 +35,12 @@ CASES = {
         "model.master_weight_dtype=bfloat16",
         "trainer.beta=0.01",
     ],
+    "full fine-tuning in pure bfloat16, KahanAdamW": [
+        "model.lora=null",
+        "model.dtype=bfloat16",
+        "model.master_weight_dtype=bfloat16",
+        "trainer.optimizer=adamw_kahan",
+    ],
 }
 
 
@@ -48,7 +54,7 @@ def test_estimate_equals_what_the_trainer_holds(case, tmp_path):
     held = {
         "policy weights": module_bytes(trainer.model),
         "gradients": tensors_bytes(trainer.trainable),
-        "AdamW states": adamw_state_bytes(trainer.optimizer),
+        **optimizer_state_bytes(trainer.optimizer),
     }
     if trainer.reference is not None:
         held["reference copy"] = module_bytes(trainer.reference)

@@ -132,11 +132,19 @@ def test_a_bfloat16_model_trains_float32_master_weights(model_dir, tmp_path, lor
     assert {p.dtype for p in trainer.trainable} == {torch.float32}
 
 
-@pytest.mark.parametrize("master", ["float32", "bfloat16"])
-def test_a_small_step_survives_only_in_master_weights(model_dir, tmp_path, master):
+@pytest.mark.parametrize(
+    ("master", "optimizer"),
+    [("float32", "adamw"), ("bfloat16", "adamw"), ("bfloat16", "adamw_kahan")],
+    ids=["master-weights", "pure-bfloat16", "pure-bfloat16-kahan"],
+)
+def test_a_small_step_survives_only_in_master_weights_or_the_compensation(
+    model_dir, tmp_path, master, optimizer
+):
     """AdamW's first step moves every weight with a gradient by about lr = 1e-6; a bfloat16 weight of the median
     magnitude here (0.013) has an ulp of 6.1e-5, so in pure bfloat16 (``model.master_weight_dtype=bfloat16``) the
-    step rounds away for all but the smallest weights, while float32 master weights keep it for every one."""
+    step rounds away for all but the smallest weights, while float32 master weights keep it for every one, and so
+    does KahanAdamW (``trainer.optimizer=adamw_kahan``) in the weight plus its compensation buffer, which holds
+    what the bfloat16 weight could not take and adds it back at the next step."""
     cfg = make_cfg(
         model_dir,
         tmp_path,
@@ -144,6 +152,7 @@ def test_a_small_step_survives_only_in_master_weights(model_dir, tmp_path, maste
         "model.lora=null",
         "model.dtype=bfloat16",
         f"model.master_weight_dtype={master}",
+        f"trainer.optimizer={optimizer}",
         "trainer.mode=single",
         "trainer.lr=1e-6",
     )
@@ -156,8 +165,20 @@ def test_a_small_step_survives_only_in_master_weights(model_dir, tmp_path, maste
     }
     before = {n: p.detach().float().clone() for n, p in weights.items()}
     trainer.train_step()
-    moved = torch.cat([(weights[n].detach().float() != before[n]).flatten() for n in weights])
-    assert moved.float().mean() > 0.9 if master == "float32" else moved.float().mean() < 0.1
+
+    def held(param):  # what the optimizer holds of a weight
+        state = trainer.optimizer.state[param]
+        return param.detach().float() + (state["compensation"].float() if "compensation" in state else 0)
+
+    moved = torch.cat([(held(weights[n]) != before[n]).flatten() for n in weights])
+    assert (
+        moved.float().mean() > 0.9
+        if optimizer == "adamw_kahan" or master == "float32"
+        else moved.float().mean() < 0.1
+    )
+    if optimizer == "adamw_kahan":
+        steps = torch.cat([(held(weights[n]) - before[n]).abs().flatten() for n in weights])
+        assert steps.median() == pytest.approx(1e-6, rel=0.05)  # the whole first AdamW step, lr * g / |g|
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
