@@ -101,7 +101,10 @@ def test_a_bfloat16_model_trains_float32_master_weights(model_dir, tmp_path, obj
     assert {p.dtype for p in trainer.trainable} == {torch.float32}
 
 
-def test_pure_bfloat16_training_is_a_choice(model_dir, tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_kahan"])
+def test_pure_bfloat16_training_is_a_choice(model_dir, tmp_path, optimizer):
+    """Pure bfloat16 (``model.master_weight_dtype=bfloat16``): at lr 1e-6 plain AdamW's first step rounds away on
+    almost every weight, and KahanAdamW keeps it in the weight plus its compensation."""
     cfg = make_cfg(
         model_dir,
         tmp_path,
@@ -109,11 +112,23 @@ def test_pure_bfloat16_training_is_a_choice(model_dir, tmp_path):
         "model.dtype=bfloat16",
         "model.master_weight_dtype=bfloat16",
         "model.lora=null",
+        f"trainer.optimizer={optimizer}",
+        "trainer.lr=1e-6",
     )
     trainer = FlowGRPOTrainer(cfg, None)
     trainer.setup()
     assert {p.dtype for p in trainer.trainable} == {torch.bfloat16}
     assert trainer.adapter.autocast_dtype is None  # weights and compute in bfloat16: nothing to cast
+    weights = [p for p in trainer.trainable if p.dim() == 2]
+    before = [p.detach().float().clone() for p in weights]
+    trainer.train_step()
+
+    def held(param):  # what the optimizer holds of a weight
+        state = trainer.optimizer.state[param]
+        return param.detach().float() + (state["compensation"].float() if "compensation" in state else 0)
+
+    moved = torch.cat([(held(p) != b).flatten() for p, b in zip(weights, before, strict=True)]).float().mean()
+    assert moved > 0.9 if optimizer == "adamw_kahan" else moved < 0.1
 
 
 def test_lora_checkpoint_loads_in_diffusers(model_dir, tmp_path):
