@@ -7,7 +7,8 @@ every tensor the trainer keeps is counted (:mod:`mmrl.memory` has the byte rules
 * every pipeline component's weights (text encoders, VAE, the experts), LoRA factors included;
 * gradients and optimizer states of the trained parameters;
 * the frozen start copies full fine-tuning keeps (:func:`start_copies`: KL reference, distillation teacher);
-* the EMA (``trainer.ema_decay``) and old-policy (``trainer.old_policy_decay``) copies of the trained parameters;
+* the EMA (``trainer.ema_decay``) and old-policy (``trainer.old_policy_decay``) copies of the trained parameters,
+  float32 at least (:func:`mmrl.ema.shadow_dtype`);
 * the quantized explorer (``explore.enabled``), counted with :func:`pipelines.quant.quantized_bytes`;
 * during evaluation with an EMA, the live weights' copy the swap keeps.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from mmrl.device import DTYPES
+from mmrl.ema import shadow_dtype
 from mmrl.flow.config import FlowGRPOConfig
 from mmrl.flow.trainer import make_trainable, start_copies
 from mmrl.memory import (
@@ -68,6 +70,7 @@ def estimate_memory(cfg: FlowGRPOConfig) -> MemoryEstimate:
     count, size = sum(p.numel() for p in trainable), tensors_bytes(trainable)
     parts.append(MemoryPart("gradients", count, size, sharded=True, note="the trained parameters' dtype"))
     parts.append(optimizer_states(cfg.trainer.optimizer, count, size, sharded=True))
+    average_size = sum(p.numel() * shadow_dtype(p.dtype).itemsize for p in trainable)  # float32 at least
     for copy in start_copies(cfg):
         note = {
             "reference": "full fine-tuning's start weights: KL reference and distillation teacher",
@@ -78,11 +81,13 @@ def estimate_memory(cfg: FlowGRPOConfig) -> MemoryEstimate:
         )
     if cfg.trainer.ema_decay:
         parts.append(
-            MemoryPart("EMA", count, size, sharded=True, note=f"trainer.ema_decay {cfg.trainer.ema_decay}")
+            MemoryPart(
+                "EMA", count, average_size, sharded=True, note=f"trainer.ema_decay {cfg.trainer.ema_decay}"
+            )
         )
     if cfg.trainer.old_policy_decay:
         parts.append(
-            MemoryPart("old policy", count, size, sharded=True, note="trainer.old_policy_decay's EMA")
+            MemoryPart("old policy", count, average_size, sharded=True, note="trainer.old_policy_decay's EMA")
         )
     if cfg.explore.enabled:
         parts.append(_explorer_part(components, trained, cfg))
