@@ -37,9 +37,10 @@ def test_on_float32_parameters_it_is_torch_adamw():
     seed=st.integers(0, 1000),
 )
 def test_the_first_step_lands_in_weight_plus_compensation(magnitude, lr, weight_decay, seed):
-    """From zero states the first AdamW step is ``u = -lr g / (|g| + eps) - lr wd w`` (the bias corrections make
-    m_hat = g and v_hat = g^2); whatever the bfloat16 weight cannot take of it is in the compensation, so
-    ``w' + c' = w + u`` to the bfloat16 rounding of ``c'`` (and float32's of the sum)."""
+    """From zero states the first moments are ``m = (1 - b1) g`` (stored in bfloat16, rounded once) and
+    ``v = (1 - b2) g^2`` (float32), so the step is ``u = -lr m_hat / (sqrt(v_hat) + eps) - lr wd w``, about
+    ``-lr sign(g)``; whatever the bfloat16 weight cannot take of it is in the compensation, so ``w' + c' = w + u``
+    to the bfloat16 rounding of ``c'`` (and float32's of the sum)."""
     generator = torch.Generator().manual_seed(seed)
     weight = (torch.randn(64, generator=generator) * magnitude).to(torch.bfloat16)
     grad = torch.randn(64, generator=generator).to(torch.bfloat16)
@@ -48,8 +49,14 @@ def test_the_first_step_lands_in_weight_plus_compensation(magnitude, lr, weight_
     optimizer = KahanAdamW([param], lr=lr, weight_decay=weight_decay, eps=1e-8)
     optimizer.step()
     g, w = grad.float(), weight.float()
-    expected = w - lr * g / (g.abs() + 1e-8) - lr * weight_decay * w
-    compensation = optimizer.state[param]["compensation"]
+    state = optimizer.state[param]
+    assert torch.equal(state["exp_avg"], (0.1 * g).bfloat16())
+    torch.testing.assert_close(state["exp_avg_sq"], 0.001 * g * g, rtol=1e-6, atol=0)
+    m_hat, v_hat = state["exp_avg"].float() / (1 - 0.9), state["exp_avg_sq"] / (1 - 0.999)
+    step = lr * m_hat / (v_hat.sqrt() + 1e-8)
+    assert ((step / lr - g.sign()).abs() < 2**-7).all()  # about lr sign(g)
+    expected = w - step - lr * weight_decay * w
+    compensation = state["compensation"]
     assert compensation.dtype == torch.bfloat16 and param.dtype == torch.bfloat16
     got = param.detach().float() + compensation.float()
     tolerance = compensation.float().abs() * 2**-8 + (w.abs() + expected.abs()) * 2**-22 + 1e-12
@@ -62,9 +69,9 @@ def test_the_first_step_lands_in_weight_plus_compensation(magnitude, lr, weight_
 def test_bfloat16_weights_follow_the_float32_run_only_with_the_compensation(lr):
     """The benchmark's least-squares fit, 1,000 steps: at the learning rates of full VLM fine-tuning pure bfloat16
     AdamW loses most of its steps to rounding (86-99% of the float32 run's move off it); KahanAdamW keeps them
-    (1.4% and 0.1% off at 1e-5 and 1e-4: the forward still sees bfloat16 weights), and at 1e-4 its float32 second
-    moment keeps it 12x closer than bfloat16 states (EasyR1's adamw_bf16, ``variance_dtype=None``: 1.5%), whose
-    variance cannot decay."""
+    (1.4% and 0.1% off at 1e-5 and 1e-4: the forward still sees bfloat16 weights), and its float32 second moment
+    keeps it 5x and 45x closer than bfloat16 states (EasyR1's adamw_bf16, ``variance_dtype=None``: 6.9% and 4.9%),
+    whose variance cannot decay."""
     variants = {name: (dtype, factory) for name, (dtype, factory, _) in VARIANTS.items()}
     start, _ = regression(*variants["float32 AdamW (master weights)"], lr, steps=0)
     reference, _ = regression(*variants["float32 AdamW (master weights)"], lr, steps=1000)
@@ -76,8 +83,7 @@ def test_bfloat16_weights_follow_the_float32_run_only_with_the_compensation(lr):
     kahan = off("bfloat16 KahanAdamW")
     assert off("bfloat16 AdamW") > 0.5
     assert kahan < 0.02
-    if lr == 1e-4:
-        assert off("bfloat16 KahanAdamW, bfloat16 states (EasyR1)") > 5 * kahan
+    assert off("bfloat16 KahanAdamW, bfloat16 states (EasyR1)") > 3 * kahan
 
 
 def test_resuming_from_a_saved_state_repeats_the_run_bit_for_bit():
