@@ -44,6 +44,7 @@ __all__ = [
     "optimizer_state",
     "shard_like",
     "shard_model",
+    "shutdown_distributed",
 ]
 
 
@@ -102,6 +103,10 @@ class DistState:
         return int(t.item())
 
 
+#: non-empty while this process is in the process group :func:`init_distributed` made
+_JOINED: list[bool] = []
+
+
 def _env_true(name: str) -> bool:
     return os.environ.get(name, "false").strip().lower() in ("1", "true", "yes")
 
@@ -122,7 +127,18 @@ def init_distributed() -> DistState:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    _JOINED.append(True)
     return DistState(dist.get_rank(), dist.get_world_size(), fsdp, reshard)
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group :func:`init_distributed` joined (a group the caller made is left alone). PyTorch
+    asks for this before exit: a group left to the interpreter's teardown can abort the process after a finished
+    run ("terminate called without an active exception", seen once on a 2-process gloo run), which the launcher
+    reports as a failed run."""
+    if _JOINED and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    _JOINED.clear()
 
 
 def _collective_device() -> torch.device:

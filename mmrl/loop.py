@@ -13,7 +13,7 @@ import logging
 from typing import Any, Protocol
 
 from mmrl.config import Config, RunConfig
-from mmrl.distributed import init_distributed
+from mmrl.distributed import init_distributed, shutdown_distributed
 from mmrl.progress import TrainProgress
 from mmrl.run import Run
 from pipelines.threads import adapt_cpu_threads
@@ -142,4 +142,7 @@ def run_recipe(cfg: Config, trainer_cls: Any) -> dict[str, float]:
         trainer.setup()
         return trainer.train()
     finally:
-        trainer.cleanup()
+        try:
+            trainer.cleanup()
+        finally:
+            shutdown_distributed()

@@ -123,11 +123,9 @@ class KahanAdamW(torch.optim.Optimizer):
                 # in place, each computed in float32 inside the kernel and rounded once to the state's dtype
                 exp_avg.lerp_(grad.to(exp_avg.dtype), 1 - beta1)
                 exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                denominator = (exp_avg_sq / (1 - beta2**step)).sqrt_().add_(eps)
-                # y = u + c in float32, with u the AdamW step (the weight decay included)
-                update = torch.addcdiv(
-                    compensation.float(), exp_avg, denominator, value=-lr / (1 - beta1**step)
-                )
+                # one float32 temporary per tensor (the steps below reuse it): y = u + c, with u the AdamW step
+                update = exp_avg_sq.div(1 - beta2**step).sqrt_().add_(eps).reciprocal_()
+                update.mul_(exp_avg).mul_(-lr / (1 - beta1**step)).add_(compensation)
                 if weight_decay:
                     update.add_(param, alpha=-lr * weight_decay)
                 exact = update.add_(param)  # w + y, exact in float32 to 2^-24 of it

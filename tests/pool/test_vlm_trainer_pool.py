@@ -379,3 +379,30 @@ def test_ray_pool_trains_like_the_inprocess_pool():
         assert {k: v for k, v in a.items() if not k.startswith(POOL_ONLY)} == pytest.approx(
             {k: v for k, v in b.items() if not k.startswith(POOL_ONLY)}, rel=1e-5, abs=1e-6
         )
+
+
+@pytest.mark.parametrize(
+    ("master", "optimizer"), [("float32", "adamw"), ("bfloat16", "adamw_kahan")], ids=["master", "pure-kahan"]
+)
+def test_a_bfloat16_full_fine_tune_samples_from_the_pool_what_it_scores(master, optimizer):
+    """A pool worker holds a ``model.dtype`` copy of the policy. With float32 master weights the trainer scores
+    under bfloat16 autocast from float32 weights, so the worker's pure bfloat16 log-probs differ from the re-scored
+    ones (TIS covers it); in pure bfloat16 (KahanAdamW) worker and trainer run the same bfloat16 weights, synced
+    after every step, and the two agree."""
+    trainer = started(
+        make_cfg(
+            "pool.enabled=true",
+            "pool.max_staleness=0",
+            "model.lora=null",
+            "model.dtype=bfloat16",
+            f"model.master_weight_dtype={master}",
+            f"trainer.optimizer={optimizer}",
+            "trainer.lr=1e-4",
+        )
+    )
+    try:
+        metrics = steps(trainer, 2)
+    finally:
+        trainer.cleanup()
+    mismatch = metrics[-1]["tis/logprob_mismatch"]  # the second step samples from the synced weights
+    assert mismatch < 1e-4 if master == "bfloat16" else mismatch > 1e-3
