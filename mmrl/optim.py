@@ -124,7 +124,13 @@ class KahanAdamW(torch.optim.Optimizer):
                 exp_avg.lerp_(grad.to(exp_avg.dtype), 1 - beta1)
                 exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 # one float32 temporary per tensor (the steps below reuse it): y = u + c, with u the AdamW step
-                update = exp_avg_sq.div(1 - beta2**step).sqrt_().add_(eps).reciprocal_()
+                update = (
+                    exp_avg_sq.to(torch.float32, copy=True)
+                    .div_(1 - beta2**step)
+                    .sqrt_()
+                    .add_(eps)
+                    .reciprocal_()
+                )
                 update.mul_(exp_avg).mul_(-lr / (1 - beta1**step)).add_(compensation)
                 if weight_decay:
                     update.add_(param, alpha=-lr * weight_decay)

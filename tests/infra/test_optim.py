@@ -83,7 +83,8 @@ def test_bfloat16_weights_follow_the_float32_run_only_with_the_compensation(lr):
     kahan = off("bfloat16 KahanAdamW")
     assert off("bfloat16 AdamW") > 0.5
     assert kahan < 0.02
-    assert off("bfloat16 KahanAdamW, bfloat16 states (EasyR1)") > 3 * kahan
+    # EasyR1's states are compensated too (far closer than plain AdamW), only less well
+    assert 3 * kahan < off("bfloat16 KahanAdamW, bfloat16 states (EasyR1)") < 0.2
 
 
 def test_resuming_from_a_saved_state_repeats_the_run_bit_for_bit():
