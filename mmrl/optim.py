@@ -24,11 +24,11 @@ in float32 from the stored states, and the weight decay goes through the compens
 multiplies the bfloat16 weight by ``1 - lr wd`` directly, which rounds away at the learning rates where Kahan
 summation matters (``lr wd`` = 1e-8 at EasyR1's 1e-6 and 1e-2).
 
-The second moment is float32 by default: in bfloat16 ``v * 0.999`` rounds back to ``v`` (they differ by 0.1%, less
-than half an ulp), so the variance of a bfloat16 state never decays and the steps shrink. On a least-squares probe over
-2,000 steps (``python -m benchmarks.bf16_optimizers``) float32 second moments end 0.66% / 0.04% of the float32
-run's move away from it at lr 1e-5 / 1e-4, bfloat16 states 9.8% / 5.4%; EasyR1's all-bfloat16 states are
-``variance_dtype=None`` here (10 bytes per value).
+The second moment is float32 by default: in bfloat16 ``v * 0.999`` rounds back to ``v`` (they differ by 0.1%,
+less than half an ulp), so the variance of a bfloat16 state never decays and the steps shrink. On a
+least-squares probe over 2,000 steps (``python -m benchmarks.bf16_optimizers``) float32 second moments end 0.66% /
+0.04% of the float32 run's move away from it at lr 1e-5 / 1e-4, bfloat16 states 9.8% / 5.4%; EasyR1's
+all-bfloat16 states are ``variance_dtype=None`` here (10 bytes per value).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ class KahanAdamW(torch.optim.Optimizer):
     """AdamW with Kahan-compensated updates for low-precision parameters (see the module docstring).
 
     State per parameter ``p``: ``exp_avg`` and ``compensation`` in ``p.dtype``, ``exp_avg_sq`` in
-    ``variance_dtype``, ``step``. Each step works in float32 copies of one parameter's tensors (transient memory
-    of a few times its largest tensor, or shard under FSDP, in float32).
+    ``variance_dtype``, ``step``. Each step makes one float32 temporary the size of the parameter (or of its shard
+    under FSDP) at a time.
 
     Args:
         params: parameters or parameter groups, as for ``torch.optim.AdamW``.
@@ -78,9 +78,9 @@ class KahanAdamW(torch.optim.Optimizer):
         self.variance_dtype = variance_dtype
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """``torch.optim.Optimizer.load_state_dict``, which casts every floating state to its parameter's dtype,
-        with the second moment kept in ``variance_dtype`` (a float32 variance cast to bfloat16 and back would make a
-        resumed run differ from an uninterrupted one)."""
+        """``torch.optim.Optimizer.load_state_dict``, which casts every floating state to its parameter's
+        dtype, with the second moment kept in ``variance_dtype`` (a float32 variance cast to bfloat16 and back
+        would make a resumed run differ from an uninterrupted one)."""
         variances = {
             key: state["exp_avg_sq"] for key, state in state_dict["state"].items() if "exp_avg_sq" in state
         }
