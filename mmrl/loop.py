@@ -13,7 +13,7 @@ import logging
 from typing import Any, Protocol
 
 from mmrl.config import Config, RunConfig
-from mmrl.distributed import init_distributed, shutdown_distributed
+from mmrl.distributed import DistState, init_distributed, shutdown_distributed
 from mmrl.progress import TrainProgress
 from mmrl.run import Run
 from pipelines.threads import adapt_cpu_threads
@@ -122,9 +122,17 @@ def run_recipe(cfg: Config, trainer_cls: Any) -> dict[str, float]:
     """``trainer_cls(cfg, Run(cfg.run, cfg))`` through setup, train and cleanup; returns the final metrics.
 
     Under a data-parallel launch only rank 0 holds the :class:`Run` (the others get ``None``, write nothing and
-    resume from the checkpoint rank 0 wrote); they start once it has prepared the run directory.
+    resume from the checkpoint rank 0 wrote); they start once it has prepared the run directory. Every rank leaves
+    the process group it joined at the end, whatever happened (:func:`mmrl.distributed.shutdown_distributed`).
     """
     dist = init_distributed()
+    try:
+        return _setup_and_train(cfg, trainer_cls, dist)
+    finally:
+        shutdown_distributed()
+
+
+def _setup_and_train(cfg: Config, trainer_cls: Any, dist: DistState) -> dict[str, float]:
     run, error = None, None
     if dist.is_main:
         try:
@@ -142,7 +150,4 @@ def run_recipe(cfg: Config, trainer_cls: Any) -> dict[str, float]:
         trainer.setup()
         return trainer.train()
     finally:
-        try:
-            trainer.cleanup()
-        finally:
-            shutdown_distributed()
+        trainer.cleanup()
