@@ -222,7 +222,7 @@ class AWMSettings(Config):
         description="Weight of mean((v - v_old)^2), the squared velocity distance to the sampling policy at each "
         "point (AWM's EMA KL, weight 1). It acts where the sampling policy differs from the trained weights: "
         "under trainer.old_policy_decay (an EMA of the weights samples) or several optimizer steps per batch "
-        "(trainer.gradient_accumulation). AWM's code keeps its EMA apart from the sampler, decay min(0.3, "
+        "(trainer.updates_per_step, trainer.gradient_accumulation). AWM's code keeps its EMA apart from the sampler, decay min(0.3, "
         "0.001 step).",
     )
 
@@ -359,7 +359,19 @@ class FlowTrainerConfig(Config):
     )
     minibatch_size: int = Field(32, ge=1, description="Transitions per forward/backward.")
     gradient_accumulation: int = Field(
-        0, ge=0, description="Minibatches per optimizer step (0: one optimizer step per rollout batch)."
+        0,
+        ge=0,
+        description="Minibatches per optimizer step (0: trainer.updates_per_step optimizer steps per pass over the "
+        "rollout batch).",
+    )
+    updates_per_step: int = Field(
+        1,
+        ge=1,
+        description="Optimizer steps per pass over a training step's rollouts: its minibatches in this many "
+        "consecutive parts (the last may be shorter), each followed by its own optimizer step, so the later "
+        "parts train off-policy against the sampler's log-probs, clipped (Flow-Factory's "
+        "gradient_step_per_epoch, 2 in its examples; the VLM trainer's option of the same name). Set this or "
+        "trainer.gradient_accumulation, which fixes the minibatches per step instead.",
     )
     ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
     drop_zero_advantage: bool = Field(True, description="Skip samples whose advantage is exactly 0.")
@@ -489,6 +501,11 @@ class FlowGRPOConfig(Config):
         check_reward_keys(self.eval_rewards or [], "eval_rewards")
         t = self.trainer
         check_optimizer_dtype(t.optimizer, self.model.master_weight_dtype)
+        if t.gradient_accumulation and t.updates_per_step > 1:
+            raise ValueError(
+                f"trainer.updates_per_step ({t.updates_per_step}) and trainer.gradient_accumulation "
+                f"({t.gradient_accumulation}) both set how many optimizer steps a training step takes: set one"
+            )
         if t.old_policy_decay is None and t.old_policy_decay_rate is not None:
             raise ValueError(
                 "trainer.old_policy_decay_rate ramps the old policy's decay up to trainer.old_policy_decay, which "

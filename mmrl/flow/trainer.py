@@ -653,7 +653,8 @@ class FlowGRPOTrainer(TrainerBase):
         into its optimizer step``, so that the callers' minibatch means add up to the mean over the step's items
         (a short last minibatch weighs its items like the others); the optimizer steps themselves are taken here,
         once the caller has run the backward of the step's last minibatch (``gradient_accumulation`` minibatches
-        per step, 0: one step at the end).
+        per step; 0: the minibatches in ``updates_per_step`` consecutive parts of ``ceil(turns / updates)``, one
+        step after each).
 
         Under data parallelism every rank takes the largest rank's number of turns; a rank without items for
         a turn yields nothing for it but still takes the turn's optimizer step, so that the gradient
@@ -661,7 +662,7 @@ class FlowGRPOTrainer(TrainerBase):
         t = self.cfg.trainer
         batches = list(torch.randperm(n, generator=self.generator).split(t.minibatch_size)) if n else []
         turns = self.dist.max_over_ranks(len(batches))
-        accum = t.gradient_accumulation or turns
+        accum = t.gradient_accumulation or -(-turns // t.updates_per_step)
         for i in range(turns):
             if i < len(batches):
                 group_start = i - i % accum
@@ -801,8 +802,7 @@ class FlowGRPOTrainer(TrainerBase):
         """Minibatched velocity regression ``loss_fn(v [b, ...], idx [b]) -> [b]``, plus ``beta`` times the squared
         distance to the reference velocity at the same points (the KL of the Gaussian policies these velocities
         define, up to a per-sigma constant, as GRPO's KL on the SDE means), plus the guidance distillation term
-        (``trainer.guidance_distill``); one optimizer step per ``gradient_accumulation`` minibatches (0: per
-        call)."""
+        (``trainer.guidance_distill``); the optimizer steps as :meth:`minibatches` takes them."""
         t = self.cfg.trainer
         guidance = self.regression_guidance(cond)
         distill_weight = t.guidance_distill.weight_at(self.step, t.steps)

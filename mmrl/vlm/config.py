@@ -291,8 +291,7 @@ class VLMTrainerConfig(Config):
         "trained and followed by its own AdamW step, so the later parts are off-policy (verl's "
         "ppo_mini_batch_size = the step's samples / this; TRL's steps_per_generation / gradient_accumulation_steps; "
         "the GSPO paper: 4). The later parts' old-policy log-probs come from a forward without gradients before "
-        "the first update. (The flow trainer's trainer.gradient_accumulation counts minibatches per update "
-        "instead; here the kept samples vary per step and rank, so the number of updates is what is fixed.)",
+        "the first update. (The flow trainer's option of the same name.)",
     )
     ppo_epochs: int = Field(1, ge=1, description="Passes over the step's samples (each part once per pass).")
     logprob_chunk_size: int = Field(128, ge=1, description="Positions per chunk of the head/softmax.")

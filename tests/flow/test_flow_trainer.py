@@ -75,6 +75,21 @@ def test_grpo_step_trains_lora_only_and_ratio_starts_at_one(model_dir, tmp_path)
     trainer.cleanup()
 
 
+def test_two_updates_per_step_train_the_second_part_off_policy(model_dir, tmp_path):
+    """``trainer.updates_per_step=2``: two optimizer steps per training step; the second part's ratios are taken
+    after the first step, so they leave 1 (the sampler's log-probs are the old policy's), where one update keeps
+    every ratio at 1."""
+    cfg = make_cfg(model_dir, tmp_path, "two", "trainer.updates_per_step=2", "trainer.minibatch_size=8")
+    trainer = FlowGRPOTrainer(cfg, None)
+    trainer.setup()
+    original, steps = trainer.step_optimizer, []
+    trainer.step_optimizer = lambda: (steps.append(trainer.step), original())
+    metrics = trainer.train_step()
+    assert steps == [0, 0]
+    assert metrics["policy/ratio_mean"] != pytest.approx(1.0, abs=1e-6)
+    trainer.cleanup()
+
+
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
 @pytest.mark.parametrize("objective", ["grpo", "nft"])
 def test_a_bfloat16_model_trains_float32_master_weights(model_dir, tmp_path, objective, lora):
@@ -1053,6 +1068,17 @@ def test_minibatch_scales_average_each_optimizer_step_including_a_short_last_gro
     for idx, scale in trainer.minibatches(5):
         events.append((len(idx), scale))
     assert events == [(2, 0.4), (2, 0.4), (1, 0.2), "step"]
+    # two optimizer steps per pass (trainer.updates_per_step, Flow-Factory's gradient_step_per_epoch): 5
+    # minibatches in parts of ceil(5 / 2) = 3 and 2, each part's items averaged over that part
+    trainer.cfg.trainer.updates_per_step = 2
+    events.clear()
+    for idx, scale in trainer.minibatches(10):
+        events.append((len(idx), scale))
+    assert events == [(2, 1 / 3), (2, 1 / 3), (2, 1 / 3), "step", (2, 0.5), (2, 0.5), "step"]
+    with pytest.raises(
+        ValueError, match=r"trainer\.updates_per_step \(2\) and trainer\.gradient_accumulation"
+    ):
+        make_cfg(model_dir, tmp_path, "both", "trainer.updates_per_step=2", "trainer.gradient_accumulation=2")
 
 
 def test_tree_and_guided_distillation_settings_are_refused_at_config_time(model_dir, tmp_path):

@@ -121,7 +121,7 @@ def awm_update(trainer: FlowGRPOTrainer, batch: StepBatch) -> None:
 
     # 2. the sampling policy at the points, where it differs from the weights about to be trained
     v_old = old_logp = None
-    if trainer.old_policy is not None or t.gradient_accumulation > 0:
+    if trainer.old_policy is not None or t.gradient_accumulation > 0 or t.updates_per_step > 1:
         v_old = trainer.sampling_velocities(x_t, sigma, cond).float()
         old_logp = loss_lib.awm_log_likelihood(
             v_old, target, sigma, settings.weighting, settings.ghuber_power
