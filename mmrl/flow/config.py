@@ -411,11 +411,19 @@ class FlowTrainerConfig(Config):
         None,
         gt=0,
         lt=1,
-        description="EMA of the trained weights, ema <- d ema + (1 - d) theta after each optimizer step with "
-        "d = min(ema_decay, (1 + n) / (10 + n)) at training step n (a warm-up: the first averages follow the "
+        description="EMA of the trained weights, ema <- d ema + (1 - d) theta after every trainer.ema_every-th "
+        "training step's update, with d = min(ema_decay, (1 + n) / (10 + n)) at training step n (a warm-up, "
+        "Flow-Factory's power schedule: the first averages follow the "
         "trained weights instead of staying at the start). Evaluation and the checkpoints' diffusers weights "
         "(transformer folder, LoRA adapter) are the EMA; state.pt keeps the live weights for resuming. It "
-        "averages over about 1 / (1 - d) steps, so pick it from trainer.steps (null: off).",
+        "averages over about ema_every / (1 - d) training steps, so pick it from trainer.steps (null: off).",
+    )
+    ema_every: int = Field(
+        1,
+        ge=1,
+        description="Training steps between EMA updates: the EMA updates after steps n with (n + 1) % ema_every "
+        "== 0 (Flow-Factory's ema_update_interval, 4 in its examples; Flow-GRPO's every 8 optimizer steps at 2 "
+        "per epoch is 4 too).",
     )
     awm: AWMSettings = Field(
         default_factory=AWMSettings, description="Advantage Weighted Matching settings (objective=awm)."

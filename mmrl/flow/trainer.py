@@ -684,14 +684,11 @@ class FlowGRPOTrainer(TrainerBase):
 
     def step_optimizer(self) -> None:
         """One optimizer step on the accumulated gradients at this training step's learning rate (clipped to
-        ``trainer.max_grad_norm``), then the EMA of the weights."""
+        ``trainer.max_grad_norm``)."""
         t = self.cfg.trainer
         # a function of the training step, so a resumed run continues a cosine exactly
         lr = learning_rate(self.step, t.lr, t.steps, schedule=t.lr_schedule)
         self.optimizer_step(self.optimizer, self.trainable, t.max_grad_norm, lr=lr)
-        if self.ema is not None:
-            # warmed up over training steps, so the first evaluations average trained weights, not the start
-            self.ema.update(num_updates=self.step)
 
     def regression_points(
         self,
@@ -856,6 +853,10 @@ class FlowGRPOTrainer(TrainerBase):
         batch = self.collect()
         start = time.perf_counter()
         self.objective.update(self, batch)
+        if self.ema is not None and (self.step + 1) % self.cfg.trainer.ema_every == 0:
+            # once per training step, however many optimizer steps it took; warmed up over training steps, so
+            # the first evaluations average trained weights, not the start
+            self.ema.update(num_updates=self.step)
         if self.old_policy is not None:
             self.old_policy.update(decay=self.old_policy_decay(self.step))
         self.metrics.add("time/train_s", time.perf_counter() - start)

@@ -943,6 +943,39 @@ def test_ema_warms_up_and_is_what_evaluation_and_the_exported_weights_hold(model
             assert torch.equal(p, state["ema"][name])
 
 
+def test_ema_updates_once_every_nth_training_step(model_dir, tmp_path):
+    """``trainer.ema_every=2`` (Flow-Factory's ema_update_interval) with two optimizer steps per training step: the
+    EMA stays at the start after step 0 and takes one update after step 1, ``ema = 2/11 start + 9/11 live``
+    (d = min(0.9, 2 / 11) at n = 1), not one per optimizer step."""
+    cfg = make_cfg(
+        model_dir,
+        tmp_path,
+        "every",
+        "trainer.objective=nft",
+        "trainer.ema_decay=0.9",
+        "trainer.ema_every=2",
+        "trainer.updates_per_step=2",
+        "trainer.minibatch_size=4",
+    )
+    trainer = FlowGRPOTrainer(cfg, None)
+    trainer.setup()
+    names = list(trainer.ema.shadow)
+    start = {n: trainer.ema.shadow[n].clone() for n in names}
+    optimizer_steps = []
+    original = trainer.step_optimizer
+    trainer.step_optimizer = lambda: (optimizer_steps.append(trainer.step), original())
+    trainer.train_step()
+    trainer.step += 1
+    assert optimizer_steps == [0, 0]
+    assert all(torch.equal(trainer.ema.shadow[n], start[n]) for n in names)
+    trainer.train_step()
+    trainer.step += 1
+    live = dict(zip(names, (p.detach() for p in trainer.trainable), strict=True))
+    assert any(not torch.equal(live[n], start[n]) for n in names)
+    for n in names:
+        torch.testing.assert_close(trainer.ema.shadow[n], (2 / 11) * start[n] + (9 / 11) * live[n])
+
+
 def test_self_teacher_is_refreshed_from_the_ema_every_n_steps_and_resumes(model_dir, tmp_path):
     cfg = make_cfg(
         model_dir,
