@@ -222,8 +222,8 @@ class AWMSettings(Config):
         description="Weight of mean((v - v_old)^2), the squared velocity distance to the sampling policy at each "
         "point (AWM's EMA KL, weight 1). It acts where the sampling policy differs from the trained weights: "
         "under trainer.old_policy_decay (an EMA of the weights samples) or several optimizer steps per batch "
-        "(trainer.updates_per_step, trainer.gradient_accumulation). AWM's code keeps its EMA apart from the sampler, decay min(0.3, "
-        "0.001 step).",
+        "(trainer.updates_per_step, trainer.gradient_accumulation). AWM's code keeps its EMA apart from the "
+        "sampler, decay min(0.3, 0.001 step).",
     )
 
 
@@ -413,8 +413,8 @@ class FlowTrainerConfig(Config):
         lt=1,
         description="EMA of the trained weights, ema <- d ema + (1 - d) theta after every trainer.ema_every-th "
         "training step's update, with d = min(ema_decay, (1 + n) / (10 + n)) at training step n (a warm-up, "
-        "Flow-Factory's power schedule: the first averages follow the "
-        "trained weights instead of staying at the start). Evaluation and the checkpoints' diffusers weights "
+        "Flow-Factory's power schedule: the first averages follow the trained weights instead of staying at the "
+        "start). Evaluation and the checkpoints' diffusers weights "
         "(transformer folder, LoRA adapter) are the EMA; state.pt keeps the live weights for resuming. It "
         "averages over about ema_every / (1 - d) training steps, so pick it from trainer.steps (null: off).",
     )
