@@ -132,10 +132,8 @@ def init_distributed() -> DistState:
 
 
 def shutdown_distributed() -> None:
-    """Leave the process group :func:`init_distributed` joined (a group the caller made is left alone). PyTorch
-    asks for this before exit: a group left to the interpreter's teardown can abort the process after a finished
-    run ("terminate called without an active exception", seen once on a 2-process gloo run), which the launcher
-    reports as a failed run."""
+    """Leave the process group :func:`init_distributed` joined (a group the caller made is left alone), as
+    PyTorch asks before a process exits."""
     if _JOINED and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     _JOINED.clear()
