@@ -326,7 +326,7 @@ class FlowTrainerConfig(Config):
         0.004,
         ge=0,
         description="KL coefficient to the reference: on SDE means (grpo, in the form kl_form names; "
-        "Flow-GRPO: 0.04 for SD3.5-M GenEval/OCR, 0.01 PickScore, 0.004 Wan2.1), on the velocity at the regressed "
+        "Flow-GRPO: 0.04 for SD3.5-M GenEval/OCR, 0.01 PickScore; 0.004 Wan2.1 in the exact form), on the velocity at the regressed "
         "points (nft, rwr, awm; AWM: 0.003 GenEval/OCR, 1e-4 PickScore). DiffusionNFT multiplies its policy loss "
         "by adv_clip_max / nft_beta (5 at its defaults) and mmrl's nft does not: its train.beta times "
         "nft_beta / adv_clip_max is the same KL here (1e-4 there: 2e-5 here), and its max_grad_norm likewise.",
@@ -337,7 +337,7 @@ class FlowTrainerConfig(Config):
         "over): mean((mu - mu_ref)^2) / (2 sigma_t^2) with sigma_t the SDE noise scale (a sqrt(s / (1 - s)); eta "
         "for dance; the std for cps), a KL per unit time. exact: the Gaussian KL of the transition, divided by "
         "the step's std^2 = sigma_t^2 |dt|, i.e. flow_grpo / |dt| (3.7-25x stronger on a 10-step shift-3 "
-        "schedule): to keep a beta tuned with exact, multiply it by |dt| when switching to flow_grpo.",
+        "schedule): a beta tuned with exact keeps its effect under flow_grpo divided by |dt|.",
     )
     timestep_fraction: float = Field(
         1.0,
