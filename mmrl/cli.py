@@ -229,7 +229,8 @@ def error_message(err: BaseException) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command. Every error ends as one ``mmrl: error: ...`` message on stderr (exit status 2 for bad
-    input, 1 for anything else); ``--verbose`` prints the traceback before it."""
+    input, 1 for anything else); ``--verbose`` prints the traceback before it. A rank of a multi-process launch
+    does not return: it exits with the status (:func:`mmrl.distributed.end_launched_process`)."""
     parser = build_parser()
     # overrides may follow an option (`mmrl memory CONFIG --fsdp 8 model.lora.rank=32`), which argparse's
     # positional list stops at: the leftover key=value words are the command's overrides
@@ -239,6 +240,16 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
     quiet_libraries(args.verbose)
+    status = _run_command(args)
+    if "torch" in sys.modules:  # only a command that loaded torch can have joined a process group
+        from mmrl.distributed import end_launched_process, is_launched_rank
+
+        if is_launched_rank():
+            end_launched_process(status)
+    return status
+
+
+def _run_command(args: argparse.Namespace) -> int:
     try:
         return args.func(args)
     except KeyboardInterrupt:

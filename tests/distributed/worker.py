@@ -4,7 +4,7 @@
 
 Trains the recipe through ``run_recipe`` (what ``mmrl train`` runs), then saves this rank's initial and final
 trainable weights (whole tensors, gathered from the shards under FSDP), whether the model was sharded, and the
-final metrics to ``PREFIX.rank{R}.pt``.
+final metrics to ``PREFIX.rank{R}.pt``, and ends as ``mmrl train`` ends a launched rank.
 """
 
 import importlib
@@ -13,7 +13,7 @@ import sys
 import torch
 
 from mmrl.config import load_config
-from mmrl.distributed import full_state_dict, is_sharded
+from mmrl.distributed import end_launched_process, full_state_dict, is_sharded
 from mmrl.loop import run_recipe
 from mmrl.recipes import get_recipe
 
@@ -49,6 +49,7 @@ def main() -> None:
             super().cleanup()
 
     run_recipe(load_config(recipe.load_config_class(), None, overrides), Recording)
+    end_launched_process(0)  # as `mmrl train` ends a rank
 
 
 if __name__ == "__main__":
