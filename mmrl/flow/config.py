@@ -112,9 +112,22 @@ class FlowSamplingConfig(Config):
         "random",
         description="Where the SDE window sits each step (MixGRPO slides it, Flow-GRPO-Fast draws it).",
     )
+    sde_window_range: tuple[int, int] | None = Field(
+        None,
+        description="[first, end]: the SDE window stays inside steps first <= i < end, its start drawn (or slid) "
+        "in first .. end - sde_window, as Flow-GRPO-Fast's and verl's sde_window_range (verl's Qwen-Image OCR: "
+        "[0, 5] with a window of 2). null: anywhere in the schedule.",
+    )
     height: int = Field(32, ge=8, description="Image height in pixels.")
     width: int = Field(32, ge=8, description="Image width in pixels.")
     num_frames: int | None = Field(None, ge=1, description="Video frames (Wan).")
+    shift: float | None = Field(
+        None,
+        gt=0,
+        description="null: the family's own sigma schedule (SD3's static shift 3, FLUX's dynamic shift by image "
+        "size, ...). A number: the static shift sigma = shift t / (1 + (shift - 1) t) of t = linspace(1, 0, "
+        "steps + 1) for rollouts and evaluation (DanceGRPO's --shift: 3 for FLUX).",
+    )
     shared_noise: bool = Field(False, description="One initial noise per prompt group.")
     negative_prompt: str = Field("", description="Unconditional prompt for CFG.")
     max_batch_size: int | None = Field(None, ge=1, description="Largest transformer batch per forward.")
@@ -135,6 +148,7 @@ class FlowSamplingConfig(Config):
             height=self.height,
             width=self.width,
             num_frames=self.num_frames,
+            shift=self.shift,
             shared_noise=self.shared_noise,
             negative_prompt=self.negative_prompt,
             max_batch_size=self.max_batch_size,
@@ -536,6 +550,18 @@ class FlowGRPOConfig(Config):
             raise ValueError(
                 f"sampling.sde_window ({w}) exceeds sampling.num_steps ({self.sampling.num_steps})"
             )
+        if self.sampling.sde_window_range is not None:
+            first, end = self.sampling.sde_window_range
+            if w is None:
+                raise ValueError("sampling.sde_window_range places a window: set sampling.sde_window too")
+            # CPS adds no noise at the last step: its windows end before it
+            last = self.sampling.num_steps - (self.sampling.sde_kind == "cps")
+            if not 0 <= first < end <= self.sampling.num_steps or min(end, last) - first < w:
+                raise ValueError(
+                    f"sampling.sde_window_range {[first, end]} must satisfy 0 <= first < end <= sampling.num_steps "
+                    f"({self.sampling.num_steps}) and hold the sampling.sde_window of {w} steps (with sde_kind "
+                    "cps, before the last step)"
+                )
         if self.sampling.rollout == "branch":
             span = w if w is not None else self.sampling.num_steps
             bad = [s for s in self.tree.split_steps if not 0 <= s < span]

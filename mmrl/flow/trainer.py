@@ -61,7 +61,7 @@ from mmrl.trainer_base import TrainerBase
 from pipelines.flow.adapters import Conditioning, FlowAdapter, list_adapters, load_adapter
 from pipelines.flow.branch import TreeRollout, prune_transitions
 from pipelines.flow.explore import ExploreConfig, spearman
-from pipelines.flow.rollout import Rollout, SamplingConfig, TransitionBatch, rescore, rollout
+from pipelines.flow.rollout import Rollout, SamplingConfig, TransitionBatch, rescore, rollout, rollout_sigmas
 from pipelines.pool.protocol import WeightUpdate
 from pipelines.pool.weights import make_update
 from rewards.base import checked_score
@@ -408,15 +408,18 @@ class FlowGRPOTrainer(TrainerBase):
             return (0, 0)
         if s.sde_window is None:
             return None
-        # CPS adds no noise at the last step (sigma_next = 0), so its windows end before it
-        last = s.num_steps - 1 if s.sde_kind == "cps" else s.num_steps
-        span = last - s.sde_window
+        first, end = s.sde_window_range or (0, s.num_steps)
+        if (
+            s.sde_kind == "cps"
+        ):  # CPS adds no noise at the last step (sigma_next = 0), so its windows end before it
+            end = min(end, s.num_steps - 1)
+        span = end - first - s.sde_window
         if s.window_schedule == "fixed":
-            start = 0
+            start = first
         elif s.window_schedule == "sliding":
-            start = step % (span + 1)
+            start = first + step % (span + 1)
         else:
-            start = int(torch.randint(0, span + 1, (1,), generator=self.generator))
+            start = first + int(torch.randint(0, span + 1, (1,), generator=self.generator))
         return start, start + s.sde_window
 
     def sampling_config(self, step: int | None = None) -> SamplingConfig:
@@ -709,8 +712,7 @@ class FlowGRPOTrainer(TrainerBase):
 
         Returns ``(rows [B*T] image index, sigma [B*T], x_t, v* = eps - x0)``.
         """
-        s = self.cfg.sampling
-        schedule = self.adapter.sigmas(s.num_steps, s.height, s.width, s.num_frames).float().cpu()
+        schedule = rollout_sigmas(self.adapter, self.cfg.sampling.rollout_settings(None)).float().cpu()
         schedule = schedule[schedule > 0]
         trained_steps = torch.nonzero(self.adapter.trains_at(schedule)).flatten()
         t = self.cfg.trainer

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pipelines.flow.adapters.base import Conditioning, FlowAdapter
-from pipelines.flow.rollout import SamplingConfig, TransitionBatch, velocity_batched
+from pipelines.flow.rollout import SamplingConfig, TransitionBatch, rollout_sigmas, velocity_batched
 from pipelines.flow.sde import ode_step, sde_step
 
 __all__ = ["TreeConfig", "TreeRollout", "prune_transitions", "tree_nfe", "tree_rollout"]
@@ -159,7 +159,7 @@ def tree_rollout(
     # 1. conditioning once per tree
     cfg = adapter.uses_cfg(config.guidance_scale)
     cond_trees: Conditioning = adapter.encode(prompts, cfg=cfg, negative_prompt=config.negative_prompt)
-    sigmas = adapter.sigmas(config.num_steps, config.height, config.width, config.num_frames)
+    sigmas = rollout_sigmas(adapter, config)
     sde = config.sde_steps()
     shape = adapter.latent_shape(config.height, config.width, config.num_frames)
     # 2. roots

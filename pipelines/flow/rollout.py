@@ -15,8 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
 
-from pipelines.flow.adapters.base import Conditioning, FlowAdapter
+from pipelines.flow.adapters.base import Conditioning, FlowAdapter, flow_match_sigmas
 from pipelines.flow.sde import LOG_PROB_FORMS, SDE_KINDS, LogProbForm, SDEKind, ode_step, sde_step
 
 
@@ -34,6 +35,9 @@ class SamplingConfig:
             Only SDE steps are returned as trainable transitions.
         height, width: output size in pixels.
         num_frames: video frames (video adapters only).
+        shift: ``None`` steps through the family's own schedule (``adapter.sigmas``: SD3's static shift 3, FLUX's
+            dynamic shift by image size...); a number, a static shift of ``linspace(1, 0, S + 1)`` instead,
+            ``sigma = shift t / (1 + (shift - 1) t)`` (DanceGRPO's ``--shift``; see :func:`rollout_sigmas`).
         shared_noise: one initial noise per prompt group (samples then differ only by SDE noise) instead of one
             per sample.
         negative_prompt: the unconditional prompt for CFG.
@@ -51,6 +55,7 @@ class SamplingConfig:
     height: int = 512
     width: int = 512
     num_frames: int | None = None
+    shift: float | None = None
     shared_noise: bool = False
     negative_prompt: str = ""
     max_batch_size: int | None = None
@@ -73,6 +78,8 @@ class SamplingConfig:
             raise ValueError(
                 f"unknown log_prob_form {self.log_prob_form!r}. Available: {list(LOG_PROB_FORMS)}"
             )
+        if self.shift is not None and self.shift <= 0:
+            raise ValueError(f"shift must be > 0 or None, got {self.shift}")
         if self.max_batch_size is not None and self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1 or None, got {self.max_batch_size}")
 
@@ -82,6 +89,18 @@ class SamplingConfig:
         start, stop = self.sde_window if self.sde_window is not None else (0, self.num_steps)
         mask[start:stop] = True
         return mask
+
+
+def rollout_sigmas(adapter: FlowAdapter, config: SamplingConfig) -> torch.Tensor:
+    """``[S+1]`` float32 sigmas a rollout with ``config`` steps through, from 1 to 0: the family's own schedule
+    (``adapter.sigmas``), or with ``config.shift`` the static shift ``shift t / (1 + (shift - 1) t)`` of
+    ``t = linspace(1, 0, S + 1)``, computed by diffusers' ``FlowMatchEulerDiscreteScheduler`` (DanceGRPO samples
+    FLUX so, with shift 3, where ``FluxPipeline`` shifts by the image size)."""
+    if config.shift is None:
+        return adapter.sigmas(config.num_steps, config.height, config.width, config.num_frames)
+    return flow_match_sigmas(
+        FlowMatchEulerDiscreteScheduler(shift=config.shift), config.num_steps, explicit_linspace=True
+    )
 
 
 @dataclass
@@ -277,7 +296,7 @@ def rollout(
     cond = adapter.encode(list(prompts), cfg=cfg, negative_prompt=config.negative_prompt).select(group_index)
 
     # 3. schedule and SDE steps
-    sigmas = adapter.sigmas(config.num_steps, config.height, config.width, config.num_frames)  # [S+1]
+    sigmas = rollout_sigmas(adapter, config)  # [S+1]
     sde_steps = config.sde_steps()  # [S]
     if config.noise_level == 0 and sde_steps.any():
         raise ValueError(

@@ -1079,6 +1079,76 @@ def test_cps_windows_end_before_the_last_step_and_its_transitions_train(model_di
         make_cfg(model_dir, tmp_path, "cps", "sampling.sde_kind=cps", "sampling.sde_window=4")
 
 
+@pytest.mark.parametrize("schedule", ["fixed", "sliding", "random"])
+def test_sde_window_range_keeps_the_window_inside_it(model_dir, tmp_path, schedule):
+    """verl's Qwen-Image OCR shape on 8 steps: a window of 2 inside steps 1 <= i < 6 starts at 1, 2, 3 or 4."""
+    cfg = make_cfg(
+        model_dir,
+        tmp_path,
+        f"range{schedule}",
+        "sampling.num_steps=8",
+        "sampling.sde_window_range=[1, 6]",
+        f"sampling.window_schedule={schedule}",
+    )
+    trainer = FlowGRPOTrainer(cfg, None)
+    trainer.setup()
+    windows = [trainer.sde_window(step) for step in range(40)]
+    starts = {(1, 3), (2, 4), (3, 5), (4, 6)}
+    if schedule == "fixed":
+        assert set(windows) == {(1, 3)}
+    elif schedule == "sliding":
+        assert windows[:5] == [(1, 3), (2, 4), (3, 5), (4, 6), (1, 3)]
+    else:
+        assert set(windows) == starts
+    # CPS never noises the last step: [5, 8] with a window of 2 leaves starts 5 only
+    cps = make_cfg(
+        model_dir,
+        tmp_path,
+        "rangecps",
+        "sampling.num_steps=8",
+        "sampling.sde_kind=cps",
+        "sampling.sde_window_range=[5, 8]",
+    )
+    trainer = FlowGRPOTrainer(cps, None)
+    trainer.setup()
+    assert {trainer.sde_window(step) for step in range(20)} == {(5, 7)}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["sampling.sde_window=null", "sampling.sde_window_range=[0, 3]"], "set sampling.sde_window too"),
+        (["sampling.sde_window_range=[2, 5]"], r"sde_window_range \[2, 5\] must satisfy .*num_steps \(4\)"),
+        (["sampling.sde_window_range=[1, 2]"], r"hold the sampling.sde_window of 2 steps"),
+        (["sampling.sde_kind=cps", "sampling.sde_window_range=[2, 4]"], "before the last step"),
+    ],
+)
+def test_sde_window_range_errors_name_the_keys(model_dir, tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        make_cfg(model_dir, tmp_path, "bad", *overrides)
+
+
+def test_sampling_shift_reaches_rollouts_evaluation_and_the_regressed_points(model_dir, tmp_path):
+    """sampling.shift 1.5 on 4 steps (the model's scheduler shifts by 3): rollouts and evaluation get it, and NFT
+    regresses at the shifted sigmas."""
+    cfg = make_cfg(model_dir, tmp_path, "shift", "sampling.shift=1.5", "trainer.objective=nft")
+    assert cfg.sampling.rollout_settings((0, 2)).shift == 1.5
+    assert cfg.sampling.rollout_settings((0, 0), num_steps=3).shift == 1.5
+    trainer = FlowGRPOTrainer(cfg, None)
+    trainer.setup()
+    t = torch.linspace(1, 0, 5)[:-1]
+    shifted = 1.5 * t / (1 + 0.5 * t)
+    own = trainer.adapter.sigmas(4, 32, 32)[:-1]
+    assert not torch.isclose(own[1:, None], shifted[None, 1:]).any()
+    _, sigma, _, _ = trainer.regression_points(
+        torch.zeros(8, 4, 8, 8), torch.arange(8) // 4, num_timesteps=64
+    )
+    visited = torch.isclose(sigma[:, None], shifted[None, :]).any(dim=1)
+    assert visited.all()
+    with pytest.raises(ValueError, match=r"sampling\.shift"):
+        make_cfg(model_dir, tmp_path, "shift0", "sampling.shift=0")
+
+
 def test_minibatch_scales_average_each_optimizer_step_including_a_short_last_group(model_dir, tmp_path):
     cfg = make_cfg(
         model_dir, tmp_path, "accum", "trainer.minibatch_size=2", "trainer.gradient_accumulation=2"

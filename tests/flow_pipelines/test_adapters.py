@@ -10,7 +10,7 @@ from peft import LoraConfig
 from mmrl.data.shapes import all_prompts
 from pipelines.flow.adapters import ShapesAdapter, get_adapter, list_adapters, load_adapter
 from pipelines.flow.adapters.qwen_image import pack_2x2
-from pipelines.flow.rollout import SamplingConfig, rescore, rollout
+from pipelines.flow.rollout import SamplingConfig, rescore, rollout, rollout_sigmas
 from pipelines.flow.tiny import TINY_LOAD_KWARGS as LOAD_KWARGS
 from pipelines.flow.tiny import TINY_SIZES as SIZES
 from pipelines.flow.tiny import build_shapes_pipeline
@@ -304,6 +304,22 @@ def test_sigmas_equal_the_pipeline_schedule(family, load_tiny):
         **extra,
     )
     torch.testing.assert_close(adapter.sigmas(6, 32, 32), seen["sigmas"].float())
+
+
+def test_a_static_shift_replaces_the_family_schedule_as_dancegrpo_samples_flux(load_tiny):
+    """sampling.shift 3 on FLUX (whose pipeline shifts by image size): DanceGRPO's sd3_time_shift(3, linspace(1, 0,
+    S + 1)), by hand; without it the family's own schedule."""
+    adapter = load_tiny("flux")
+    config = SamplingConfig(num_steps=6, height=32, width=32, shift=3.0)
+    t = torch.linspace(1, 0, 7)
+    torch.testing.assert_close(rollout_sigmas(adapter, config), 3 * t / (1 + 2 * t))
+    own = SamplingConfig(num_steps=6, height=32, width=32)
+    torch.testing.assert_close(rollout_sigmas(adapter, own), adapter.sigmas(6, 32, 32))
+    assert not torch.allclose(adapter.sigmas(6, 32, 32), 3 * t / (1 + 2 * t))
+    shifted = rollout(adapter, PROMPTS[:1], 2, config, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(shifted.sigmas, 3 * t / (1 + 2 * t))
+    with pytest.raises(ValueError, match="shift must be > 0"):
+        SamplingConfig(shift=0.0)
 
 
 def test_decode_maps_latents_to_unit_range(load_tiny):
