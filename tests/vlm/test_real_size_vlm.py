@@ -99,7 +99,7 @@ def test_smoke_config_keeps_the_recipes_training_settings(recipe, prompts, tmp_p
     # the recipe's own: LoRA, dtype, checkpointing, generation length and context, verifiers, loss
     assert cfg.model.lora == recipe_cfg.model.lora and cfg.model.lora.rank == 64
     assert cfg.model.dtype == "bfloat16" and cfg.model.gradient_checkpointing
-    assert cfg.generation.max_new_tokens == 1024 and cfg.generation.max_model_len == 4096
+    assert cfg.generation.max_new_tokens == 2048 and cfg.generation.max_model_len == 4096
     assert [r.name for r in cfg.rewards] == ["math_verify", "format"]
     assert cfg.trainer == recipe_cfg.trainer.model_copy(
         update={
