@@ -8,6 +8,7 @@ Local files and hub datasets go through HF ``datasets``; an image column may hol
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ from PIL import Image, UnidentifiedImageError
 if TYPE_CHECKING:
     from mmrl.data.shapes_math import MathItem
 
-__all__ = ["VQAExample", "check_answers", "format_question", "load_vqa"]
+__all__ = ["VQAExample", "check_answers", "fit_pixels", "format_question", "load_vqa"]
 
 _LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
@@ -106,6 +107,25 @@ GENERATED: dict[str, tuple[Callable[[str, int, int, int], list[VQAExample]], tup
 }
 
 
+def fit_pixels(
+    image: Image.Image, min_pixels: int | None = None, max_pixels: int | None = None
+) -> Image.Image:
+    """``image`` scaled by ``sqrt(bound / (width x height))`` (aspect ratio kept, bicubic, sides rounded down to
+    at least 1) when its pixel count exceeds ``max_pixels`` or falls below ``min_pixels``; otherwise ``image``
+    itself. EasyR1 bounds its images so before the processor (``data.min_pixels`` / ``max_pixels``: 262,144 and
+    4,194,304 in its examples), which caps a large image's visual tokens (Qwen2.5-VL: one per 28 x 28 pixels).
+    """
+    pixels = image.width * image.height
+    bound = max_pixels if max_pixels is not None and pixels > max_pixels else None
+    if bound is None and min_pixels is not None and pixels < min_pixels:
+        bound = min_pixels
+    if bound is None:
+        return image
+    scale = math.sqrt(bound / pixels)
+    size = (max(1, int(image.width * scale)), max(1, int(image.height * scale)))
+    return image.resize(size, Image.Resampling.BICUBIC)
+
+
 def _open_image(value: Any, root: Path, where: str) -> Image.Image:
     try:
         if isinstance(value, Image.Image):
@@ -189,6 +209,8 @@ def load_vqa(
     reference_column: str | None = None,
     image_root: str | None = None,
     question_template: str = "{question}",
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
 ) -> list[VQAExample]:
     """Load VQA examples.
 
@@ -206,6 +228,7 @@ def load_vqa(
             generated ``shapes_math`` items carry their reference trace, ``"shapes 4. red 2. 4-2=2"``.
         image_root: folder that relative image paths are resolved against (default: the data file's folder).
         question_template: formats the question, e.g. ``"{question} Put the answer in <answer></answer>."``.
+        min_pixels, max_pixels: bounds on every image's pixel count (:func:`fit_pixels`); ``None``: unbounded.
 
     Raises:
         ValueError: an unknown shapes split, an empty, malformed or unsupported file, a hub dataset that cannot
@@ -220,7 +243,9 @@ def load_vqa(
             raise ValueError(
                 f"unknown {name} split {which!r} in {source!r}; use one of {[f'{name}:{s}' for s in splits]}"
             )
-        return build(which, 1000 if limit is None else limit, seed, image_size)
+        return _fit_images(
+            build(which, 1000 if limit is None else limit, seed, image_size), min_pixels, max_pixels
+        )
 
     path = Path(source)
     if path.suffix in _LOCAL_FORMATS:
@@ -276,6 +301,14 @@ def load_vqa(
         examples.append(VQAExample(pid, question, answer, images, reference=reference))
     if not examples:
         raise ValueError(f"{source}: no examples")
+    return _fit_images(examples, min_pixels, max_pixels)
+
+
+def _fit_images(
+    examples: list[VQAExample], min_pixels: int | None, max_pixels: int | None
+) -> list[VQAExample]:
+    for example in examples:
+        example.images = [fit_pixels(image, min_pixels, max_pixels) for image in example.images]
     return examples
 
 

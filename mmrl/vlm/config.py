@@ -109,6 +109,19 @@ class VLMDataConfig(Config):
     question_template: str = Field("{question}", description="Formats the question text.")
     system_prompt: str | None = Field(None, description="Optional system message.")
     image_size: int = Field(32, ge=8, description="Side of generated shapes images.")
+    min_pixels: int | None = Field(
+        None,
+        ge=1,
+        description="Images with fewer pixels are scaled up to about this many, aspect ratio kept, before the "
+        "processor (EasyR1's data.min_pixels, 262144 in its examples). null: as loaded.",
+    )
+    max_pixels: int | None = Field(
+        None,
+        ge=1,
+        description="Images with more pixels are scaled down to about this many, aspect ratio kept, before the "
+        "processor (EasyR1's data.max_pixels, 4194304 in its examples): fewer visual tokens for large images. "
+        "null: as loaded (the processor's own limits apply).",
+    )
     extra_eval: dict[str, str] = Field(
         default_factory=dict,
         description="Further held-out sets, name -> source (same forms as eval, eval_limit items each), scored "
@@ -439,8 +452,10 @@ class VLMRLVRConfig(Config):
             raise ValueError("rewards: at least one verifier is needed")
         check_reward_keys(self.rewards, "rewards")
         check_reward_keys([*self.rewards, *self.eval_rewards], "rewards + eval_rewards")
-        t, a = self.trainer, self.allocation
+        t, a, d = self.trainer, self.allocation, self.data
         check_optimizer_dtype(t.optimizer, self.model.master_weight_dtype)
+        if d.min_pixels is not None and d.max_pixels is not None and d.min_pixels > d.max_pixels:
+            raise ValueError(f"data.min_pixels ({d.min_pixels}) exceeds data.max_pixels ({d.max_pixels})")
         keys = [spec.key for spec in self.rewards]
         if t.process_credit.reward is not None and t.process_credit.reward not in keys:
             raise ValueError(

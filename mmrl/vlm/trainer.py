@@ -866,6 +866,8 @@ def load_examples(
             image_root=d.image_root,
             question_template=d.question_template,
             image_size=d.image_size,
+            min_pixels=d.min_pixels,
+            max_pixels=d.max_pixels,
             split=d.split,
         )
 
