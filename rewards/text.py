@@ -22,6 +22,9 @@ import torch
 from rewards.base import Reward, RewardOutput, StepScore
 from rewards.registry import register
 
+#: the content of a ``\boxed{...}`` (one level of nested braces, as in ``\boxed{\frac{1}{2}}``)
+BOXED = re.compile(r"\\boxed\s*{([^{}]*(?:{[^{}]*}[^{}]*)*)}")
+
 # stripped from both ends of an answer by exact_match: sentence punctuation, quotes, markdown emphasis.
 # Signs, %, $ and brackets are kept: "-3" is not "3", "(B)" is handled by multiple_choice.
 END_PUNCTUATION = ".,;:!?\"'`*"
@@ -385,7 +388,7 @@ class Numeric(TextVerifier):
     def answer(self, text: str) -> tuple[str | None, str | None]:
         answer, reason = super().answer(text)
         if answer is text:
-            boxed = re.findall(r"\\boxed\s*{([^{}]*(?:{[^{}]*}[^{}]*)*)}", text)
+            boxed = BOXED.findall(text)
             answer = boxed[-1] if boxed else text
         return answer, reason
 
@@ -488,35 +491,46 @@ class MathVerify(TextVerifier):
 @register("format")
 class Format(TextVerifier):
     """1 if the completion is ``<think>...</think><answer>...</answer>``, else 0 (DeepSeek-R1's format reward,
-    arXiv 2501.12948).
+    arXiv 2501.12948); with ``boxed``, ``<think>...</think>`` followed by text holding a non-empty ``\\boxed{}``
+    answer (EasyR1's math format).
 
     Whitespace around and between the blocks is allowed; each tag must occur exactly once, the answer must be
-    non-empty, and no text may precede or follow the blocks unless ``allow_outside_text``.
+    non-empty, and no text may precede or follow the blocks unless ``allow_outside_text`` (with ``boxed``, text
+    around the ``\\boxed{}`` after the think block is part of the answer).
 
     Args:
         think_tag, answer_tag: the tag names; ``think_tag=""`` asks for the answer block only.
         allow_outside_text: accept text before the first and after the last block.
+        boxed: the answer is a ``\\boxed{}`` after the think block instead of an ``answer_tag`` block.
     """
 
     needs_ground_truth = False
 
     def __init__(
-        self, think_tag: str = "think", answer_tag: str = "answer", allow_outside_text: bool = False
+        self,
+        think_tag: str = "think",
+        answer_tag: str = "answer",
+        allow_outside_text: bool = False,
+        boxed: bool = False,
     ):
         super().__init__(answer_tag=answer_tag, require_answer_tag=False)
-        if not answer_tag:
-            raise ValueError("format needs an answer_tag")
+        if not answer_tag and not boxed:
+            raise ValueError("format needs an answer_tag (or boxed=True)")
         self.think_tag = think_tag
         self.allow_outside_text = allow_outside_text
-        blocks = [rf"<{re.escape(t)}>(.*?)</{re.escape(t)}>" for t in (think_tag, answer_tag) if t]
+        self.boxed = boxed
+        tags = (think_tag,) if boxed else (think_tag, answer_tag)
+        blocks = [rf"<{re.escape(t)}>(.*?)</{re.escape(t)}>" for t in tags if t]
         edge = r".*?" if allow_outside_text else r"\s*"
-        self.pattern = re.compile(edge + r"\s*".join(blocks) + edge + r"\Z", flags=re.DOTALL)
+        # boxed: everything after the think block is the answer text, which must hold a \boxed{}
+        end = r"(.*)\Z" if boxed else edge + r"\Z"
+        self.pattern = re.compile(edge + r"\s*".join(blocks) + end, flags=re.DOTALL)
 
     def check_one(self, completion: Any, ground_truth: Any) -> tuple[float, str | None]:
         text = completion_text(completion)
         if text is None:
             return 0.0, f"completion is not text ({type(completion).__name__})"
-        for tag in (self.think_tag, self.answer_tag):
+        for tag in (self.think_tag,) if self.boxed else (self.think_tag, self.answer_tag):
             if not tag:
                 continue
             opened, closed = text.count(f"<{tag}>"), text.count(f"</{tag}>")
@@ -525,6 +539,13 @@ class Format(TextVerifier):
         match = self.pattern.match(text)
         if match is None:
             return 0.0, "blocks out of order or text outside them"
+        if self.boxed:
+            answers = BOXED.findall(match.groups()[-1])
+            if not answers:
+                return 0.0, "no \\boxed{} answer after the think block"
+            if not answers[-1].strip():
+                return 0.0, "empty \\boxed{}"
+            return 1.0, None
         if not match.groups()[-1].strip():
             return 0.0, f"empty <{self.answer_tag}> block"
         return 1.0, None

@@ -110,6 +110,33 @@ def test_format_table() -> None:
     assert [r is None for r in out.reasons] == [e == 1.0 for e in expected]
 
 
+BOXED_FORMAT_CASES = [
+    ("<think>3 + 4</think> The answer is \\boxed{7}.", 1.0, None),
+    ("<think>x</think>\\boxed{\\frac{1}{2}}", 1.0, None),
+    ("<think>x</think> first \\boxed{1}, then \\boxed{ }", 0.0, "empty \\boxed{}"),
+    ("<think>x</think> The answer is 7.", 0.0, "no \\boxed{} answer after the think block"),
+    ("\\boxed{7} <think>x</think>", 0.0, "blocks out of order or text outside them"),
+    (
+        "<think>x</think><think>y</think>\\boxed{7}",
+        0.0,
+        "expected one <think> and one </think>, found 2 and 2",
+    ),
+    ("<think>x</think><answer>7</answer>", 0.0, "no \\boxed{} answer after the think block"),
+]
+
+
+def test_format_boxed_is_easyr1s_math_format() -> None:
+    completions, expected, reasons = zip(*BOXED_FORMAT_CASES, strict=True)
+    out = rewards.build("format", boxed=True).score(completions=list(completions))
+    assert out.scores.tolist() == list(expected)
+    assert list(out.reasons) == list(reasons)
+    # the tag form is unchanged, and an answer tag is not needed in the boxed form
+    assert rewards.build("format")(completions=[completions[0]]).tolist() == [0.0]
+    assert rewards.build("format", answer_tag="", boxed=True)(completions=[completions[0]]).tolist() == [1.0]
+    with pytest.raises(ValueError, match="format needs an answer_tag"):
+        rewards.build("format", answer_tag="")
+
+
 def test_format_configurable_tags() -> None:
     loose = rewards.build("format", think_tag="reasoning", answer_tag="final", allow_outside_text=True)
     scores = loose(
