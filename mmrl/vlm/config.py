@@ -139,6 +139,13 @@ class GenerationConfig(Config):
     backend: Literal["hf", "vllm"] = Field("hf", description="hf: transformers generate; vllm: GPU engine.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature of rollouts.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus mass (1: full distribution, on-policy).")
+    eval_temperature: float = Field(
+        0.0,
+        ge=0,
+        description="Temperature of the held-out answers, one per question: 0 (default) greedy; EasyR1 and verl "
+        "validate by sampling (EasyR1: 0.6 with eval_top_p 0.95), which scores lower than greedy and varies.",
+    )
+    eval_top_p: float = Field(1.0, gt=0, le=1, description="Nucleus mass of sampled held-out answers.")
     max_new_tokens: int = Field(16, ge=1, description="Completion budget.")
     max_prompt_length: int | None = Field(
         None, ge=1, description="Longer prompts are skipped, never truncated."

@@ -356,12 +356,12 @@ class VLMRLVRTrainer(TrainerBase):
         )
 
     def generate(
-        self, examples: list[VQAExample], n: int, temperature: float
+        self, examples: list[VQAExample], n: int, temperature: float, top_p: float
     ) -> list[tuple[VQAExample, GenerationSample]]:
         g = self.cfg.generation
         params = SamplingParams(
             temperature=temperature,
-            top_p=g.top_p if temperature > 0 else 1.0,
+            top_p=top_p if temperature > 0 else 1.0,
             max_new_tokens=g.max_new_tokens,
             n=n,
             seed=int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator)),
@@ -474,7 +474,8 @@ class VLMRLVRTrainer(TrainerBase):
     def _generate_ids(self, prompt_ids: list[str], n: int) -> VLMPairs:
         """``n`` training samples of each prompt of ``prompt_ids`` (the loop source's generation)."""
         examples = [self.by_id[pid] for pid in prompt_ids]
-        return [(ex.prompt_id, s) for ex, s in self.generate(examples, n, self.cfg.generation.temperature)]
+        g = self.cfg.generation
+        return [(ex.prompt_id, s) for ex, s in self.generate(examples, n, g.temperature, g.top_p)]
 
     def collect(
         self,
@@ -769,7 +770,8 @@ class VLMRLVRTrainer(TrainerBase):
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self, examples: list[VQAExample] | None = None) -> dict[str, float]:
-        """Greedy answers on the held-out questions: accuracy per verifier and per question kind, each
+        """One answer per held-out question (greedy, or sampled at ``generation.eval_temperature``): accuracy per
+        verifier and per question kind, each
         ``eval_rewards`` verifier beside them, then the same for every ``data.extra_eval`` set
         (``eval/NAME/...``) when ``examples`` is not given. A vLLM engine sleeps after the last set."""
         out = self._evaluate_set(self.eval_set if examples is None else examples, "eval")
@@ -780,7 +782,8 @@ class VLMRLVRTrainer(TrainerBase):
         return out
 
     def _evaluate_set(self, examples: list[VQAExample], prefix: str) -> dict[str, float]:
-        pairs = self.generate(examples, 1, temperature=0.0)
+        g = self.cfg.generation
+        pairs = self.generate(examples, 1, g.eval_temperature, g.eval_top_p)
         total, raw = self.verify(pairs)
         batch = self._reward_batch(pairs)
         extra = {
@@ -1041,8 +1044,9 @@ def evaluate(
 ) -> dict[str, float]:
     """Accuracy of the base model, or a checkpoint's adapter, on a question file (json/jsonl/parquet).
 
-    Each question is answered once, greedily (as ``trainer.eval_every`` scores), so ``images_per_prompt`` (the
-    flow recipes' samples per prompt, ``mmrl eval --images-per-prompt``) must be 1: greedy samples repeat.
+    Each question is answered once (as ``trainer.eval_every`` scores: greedily unless
+    ``generation.eval_temperature``), so ``images_per_prompt`` (the flow recipes' samples per prompt, ``mmrl eval
+    --images-per-prompt``) must be 1.
 
     Raises:
         ValueError: ``images_per_prompt`` is not 1.

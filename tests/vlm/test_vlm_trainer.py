@@ -795,6 +795,32 @@ def test_the_rollout_engine_sleeps_after_generation_and_evaluation(model_dir, tm
     assert calls == ["generate", "sleep", "train", "sync", "generate", "sleep", "generate", "sleep"]
 
 
+def test_evaluation_samples_at_eval_temperature_and_is_greedy_by_default(model_dir, tmp_path):
+    """EasyR1 validates by sampling (temperature 0.6, top_p 0.95): the held-out answers are drawn with the eval
+    settings, not the rollouts' (temperature 1, top_p 1), and greedy (temperature 0, top_p 1) by default."""
+    seen: list[tuple[float, float, int]] = []
+
+    def run(name, *overrides):
+        trainer = VLMRLVRTrainer(make_cfg(model_dir, tmp_path, name, *overrides), None)
+        trainer.setup()
+        generate = trainer.backend.generate
+
+        def recording(prompts, params):
+            seen.append((params.temperature, params.top_p, params.n))
+            return generate(prompts, params)
+
+        trainer.backend.generate = recording
+        trainer.evaluate()
+        return [sample.text for _, sample in trainer._last_eval[0]]
+
+    greedy = run("greedy")
+    assert seen == [(0.0, 1.0, 1)] and run("greedy2") == greedy  # greedy answers repeat
+    seen.clear()
+    sampled = run("sampled", "generation.eval_temperature=0.6", "generation.eval_top_p=0.95")
+    assert seen == [(0.6, 0.95, 1)]
+    assert sampled != greedy
+
+
 def test_a_step_whose_every_prompt_is_too_long_names_the_length_settings(model_dir, tmp_path):
     trainer = VLMRLVRTrainer(make_cfg(model_dir, tmp_path, "long", "generation.max_prompt_length=8"), None)
     trainer.setup()
