@@ -340,10 +340,11 @@ class FlowTrainerConfig(Config):
         0.004,
         ge=0,
         description="KL coefficient to the reference: on SDE means (grpo, in the form kl_form names; "
-        "Flow-GRPO: 0.04 for SD3.5-M GenEval/OCR, 0.01 PickScore; 0.004 Wan2.1 in the exact form), on the velocity at the regressed "
-        "points (nft, rwr, awm; AWM: 0.003 GenEval/OCR, 1e-4 PickScore). DiffusionNFT multiplies its policy loss "
-        "by adv_clip_max / nft_beta (5 at its defaults) and mmrl's nft does not: its train.beta times "
-        "nft_beta / adv_clip_max is the same KL here (1e-4 there: 2e-5 here), and its max_grad_norm likewise.",
+        "Flow-GRPO: 0.04 for SD3.5-M GenEval/OCR, 0.01 PickScore; 0.004 Wan2.1 in the exact form), on the "
+        "velocity at the regressed points (nft, rwr, awm; AWM: 0.003 GenEval/OCR, 1e-4 PickScore). "
+        "DiffusionNFT multiplies its policy loss by adv_clip_max / nft_beta (5 at its defaults) and mmrl's nft "
+        "does not: its train.beta times nft_beta / adv_clip_max is the same KL here (1e-4 there: 2e-5 here), and "
+        "its max_grad_norm likewise.",
     )
     kl_form: Literal["flow_grpo", "exact"] = Field(
         "flow_grpo",
