@@ -358,14 +358,19 @@ class FlowTrainerConfig(Config):
         1.0,
         gt=0,
         le=1,
-        description="Share of a step's SDE steps whose transitions are trained, the same steps for every sample: "
-        "int(timestep_fraction * SDE steps), at least one, as Flow-GRPO and DanceGRPO round it (0.99 of 10 "
-        "steps trains 9).",
+        description="Share of a step's SDE steps whose transitions are trained: int(timestep_fraction * SDE "
+        "steps), at least one, as Flow-GRPO and DanceGRPO round it (0.99 of 10 steps trains 9).",
     )
-    timestep_selection: Literal["random", "first"] = Field(
+    timestep_selection: Literal["random", "first", "per_sample"] = Field(
         "random",
-        description="Which SDE steps timestep_fraction keeps: random (DanceGRPO: a fresh draw each training "
-        "step) or first (Flow-GRPO: the first ones, so 0.99 never trains the last step).",
+        description="Which SDE steps timestep_fraction keeps: random (a fresh draw each training step, the same "
+        "steps for every sample), first (Flow-GRPO: the first ones, so 0.99 never trains the last step) or "
+        "per_sample (DanceGRPO: every sample draws its own steps).",
+    )
+    timestep_skip_last: bool = Field(
+        False,
+        description="Never train the last SDE step; timestep_fraction counts the others (DanceGRPO's ignore_last: "
+        "0.6 of 12 steps trains 6 of the first 11).",
     )
     train_cfg: bool = Field(
         True,
@@ -563,6 +568,11 @@ class FlowGRPOConfig(Config):
                     f"({self.sampling.num_steps}) and hold the sampling.sde_window of {w} steps (with sde_kind "
                     "cps, before the last step)"
                 )
+        if self.sampling.rollout == "branch" and t.timestep_selection == "per_sample":
+            raise ValueError(
+                "trainer.timestep_selection=per_sample draws steps per sample; sampling.rollout=branch trains a "
+                "tree's shared transitions: use random or first"
+            )
         if self.sampling.rollout == "branch":
             span = w if w is not None else self.sampling.num_steps
             bad = [s for s in self.tree.split_steps if not 0 <= s < span]

@@ -511,7 +511,7 @@ class FlowGRPOTrainer(TrainerBase):
         counts = torch.bincount(ro.group_index)
         self.metrics.add("rollouts/per_prompt_min", counts.min().float())
         self.metrics.add("rollouts/per_prompt_max", counts.max().float())
-        trans = ro.transitions(self._train_steps(ro.sde_steps))
+        trans = ro.transitions(self._train_steps(ro.sde_steps, ro.latents.shape[0]))
         if result.keep is not None:  # samples the estimator leaves out of the loss (MC-GRPO's pivot)
             trans = trans.select(torch.nonzero(result.keep[trans.sample_index]).flatten())
         return total, adv, trans
@@ -602,14 +602,23 @@ class FlowGRPOTrainer(TrainerBase):
             components,
         )
 
-    def _train_steps(self, sde_steps: torch.Tensor) -> torch.Tensor:
+    def _train_steps(self, sde_steps: torch.Tensor, num_samples: int | None = None) -> torch.Tensor:
         """SDE steps whose transitions are trained this step (timestep subsampling): ``int(fraction * n)`` of the
-        ``n`` SDE steps, at least one, drawn at random or the first ones (``trainer.timestep_selection``)."""
+        ``n`` SDE steps (without the last with ``trainer.timestep_skip_last``), at least one, drawn at random or
+        the first ones, ``[K]``; with ``timestep_selection: per_sample`` a draw for each of ``num_samples``
+        samples, ``[num_samples, K]``."""
         t = self.cfg.trainer
         sde = torch.nonzero(sde_steps).flatten()
+        if t.timestep_skip_last and sde.numel() > 1:
+            sde = sde[:-1]
         keep = max(1, int(t.timestep_fraction * sde.numel()))
         if t.timestep_selection == "first":
             return sde[:keep]
+        if t.timestep_selection == "per_sample":
+            if num_samples is None:
+                raise ValueError("timestep_selection=per_sample needs the number of samples")
+            draws = torch.rand((num_samples, sde.numel()), generator=self.generator).argsort(dim=1)[:, :keep]
+            return sde[draws.sort(dim=1).values]  # [num_samples, K]
         order = torch.randperm(sde.numel(), generator=self.generator)[:keep]
         return sde[order.sort().values]
 

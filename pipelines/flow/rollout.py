@@ -180,21 +180,25 @@ class Rollout:
     config: SamplingConfig = field(repr=False)
 
     def transitions(self, steps: Sequence[int] | torch.Tensor | None = None) -> TransitionBatch:
-        """All SDE transitions as a flat batch, sample-major (``N = B * len(steps)``).
+        """All SDE transitions as a flat batch, sample-major (``N = B * K``).
 
         Args:
-            steps: a subset of the SDE steps (timestep subsampling); default all SDE steps.
+            steps: a subset of the SDE steps (timestep subsampling): ``[K]`` for every sample, or ``[B, K]``, each
+                sample's own; default all SDE steps.
 
         Raises:
-            ValueError: a requested step is not an SDE step.
+            ValueError: a requested step is not an SDE step, or ``[B, K]`` steps for another number of samples.
         """
         sde = torch.nonzero(self.sde_steps).flatten()
-        steps_t = sde if steps is None else torch.as_tensor(steps, dtype=torch.long).flatten()
+        batch = self.latents.shape[0]
+        steps_t = sde if steps is None else torch.as_tensor(steps, dtype=torch.long)
+        if steps_t.dim() == 2 and steps_t.shape[0] != batch:
+            raise ValueError(f"per-sample steps of shape {tuple(steps_t.shape)} for {batch} samples")
         if not bool(self.sde_steps[steps_t].all()):
             raise ValueError(f"steps {steps_t.tolist()} include ODE steps; SDE steps are {sde.tolist()}")
-        batch, n_steps = self.latents.shape[0], steps_t.numel()
+        n_steps = steps_t.shape[-1]
         sample_index = torch.arange(batch).repeat_interleave(n_steps)  # [B*K]
-        step_index = steps_t.repeat(batch)  # [B*K]
+        step_index = steps_t.flatten() if steps_t.dim() == 2 else steps_t.repeat(batch)  # [B*K]
         return TransitionBatch(
             latents=self.latents[sample_index, step_index],
             next_latents=self.latents[sample_index, step_index + 1],

@@ -1149,6 +1149,41 @@ def test_sampling_shift_reaches_rollouts_evaluation_and_the_regressed_points(mod
         make_cfg(model_dir, tmp_path, "shift0", "sampling.shift=0")
 
 
+def test_per_sample_timesteps_draw_each_samples_own_steps_without_the_last(model_dir, tmp_path):
+    """DanceGRPO's selection: each sample trains its own int(0.6 * 7) = 4 of the 7 SDE steps left once the last of
+    8 is skipped (ignore_last), and its transitions are exactly those (sample, step) pairs."""
+    cfg = make_cfg(
+        model_dir,
+        tmp_path,
+        "per_sample",
+        "sampling.num_steps=8",
+        "sampling.sde_window=null",
+        "trainer.timestep_fraction=0.6",
+        "trainer.timestep_selection=per_sample",
+        "trainer.timestep_skip_last=true",
+    )
+    trainer = FlowGRPOTrainer(cfg, None)
+    trainer.setup()
+    steps = trainer._train_steps(torch.ones(8, dtype=torch.bool), 16)
+    assert steps.shape == (16, 4)
+    assert all(row.tolist() == sorted(set(row.tolist())) for row in steps)  # distinct, in order
+    assert int(steps.max()) <= 6  # never the last step
+    assert len({tuple(row.tolist()) for row in steps}) > 1  # each sample its own draw
+    batch = trainer.collect()
+    trans = batch.transitions
+    samples = batch.final_latents.shape[0]
+    assert torch.bincount(trans.sample_index, minlength=samples).tolist() == [4] * samples
+    assert int(trans.step_index.max()) <= 6
+    per_sample = trans.step_index.reshape(samples, 4)
+    assert len({tuple(row.tolist()) for row in per_sample}) > 1
+    torch.testing.assert_close(trans.sigma, trainer.adapter.sigmas(8, 32, 32)[trans.step_index])
+    trainer.train_step()  # and the update takes them
+    with pytest.raises(ValueError, match="timestep_selection=per_sample draws steps per sample"):
+        make_cfg(
+            model_dir, tmp_path, "branch", "sampling.rollout=branch", "trainer.timestep_selection=per_sample"
+        )
+
+
 def test_minibatch_scales_average_each_optimizer_step_including_a_short_last_group(model_dir, tmp_path):
     cfg = make_cfg(
         model_dir, tmp_path, "accum", "trainer.minibatch_size=2", "trainer.gradient_accumulation=2"
