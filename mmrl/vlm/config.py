@@ -235,8 +235,15 @@ class VLMTrainerConfig(Config):
     dynamic_sampling: bool = Field(
         False,
         description="DAPO: drop groups whose rewards are all equal (whole groups; every sample of a group "
-        "whose rewards vary stays, even one with zero advantage). DAPO also regenerates to refill the "
-        "batch; this does not, the step trains on fewer samples.",
+        "whose rewards vary stays, even one with zero advantage). DAPO also regenerates to refill the batch: "
+        "trainer.dynamic_sampling_rounds.",
+    )
+    dynamic_sampling_rounds: int = Field(
+        1,
+        ge=1,
+        description="With dynamic_sampling, generation rounds of allocation.prompts_per_step prompts a step may "
+        "take until that many groups whose rewards vary are kept (DAPO's refill; verl's max_num_gen_batches); "
+        "the kept groups beyond it are dropped. 1: one round, the step trains on the varied groups it got.",
     )
     multi_reward: Literal["weighted_sum", "gdpo"] = Field(
         "weighted_sum",
@@ -461,6 +468,16 @@ class VLMRLVRConfig(Config):
         check_reward_keys([*self.rewards, *self.eval_rewards], "rewards + eval_rewards")
         t, a, d = self.trainer, self.allocation, self.data
         check_optimizer_dtype(t.optimizer, self.model.master_weight_dtype)
+        if t.dynamic_sampling_rounds > 1 and not (t.mode == "group" and t.dynamic_sampling):
+            raise ValueError(
+                f"trainer.dynamic_sampling_rounds={t.dynamic_sampling_rounds} refills DAPO's dynamic sampling: set "
+                "trainer.mode=group and trainer.dynamic_sampling=true, or leave it at 1"
+            )
+        if t.dynamic_sampling_rounds > 1 and self.pool.enabled:
+            raise ValueError(
+                "trainer.dynamic_sampling_rounds > 1 generates more rounds in the training loop; a rollout pool "
+                "(pool.enabled) delivers one batch per step: leave it at 1"
+            )
         if d.min_pixels is not None and d.max_pixels is not None and d.min_pixels > d.max_pixels:
             raise ValueError(f"data.min_pixels ({d.min_pixels}) exceeds data.max_pixels ({d.max_pixels})")
         keys = [spec.key for spec in self.rewards]

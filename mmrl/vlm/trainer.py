@@ -483,13 +483,53 @@ class VLMRLVRTrainer(TrainerBase):
         """Steps 1-3: ``(pairs, advantages, row mask [N] of samples that enter the loss, weight lags [N] of the
         samples)``; the advantages are per sequence ``[N]``, or per token ``[N, T]`` with process credit.
 
+        With DAPO's dynamic sampling and ``trainer.dynamic_sampling_rounds`` R > 1, the step generates up to R
+        rounds of ``allocation.prompts_per_step`` prompts until that many groups whose rewards vary are kept
+        (verl's ``max_num_gen_batches``); the groups kept beyond it are dropped, in generation order.
+
         Raises:
             ValueError: every prompt of the step was skipped as too long (:meth:`_no_samples_error`).
         """
         settings = self.cfg.trainer
-        source = self.rollout_source.collect(self.step)
+        refill = settings.mode == "group" and settings.dynamic_sampling
+        target = self.cfg.allocation.prompts_per_step
+        rounds: list[tuple[list, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        kept_groups = 0
+        for _ in range(settings.dynamic_sampling_rounds if refill else 1):
+            rounds.append(self._collect_round())
+            _, _, keep, _, group_ids = rounds[-1]
+            kept_groups += group_ids[keep].unique().numel()
+            # every rank takes as many rounds (each updates the statistics store, a collective under DDP)
+            if not self.dist.max_over_ranks(int(kept_groups < target)):
+                break
         # a vLLM engine hands its memory to the update until sync_weights wakes it (transformers: nothing to free)
         self.backend.sleep()
+        pairs = [pair for round_pairs, *_ in rounds for pair in round_pairs]
+        width = max(adv.shape[1] if adv.ndim == 2 else 0 for _, adv, *_ in rounds)
+        adv = torch.cat([_token_width(adv, width) if width else adv for _, adv, *_ in rounds])
+        keep = torch.cat([keep for _, _, keep, *_ in rounds])
+        lags = torch.cat([lags for *_, lags, _ in rounds])
+        if refill:
+            offsets = torch.cumsum(torch.tensor([0] + [int(g.max()) + 1 for *_, g in rounds[:-1]]), 0)
+            group_ids = torch.cat(
+                [g + offset for (*_, g), offset in zip(rounds, offsets.tolist(), strict=True)]
+            )
+            surplus = group_ids[keep].unique()[target:]  # (group indices grow in generation order)
+            keep &= ~torch.isin(group_ids, surplus)
+            self.metrics.add("dynamic_sampling/rounds", float(len(rounds)))
+            self.metrics.add("dynamic_sampling/kept_groups", float(min(kept_groups, target)))
+        self.rollout_source.prefetch(self.step)  # later steps' requests, chosen with this step's statistics
+        return pairs, adv, keep, lags
+
+    def _collect_round(
+        self,
+    ) -> tuple[
+        list[tuple[VQAExample, GenerationSample]], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+    ]:
+        """One generation round of :meth:`collect`: ``(pairs, advantages, row mask, weight lags, group index
+        [N])``, the statistics store updated with its rewards."""
+        settings = self.cfg.trainer
+        source = self.rollout_source.collect(self.step)
         if not source.output:
             raise self._no_samples_error(source.info.get("skipped", self.cfg.allocation.prompts_per_step))
         pairs = [(self.by_id[pid], sample) for pid, sample in source.output]
@@ -522,8 +562,7 @@ class VLMRLVRTrainer(TrainerBase):
         self.metrics.add("adv/std", adv.std(correction=0))
         if settings.process_credit.reward is not None:
             adv = self._add_process_credit(pairs, adv, outputs[settings.process_credit.reward], group_ids)
-        self.rollout_source.prefetch(self.step)  # later steps' requests, chosen with this step's statistics
-        return pairs, adv, keep, source.sample_lags
+        return pairs, adv, keep, source.sample_lags, group_ids
 
     def _no_samples_error(self, skipped: int) -> ValueError:
         """The error of a step without a sample (nothing to verify, baseline or train on): all its ``skipped``

@@ -467,6 +467,18 @@ _DAPO_GROUPS = {
 }
 
 
+def _group_positions(pairs) -> list[tuple[int, int]]:
+    """Each sample's (group, in order of the prompts' first appearance; position within its group)."""
+    groups: dict[str, int] = {}
+    positions: dict[str, int] = {}
+    out = []
+    for ex, _ in pairs:
+        group = groups.setdefault(ex.prompt_id, len(groups))
+        positions[ex.prompt_id] = positions.get(ex.prompt_id, -1) + 1
+        out.append((group, positions[ex.prompt_id]))
+    return out
+
+
 @pytest.mark.parametrize(
     "estimator, overrides",
     [
@@ -500,14 +512,9 @@ def test_dynamic_sampling_keeps_exactly_the_groups_whose_rewards_vary(
     answer, fmt = _DAPO_GROUPS[estimator]
 
     def fake_scores(pairs):
-        order = list(dict.fromkeys(ex.prompt_id for ex, _ in pairs))
-        seen: dict[str, int] = {}
-        rows = []
-        for ex, _ in pairs:
-            g, j = order.index(ex.prompt_id), seen.setdefault(ex.prompt_id, 0)
-            seen[ex.prompt_id] += 1
-            rows.append([answer[g][j], fmt[g][j]])
-        raw = torch.tensor(rows, dtype=torch.float32)
+        raw = torch.tensor(
+            [[answer[g][j], fmt[g][j]] for g, j in _group_positions(pairs)], dtype=torch.float32
+        )
         return raw @ trainer.reward_weights, raw, {}
 
     trainer.score_samples = fake_scores
@@ -520,6 +527,44 @@ def test_dynamic_sampling_keeps_exactly_the_groups_whose_rewards_vary(
     else:  # groups 0 and 2 whole (grpo: the 0.5 sample, advantage 0; gdpo: group 0, its sum constant)
         assert keep.tolist() == (group % 2 == 0).tolist()
         assert float(adv[keep & (group == 0)].abs().min()) == 0.0
+
+
+def test_dynamic_sampling_rounds_refill_the_step_with_varied_groups(model_dir, tmp_path):
+    """DAPO's refill: 4 prompts a step, their groups varying in round 1 for one prompt, in round 2 for two and in
+    round 3 for two: the step takes 3 rounds and keeps the first 4 varied groups, the last one dropped."""
+    cfg = make_cfg(
+        model_dir,
+        tmp_path,
+        "refill",
+        "trainer.mode=group",
+        "trainer.advantage=grpo",
+        "trainer.dynamic_sampling=true",
+        "trainer.dynamic_sampling_rounds=4",
+    )
+    trainer = VLMRLVRTrainer(cfg, None)
+    trainer.setup()
+    varied_per_round = [{0}, {1, 2}, {0, 3}]
+    calls: list[int] = []
+
+    def fake_scores(pairs):
+        varied = varied_per_round[len(calls)]
+        calls.append(len(pairs))
+        raw = torch.tensor([[float(g in varied and j == 0), 0.0] for g, j in _group_positions(pairs)])
+        return raw @ trainer.reward_weights, raw, {}
+
+    trainer.score_samples = fake_scores
+    pairs, adv, keep, lags = trainer.collect()
+    assert calls == [12, 12, 12]  # three rounds of 4 prompts x 3 samples, then enough
+    assert len(pairs) == 36 and adv.shape == keep.shape == lags.shape == (36,)
+    group_of_row = torch.arange(36) // 3  # rounds' groups in generation order: 4 per round
+    kept_groups = sorted(set(group_of_row[keep].tolist()))
+    assert kept_groups == [0, 5, 6, 8]  # round 1 group 0, round 2 groups 1-2, round 3 group 0; not group 3
+    assert int(keep.sum()) == 12
+    assert trainer.metrics.reduce()["dynamic_sampling/rounds"] == 3.0
+    with pytest.raises(
+        ValueError, match=r"trainer.dynamic_sampling_rounds=2 refills DAPO's dynamic sampling"
+    ):
+        make_cfg(model_dir, tmp_path, "refill1", "trainer.mode=group", "trainer.dynamic_sampling_rounds=2")
 
 
 def test_a_verifier_used_twice_needs_labels_and_logs_under_each(model_dir, tmp_path):
