@@ -495,12 +495,13 @@ class VLMRLVRTrainer(TrainerBase):
         target = self.cfg.allocation.prompts_per_step
         rounds: list[tuple[list, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         kept_groups = 0
-        for _ in range(settings.dynamic_sampling_rounds if refill else 1):
+        max_rounds = settings.dynamic_sampling_rounds if refill else 1
+        for _ in range(max_rounds):
             rounds.append(self._collect_round())
             _, _, keep, _, group_ids = rounds[-1]
             kept_groups += group_ids[keep].unique().numel()
             # every rank takes as many rounds (each updates the statistics store, a collective under DDP)
-            if not self.dist.max_over_ranks(int(kept_groups < target)):
+            if max_rounds == 1 or not self.dist.max_over_ranks(int(kept_groups < target)):
                 break
         # a vLLM engine hands its memory to the update until sync_weights wakes it (transformers: nothing to free)
         self.backend.sleep()
