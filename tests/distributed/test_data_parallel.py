@@ -210,6 +210,24 @@ def test_vlm_ddp_lora_ranks_stay_identical(tmp_path):
     assert [json.loads(x)["step"] for x in lines] == [0, 1, 2]
 
 
+def test_vlm_ddp_dynamic_sampling_refill_takes_as_many_rounds_on_every_rank(tmp_path):
+    """DAPO's refill under DDP: each rank's step generates until its own groups vary, but every round updates the
+    statistics store (a collective), so the ranks agree on the number of rounds and the run finishes in step."""
+    overrides = (
+        "trainer.mode=group",
+        "trainer.num_generations=2",
+        "trainer.dynamic_sampling=true",
+        "trainer.dynamic_sampling_rounds=3",
+        "allocation.prompts_per_step=4",
+    )
+    ranks = launch(tmp_path, "vlm_rlvr", "refill", *VLM, *overrides)
+    w0, w1 = ranks[0]["weights"], ranks[1]["weights"]
+    assert all(torch.equal(w0[n], w1[n]) for n in w0)
+    lines = [json.loads(x) for x in (tmp_path / "refill/metrics.jsonl").read_text().splitlines()]
+    rounds = [line["dynamic_sampling/rounds"] for line in lines if "dynamic_sampling/rounds" in line]
+    assert len(rounds) == 2 and all(1 <= r <= 3 for r in rounds)
+
+
 def test_vlm_fsdp_full_finetune_matches_ddp_and_resumes_exactly(tmp_path):
     # full fine-tuning (vision tower frozen), KL to a sharded reference, 3 LM-head chunks per scoring forward
     common = (
