@@ -35,7 +35,7 @@ import math
 import time
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -493,42 +493,37 @@ class VLMRLVRTrainer(TrainerBase):
         settings = self.cfg.trainer
         refill = settings.mode == "group" and settings.dynamic_sampling
         target = self.cfg.allocation.prompts_per_step
-        rounds: list[tuple[list, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        rounds: list[_Round] = []
         kept_groups = 0
         max_rounds = settings.dynamic_sampling_rounds if refill else 1
         for _ in range(max_rounds):
             rounds.append(self._collect_round())
-            _, _, keep, _, group_ids = rounds[-1]
-            kept_groups += group_ids[keep].unique().numel()
+            kept_groups += rounds[-1].group_ids[rounds[-1].keep].unique().numel()
             # every rank takes as many rounds (each updates the statistics store, a collective under DDP)
             if max_rounds == 1 or not self.dist.max_over_ranks(int(kept_groups < target)):
                 break
         # a vLLM engine hands its memory to the update until sync_weights wakes it (transformers: nothing to free)
         self.backend.sleep()
-        pairs = [pair for round_pairs, *_ in rounds for pair in round_pairs]
-        width = max(adv.shape[1] if adv.ndim == 2 else 0 for _, adv, *_ in rounds)
-        adv = torch.cat([_token_width(adv, width) if width else adv for _, adv, *_ in rounds])
-        keep = torch.cat([keep for _, _, keep, *_ in rounds])
-        lags = torch.cat([lags for *_, lags, _ in rounds])
+        pairs = [pair for part in rounds for pair in part.pairs]
+        width = max((part.adv.shape[1] for part in rounds if part.adv.ndim == 2), default=0)
+        adv = torch.cat([_token_width(part.adv, width) if width else part.adv for part in rounds])
+        keep = torch.cat([part.keep for part in rounds])
+        lags = torch.cat([part.lags for part in rounds])
         if refill:
-            offsets = torch.cumsum(torch.tensor([0] + [int(g.max()) + 1 for *_, g in rounds[:-1]]), 0)
-            group_ids = torch.cat(
-                [g + offset for (*_, g), offset in zip(rounds, offsets.tolist(), strict=True)]
-            )
-            surplus = group_ids[keep].unique()[target:]  # (group indices grow in generation order)
-            keep &= ~torch.isin(group_ids, surplus)
+            group_ids, offset = [], 0  # each round's groups after the last round's
+            for part in rounds:
+                group_ids.append(part.group_ids + offset)
+                offset += int(part.group_ids.max()) + 1
+            all_groups = torch.cat(group_ids)
+            surplus = all_groups[keep].unique()[target:]  # (group indices grow in generation order)
+            keep &= ~torch.isin(all_groups, surplus)
             self.metrics.add("dynamic_sampling/rounds", float(len(rounds)))
             self.metrics.add("dynamic_sampling/kept_groups", float(min(kept_groups, target)))
         self.rollout_source.prefetch(self.step)  # later steps' requests, chosen with this step's statistics
         return pairs, adv, keep, lags
 
-    def _collect_round(
-        self,
-    ) -> tuple[
-        list[tuple[VQAExample, GenerationSample]], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
-    ]:
-        """One generation round of :meth:`collect`: ``(pairs, advantages, row mask, weight lags, group index
-        [N])``, the statistics store updated with its rewards."""
+    def _collect_round(self) -> _Round:
+        """One generation round of :meth:`collect`, the statistics store updated with its rewards."""
         settings = self.cfg.trainer
         source = self.rollout_source.collect(self.step)
         if not source.output:
@@ -563,7 +558,7 @@ class VLMRLVRTrainer(TrainerBase):
         self.metrics.add("adv/std", adv.std(correction=0))
         if settings.process_credit.reward is not None:
             adv = self._add_process_credit(pairs, adv, outputs[settings.process_credit.reward], group_ids)
-        return pairs, adv, keep, source.sample_lags, group_ids
+        return _Round(pairs, adv, keep, source.sample_lags, group_ids)
 
     def _no_samples_error(self, skipped: int) -> ValueError:
         """The error of a step without a sample (nothing to verify, baseline or train on): all its ``skipped``
@@ -941,6 +936,17 @@ def _fsdp_units(model: torch.nn.Module, family: VLMFamily) -> list[torch.nn.Modu
     if embed is not None and head.weight is embed.weight:
         return [*units, [embed, head], backbone]
     return [*units, backbone, head]
+
+
+class _Round(NamedTuple):
+    """One generation round of a VLM step: its samples, advantages (``[N]`` or ``[N, T]``), loss mask ``[N]``,
+    weight lags ``[N]`` and group index ``[N]`` (``0..`` in order of the prompts' first sample)."""
+
+    pairs: list[tuple[VQAExample, GenerationSample]]
+    adv: torch.Tensor
+    keep: torch.Tensor
+    lags: torch.Tensor
+    group_ids: torch.Tensor
 
 
 def _group_index(prompt_ids: list[str]) -> list[int]:
