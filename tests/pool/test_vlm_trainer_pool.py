@@ -76,12 +76,12 @@ def test_synchronous_pool_equals_in_loop_rollouts():
     plain = started(cfg)
     g = cfg.generation
 
-    def request_seeded(examples, n, temperature):
+    def request_seeded(examples, n, temperature, top_p):
         # the in-loop path with the seed the worker draws for the pool's single request of this step
         seed = request_seed(cfg.run.seed, 0, plain.step, 0)
         (sub,) = torch.randint(0, 2**31 - 1, (1,), generator=torch.Generator().manual_seed(seed)).tolist()
         params = SamplingParams(
-            temperature=temperature, top_p=g.top_p, max_new_tokens=g.max_new_tokens, n=n, seed=sub
+            temperature=temperature, top_p=top_p, max_new_tokens=g.max_new_tokens, n=n, seed=sub
         )
         result = plain.backend.generate([plain._prompt(ex) for ex in examples], params)
         plain.metrics.add("gen/skipped", float(len(result.skipped)))
