@@ -136,6 +136,12 @@ class FlowSamplingConfig(Config):
         description="flat: independent groups; branch: trees with shared prefixes (see the tree section).",
     )
 
+    def window_bounds(self) -> tuple[int, int]:
+        """``(first, end)``: the steps ``first <= i < end`` an SDE window may cover, ``sde_window_range`` (every
+        step without one), ending before the last step for cps, which adds no noise there (sigma_next = 0)."""
+        first, end = self.sde_window_range or (0, self.num_steps)
+        return first, min(end, self.num_steps - 1) if self.sde_kind == "cps" else end
+
     def rollout_settings(self, sde_window: tuple[int, int] | None, **changes: Any) -> SamplingConfig:
         """These settings as the pipeline's :class:`SamplingConfig` with the SDE steps ``sde_window`` (``(0, 0)``:
         a deterministic ODE sample); ``changes`` replace fields (evaluation: ``num_steps=eval_num_steps``)."""
@@ -560,9 +566,8 @@ class FlowGRPOConfig(Config):
             first, end = self.sampling.sde_window_range
             if w is None:
                 raise ValueError("sampling.sde_window_range places a window: set sampling.sde_window too")
-            # CPS adds no noise at the last step: its windows end before it
-            last = self.sampling.num_steps - (self.sampling.sde_kind == "cps")
-            if not 0 <= first < end <= self.sampling.num_steps or min(end, last) - first < w:
+            usable_first, usable_end = self.sampling.window_bounds()
+            if not 0 <= first < end <= self.sampling.num_steps or usable_end - usable_first < w:
                 raise ValueError(
                     f"sampling.sde_window_range {[first, end]} must satisfy 0 <= first < end <= sampling.num_steps "
                     f"({self.sampling.num_steps}) and hold the sampling.sde_window of {w} steps (with sde_kind "

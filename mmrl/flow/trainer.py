@@ -408,10 +408,7 @@ class FlowGRPOTrainer(TrainerBase):
             return (0, 0)
         if s.sde_window is None:
             return None
-        first, end = s.sde_window_range or (0, s.num_steps)
-        # CPS adds no noise at the last step (sigma_next = 0), so its windows end before it
-        if s.sde_kind == "cps":
-            end = min(end, s.num_steps - 1)
+        first, end = s.window_bounds()
         span = end - first - s.sde_window
         if s.window_schedule == "fixed":
             start = first
