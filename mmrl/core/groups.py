@@ -142,3 +142,21 @@ def varied_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tenso
         )
     varies = make_groups(group_ids).varies(rewards)
     return varies if varies.ndim == 1 else varies.flatten(1).any(dim=1)
+
+
+def groups_in_band(scores: torch.Tensor, group_ids: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """``[N]`` bool, True for the samples of groups whose mean score lies strictly between ``low`` and ``high``:
+    ``low < mean_{j in g(i)} scores_j < high``.
+
+    EasyR1's online filtering (``algorithm.filter_low`` / ``filter_high``, 0.01 / 0.99 in its DAPO launches)
+    keeps these groups, whole. On 0/1 scores and groups of fewer than 100 samples, the band (0.01, 0.99) keeps
+    exactly :func:`varied_groups`; on graded scores (a weighted sum of accuracy and format) it differs both
+    ways: it keeps a group of equal scores whose value lies inside the band (advantage 0), and drops a group whose
+    scores vary around a mean outside it.
+    """
+    if not low < high:
+        raise ValueError(f"the band's low ({low}) must be below its high ({high})")
+    groups = groups_for(scores, group_ids)
+    # in the scores' own precision, as the bounds are compared: 0.1 in float32 is not above a bound of 0.1
+    mean = groups.mean(scores if scores.is_floating_point() else scores.float())[groups.index]
+    return (mean > low) & (mean < high)

@@ -245,6 +245,19 @@ class VLMTrainerConfig(Config):
         "take until that many groups whose rewards vary are kept (DAPO's refill; verl's max_num_gen_batches); "
         "the kept groups beyond it are dropped. 1: one round, the step trains on the varied groups it got.",
     )
+    dynamic_sampling_key: str | None = Field(
+        None,
+        description="With dynamic_sampling, the reward (its key: label or name) whose scores decide which groups "
+        "stay (EasyR1's filter_key, e.g. accuracy: a group whose answers are all right stays out even when its "
+        "format scores vary); null: the weighted sum of the rewards (EasyR1's overall; under GDPO, without a "
+        "band, a group stays when any one reward varies).",
+    )
+    dynamic_sampling_band: tuple[float, float] | None = Field(
+        None,
+        description="With dynamic_sampling, EasyR1's online filtering: keep the groups whose mean score lies "
+        "strictly between the two values (its filter_low / filter_high, [0.01, 0.99] in its DAPO launches); "
+        "null: DAPO's rule, keep the groups whose scores vary. The same groups for 0/1 scores.",
+    )
     multi_reward: Literal["weighted_sum", "gdpo"] = Field(
         "weighted_sum",
         description="Group mode with several rewards (e.g. format + answer): the weighted sum then the "
@@ -473,6 +486,20 @@ class VLMRLVRConfig(Config):
                 f"trainer.dynamic_sampling_rounds={t.dynamic_sampling_rounds} refills DAPO's dynamic sampling: set "
                 "trainer.mode=group and trainer.dynamic_sampling=true, or leave it at 1"
             )
+        for key, value in (
+            ("dynamic_sampling_key", t.dynamic_sampling_key),
+            ("dynamic_sampling_band", t.dynamic_sampling_band),
+        ):
+            if value is not None and not (t.mode == "group" and t.dynamic_sampling):
+                raise ValueError(
+                    f"trainer.{key}={value} chooses the groups DAPO's dynamic sampling keeps: set "
+                    f"trainer.mode=group and trainer.dynamic_sampling=true, or leave it null"
+                )
+        band = t.dynamic_sampling_band
+        if band is not None and not band[0] < band[1]:
+            raise ValueError(
+                f"trainer.dynamic_sampling_band={list(band)}: the low bound must be below the high one"
+            )
         if t.dynamic_sampling_rounds > 1 and self.pool.enabled:
             raise ValueError(
                 "trainer.dynamic_sampling_rounds > 1 generates more rounds in the training loop; a rollout pool "
@@ -481,6 +508,11 @@ class VLMRLVRConfig(Config):
         if d.min_pixels is not None and d.max_pixels is not None and d.min_pixels > d.max_pixels:
             raise ValueError(f"data.min_pixels ({d.min_pixels}) exceeds data.max_pixels ({d.max_pixels})")
         keys = [spec.key for spec in self.rewards]
+        if t.dynamic_sampling_key is not None and t.dynamic_sampling_key not in keys:
+            raise ValueError(
+                f"trainer.dynamic_sampling_key={t.dynamic_sampling_key!r} is not the key of a reward in "
+                f"`rewards` ({keys})"
+            )
         if t.process_credit.reward is not None and t.process_credit.reward not in keys:
             raise ValueError(
                 f"trainer.process_credit.reward={t.process_credit.reward!r} is not the key of a reward in "

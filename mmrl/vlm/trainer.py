@@ -45,7 +45,7 @@ from mmrl.core import advantages as adv_lib
 from mmrl.core import allocation as alloc_lib
 from mmrl.core import losses as loss_lib
 from mmrl.core.estimators import RewardBatch, get_estimator
-from mmrl.core.groups import effective_ratio, varied_groups
+from mmrl.core.groups import effective_ratio, groups_in_band, varied_groups
 from mmrl.core.stats import PromptStats
 from mmrl.data.vqa import VQAExample, check_answers, load_vqa
 from mmrl.device import DTYPES
@@ -543,9 +543,8 @@ class VLMRLVRTrainer(TrainerBase):
             self.metrics.add("baseline/mean", baseline.mean())
         if settings.mode == "group":
             self.metrics.add("train/effective_ratio", effective_ratio(total, group_ids))
-            if settings.dynamic_sampling:  # DAPO keeps or drops whole groups, by whether their rewards vary
-                # GDPO learns from a group where any one reward varies, even if their weighted sum does not
-                keep &= varied_groups(raw if estimator.multi_reward else total, group_ids)
+            if settings.dynamic_sampling:
+                keep &= self._dynamic_sampling_groups(total, raw, group_ids, estimator.multi_reward)
         self.metrics.add("reward/mean", total.mean(), count=len(pairs))
         for k, spec in enumerate(self.cfg.rewards):
             self.metrics.add(f"reward/{spec.key}/mean", raw[:, k].mean(), count=len(pairs))
@@ -559,6 +558,25 @@ class VLMRLVRTrainer(TrainerBase):
         if settings.process_credit.reward is not None:
             adv = self._add_process_credit(pairs, adv, outputs[settings.process_credit.reward], group_ids)
         return _Round(pairs, adv, keep, source.sample_lags, group_ids)
+
+    def _dynamic_sampling_groups(
+        self, total: torch.Tensor, raw: torch.Tensor, group_ids: torch.Tensor, multi_reward: bool
+    ) -> torch.Tensor:
+        """``[N]`` bool: the samples of the groups DAPO's dynamic sampling keeps, whole. The scores are the reward
+        ``trainer.dynamic_sampling_key`` names, else the weighted sum ``total [N]`` (GDPO, without a band: every
+        reward of ``raw [N, K]``, since it learns from a group where any one of them varies, even if their sum
+        does not); kept are the groups whose scores vary (DAPO), or whose mean lies inside
+        ``trainer.dynamic_sampling_band`` (EasyR1's online filtering)."""
+        settings = self.cfg.trainer
+        band = settings.dynamic_sampling_band
+        if settings.dynamic_sampling_key is not None:
+            keys = [spec.key for spec in self.cfg.rewards]
+            scores = raw[:, keys.index(settings.dynamic_sampling_key)]
+        else:
+            scores = raw if multi_reward and band is None else total
+        if band is None:
+            return varied_groups(scores, group_ids)
+        return groups_in_band(scores, group_ids, *band)
 
     def _no_samples_error(self, skipped: int) -> ValueError:
         """The error of a step without a sample (nothing to verify, baseline or train on): all its ``skipped``

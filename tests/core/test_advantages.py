@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmrl.core import advantages as A
-from mmrl.core.groups import make_groups, varied_groups
+from mmrl.core.groups import groups_in_band, make_groups, varied_groups
 
 
 def _batch(draw_sizes, values):
@@ -379,3 +379,27 @@ def test_groups_varies_per_sample_and_per_column():
     with pytest.raises(ValueError, match=r"rewards \(5, 2\) and group_ids \(4,\) hold different numbers"):
         varied_groups(x, torch.tensor([4, 4, 9, 9]))
     torch.testing.assert_close(groups.mean(x), torch.tensor([[1.0, 2.5], [1 / 3, 5.0]]))
+
+
+def test_groups_in_band_keeps_the_groups_whose_mean_lies_strictly_inside():
+    scores = torch.tensor([1.0, 1.0, 0.9, 1.0, 0.1, 0.1, 0.0, 0.5, 0.25, 0.75])
+    ids = torch.tensor([0, 0, 1, 1, 2, 2, 3, 4, 4, 4])  # means 1, .95, .1, 0, .5
+    assert groups_in_band(scores, ids, 0.01, 0.99).tolist() == [False] * 2 + [True] * 4 + [False] + [True] * 3
+    # strict on both sides: a mean equal to a bound is outside
+    assert groups_in_band(scores, ids, 0.1, 0.5).tolist() == [False] * 10
+    with pytest.raises(ValueError, match=r"the band's low \(0.5\) must be below its high \(0.5\)"):
+        groups_in_band(scores, ids, 0.5, 0.5)
+    with pytest.raises(ValueError, match="group_ids"):
+        groups_in_band(scores, ids[:4], 0.01, 0.99)
+
+
+@given(
+    sizes=st.lists(st.integers(1, 99), min_size=1, max_size=6),
+    data=st.data(),
+)
+def test_band_of_one_percent_keeps_the_varied_groups_of_binary_scores(sizes, data):
+    """EasyR1's (0.01, 0.99) on 0/1 scores and groups of fewer than 100 samples is DAPO's rule."""
+    ids = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    bits = data.draw(st.lists(st.integers(0, 1), min_size=len(ids), max_size=len(ids)))
+    scores = torch.tensor(bits, dtype=torch.float32)
+    assert torch.equal(groups_in_band(scores, ids, 0.01, 0.99), varied_groups(scores, ids))

@@ -467,6 +467,19 @@ _DAPO_GROUPS = {
 }
 
 
+def _scores_by_group(trainer, answer, fmt):
+    """A ``score_samples`` whose answer and format scores of group g's j-th sample are ``answer[g][j]`` and
+    ``fmt[g][j]``, weighted with the trainer's reward weights."""
+
+    def scores(pairs):
+        raw = torch.tensor(
+            [[answer[g][j], fmt[g][j]] for g, j in _group_positions(pairs)], dtype=torch.float32
+        )
+        return raw @ trainer.reward_weights, raw, {}
+
+    return scores
+
+
 def _group_positions(pairs) -> list[tuple[int, int]]:
     """Each sample's (group, in order of the prompts' first appearance; position within its group)."""
     groups: dict[str, int] = {}
@@ -509,15 +522,7 @@ def test_dynamic_sampling_keeps_exactly_the_groups_whose_rewards_vary(
     )
     trainer = VLMRLVRTrainer(cfg, None)
     trainer.setup()
-    answer, fmt = _DAPO_GROUPS[estimator]
-
-    def fake_scores(pairs):
-        raw = torch.tensor(
-            [[answer[g][j], fmt[g][j]] for g, j in _group_positions(pairs)], dtype=torch.float32
-        )
-        return raw @ trainer.reward_weights, raw, {}
-
-    trainer.score_samples = fake_scores
+    trainer.score_samples = _scores_by_group(trainer, *_DAPO_GROUPS[estimator])
     pairs, adv, keep, _ = trainer.collect()
     order = list(dict.fromkeys(ex.prompt_id for ex, _ in pairs))
     group = torch.tensor([order.index(ex.prompt_id) for ex, _ in pairs])
@@ -527,6 +532,61 @@ def test_dynamic_sampling_keeps_exactly_the_groups_whose_rewards_vary(
     else:  # groups 0 and 2 whole (grpo: the 0.5 sample, advantage 0; gdpo: group 0, its sum constant)
         assert keep.tolist() == (group % 2 == 0).tolist()
         assert float(adv[keep & (group == 0)].abs().min()) == 0.0
+
+
+# G = 3, rewards 0.9 accuracy + 0.1 format (EasyR1's weights): accuracy all right with varied format; all wrong
+# with equal format (a total of 0.1 inside the band); accuracy varied; everything right
+_FILTER_GROUPS = (
+    [[1, 1, 1], [0, 0, 0], [1, 0, 0], [1, 1, 1]],
+    [[0, 1, 1], [1, 1, 1], [1, 1, 1], [1, 1, 1]],
+)
+
+
+@pytest.mark.parametrize(
+    "overrides, kept",
+    [
+        ([], [0, 2]),  # DAPO on the weighted sum: the groups whose totals vary
+        (["trainer.dynamic_sampling_band=[0.01, 0.99]"], [0, 1, 2]),  # EasyR1 overall: means .967, .1, .4
+        (["trainer.dynamic_sampling_key=exact_match"], [2]),  # DAPO on accuracy alone
+        (["trainer.dynamic_sampling_key=exact_match", "trainer.dynamic_sampling_band=[0.01, 0.99]"], [2]),
+    ],
+)
+def test_dynamic_sampling_key_and_band_choose_the_kept_groups(model_dir, tmp_path, overrides, kept):
+    cfg = make_cfg(
+        model_dir,
+        tmp_path,
+        "filter",
+        "trainer.mode=group",
+        "trainer.advantage=grpo",
+        "trainer.dynamic_sampling=true",
+        "rewards=[{name: exact_match, weight: 0.9}, {name: format, options: {}, weight: 0.1}]",
+        *overrides,
+    )
+    trainer = VLMRLVRTrainer(cfg, None)
+    trainer.setup()
+    trainer.score_samples = _scores_by_group(trainer, *_FILTER_GROUPS)
+    pairs, _, keep, _ = trainer.collect()
+    group = torch.tensor([g for g, _ in _group_positions(pairs)])
+    assert keep.tolist() == [g in kept for g in group.tolist()]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["trainer.dynamic_sampling_key=accuracy"],
+            r"trainer.dynamic_sampling_key='accuracy' is not the key",
+        ),
+        (["trainer.dynamic_sampling_band=[0.9, 0.1]"], r"dynamic_sampling_band=\[0.9, 0.1\]: the low bound"),
+        (
+            ["trainer.dynamic_sampling=false", "trainer.dynamic_sampling_band=[0.01, 0.99]"],
+            r"trainer.dynamic_sampling_band=\(0.01, 0.99\) chooses the groups DAPO's dynamic sampling keeps",
+        ),
+    ],
+)
+def test_dynamic_sampling_filter_settings_are_checked(model_dir, tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        make_cfg(model_dir, tmp_path, "f", "trainer.mode=group", "trainer.dynamic_sampling=true", *overrides)
 
 
 def test_dynamic_sampling_rounds_refill_the_step_with_varied_groups(model_dir, tmp_path):
