@@ -23,7 +23,8 @@ import shlex
 import shutil
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,17 @@ class MetricAccumulator:
     def add_dict(self, metrics: Mapping[str, float | torch.Tensor], count: float = 1.0) -> None:
         for k, v in metrics.items():
             self.add(k, v, count)
+
+    @contextmanager
+    def discarded(self) -> Iterator[None]:
+        """What is added inside is dropped: computations run only for their collectives (an FSDP rank's
+        padding minibatch) leave no value in the step's metrics."""
+        kept = self._sums, self._counts
+        self._sums, self._counts = {}, {}
+        try:
+            yield
+        finally:
+            self._sums, self._counts = kept
 
     def reduce(self) -> dict[str, float]:
         """Weighted means over this step's values on every rank (a collective under data parallelism: every

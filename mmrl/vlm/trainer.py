@@ -13,7 +13,8 @@ One training step:
    kappa)``;
 4. clipped surrogate (clip-higher, dual clip), k3 KL to the reference (adapter disabled), truncated importance
    weights when the rollout engine is not the trainer or samples a top-p nucleus, aggregated per ``loss_agg``
-   over the whole step (each minibatch weighted by its share).
+   over each of the step's ``trainer.updates_per_step`` parts (each minibatch weighted by its share), one
+   optimizer step per part.
 
 With ``pool.enabled`` steps 1-2 take the trainer's prompts through a rollout pool (``mmrl/vlm/pooled.py``):
 synchronous or asynchronous, with APRIL partial rollouts, stale samples weighted by truncated importance sampling.
@@ -21,8 +22,9 @@ synchronous or asynchronous, with APRIL partial rollouts, stale samples weighted
 Data-parallel (``mmrl/distributed.py``): each rank rolls out its own prompts. With ``configs/accelerate/ddp.yaml``
 every rank holds the whole model and the gradients are averaged; with ``configs/accelerate/fsdp.yaml`` (full
 fine-tuning, ``model.lora=null``) the model is FSDP2-sharded, every forward is a collective, and the trainer keeps
-every rank's sequence of forwards equal: generation with ``synced_gpus``, as many LM-head chunks on every rank, and
-only settings with the same number of samples per rank (:meth:`VLMRLVRTrainer._check_fsdp`).
+every rank's sequence of forwards equal: generation with ``synced_gpus``, only settings with the same number of
+generated samples per rank (:meth:`VLMRLVRTrainer._check_fsdp`), as many LM-head chunks on every rank, and as many
+update minibatches (padding ones, whose loss counts 0, for a rank that kept fewer samples).
 """
 
 from __future__ import annotations
@@ -305,7 +307,8 @@ class VLMRLVRTrainer(TrainerBase):
 
     def _check_fsdp(self) -> None:
         """FSDP shards the model, so every forward is a collective: only settings under which every rank makes
-        the same sequence of forwards (and nothing needs whole weights mid-step) are accepted."""
+        the same sequence of generation forwards (and nothing needs whole weights mid-step) are accepted. (The
+        update pads each rank's minibatches to the most any rank has: :meth:`_padding_minibatches`.)"""
         cfg, refused = self.cfg, []
         t, g = cfg.trainer, cfg.generation
         if cfg.model.lora is not None:
@@ -326,8 +329,6 @@ class VLMRLVRTrainer(TrainerBase):
                 "generation.max_prompt_length / generation.max_model_len: a prompt that does not fit is "
                 "skipped, leaving its rank fewer samples"
             )
-        if t.mode == "group" and t.dynamic_sampling:
-            refused.append("trainer.dynamic_sampling: a per-rank number of samples")
         if t.mode == "group" and cfg.allocation.method != "uniform":
             refused.append(
                 f"allocation.method={cfg.allocation.method}: per-rank group sizes, so a per-rank number of "
@@ -683,17 +684,15 @@ class VLMRLVRTrainer(TrainerBase):
             [chunk for chunk in part.split(settings.minibatch_size) if chunk.numel()]
             for part in torch.tensor_split(rows, settings.updates_per_step)
         ]
-        # under FSDP every rank must make the same forwards; _check_fsdp refuses the settings that differ
-        if self.dist.fsdp:
-            for part in parts:
-                if self.dist.max_over_ranks(len(part)) != -self.dist.max_over_ranks(-len(part)):
-                    raise RuntimeError(
-                        "FSDP ranks hold different numbers of minibatches; their forwards would not pair up"
-                    )
         if rows.numel() == 0:
             self.metrics.add("train/skipped_no_signal", 1.0)
-            if not self.dist.active:
-                return  # (under data parallelism the rank still takes part in the others' optimizer steps)
+        if self.dist.max_over_ranks(rows.numel()) == 0:
+            # no rank has a sample to learn from: no optimizer step (on zero gradients it would still move the
+            # weights, by Adam's momentum and the weight decay); a rank with none while others have some takes
+            # part in their steps
+            self.backend.sync_weights(self.model)  # (the weights are unchanged; a sleeping engine wakes)
+            return
+        paddings = self._padding_minibatches(parts)
         # Old-policy statistics (log-probs for the ratio, entropies for the shaping) are those of the first epoch's
         # gradient forward, detached: no optimizer step comes before it, so its weights are the old policy's
         # (TRL does the same at num_iterations=1). One forward per minibatch and epoch; the parts after the first
@@ -702,18 +701,36 @@ class VLMRLVRTrainer(TrainerBase):
         self.model.train()
         lengths = torch.tensor([len(sample.completion_token_ids) for _, sample in pairs])
         old_stats: list[list[TokenStats | None]] = [[None] * len(part) for part in parts]
+        padding_rows = rows[:1] if rows.numel() else torch.zeros(1, dtype=torch.long)  # any sample will do
         with torch.no_grad():
-            for part, olds in zip(parts[1:], old_stats[1:], strict=True):
+            for part, olds, padding in zip(parts[1:], old_stats[1:], paddings[1:], strict=True):
                 olds[:] = [self.token_stats([pairs[i] for i in idx.tolist()], temperature) for idx in part]
+                for _ in range(padding):
+                    self.token_stats([pairs[i] for i in padding_rows.tolist()], temperature)
         for _ in range(settings.ppo_epochs):
-            for part, olds in zip(parts, old_stats, strict=True):
+            for part, olds, padding in zip(parts, old_stats, paddings, strict=True):
                 shares = _minibatch_shares([lengths[idx] for idx in part], settings.loss_agg)
                 for chunk, (idx, share) in enumerate(zip(part, shares, strict=True)):
                     olds[chunk] = self._train_minibatch(pairs, idx, adv, lags, olds[chunk], share)
+                with self.metrics.discarded():
+                    for _ in range(padding):
+                        self._train_minibatch(pairs, padding_rows, adv, lags, None, share=0.0)
                 # a function of the training step, so a resumed run continues a cosine exactly
                 lr = learning_rate(self.step, settings.lr, settings.steps, schedule=settings.lr_schedule)
                 self.optimizer_step(self.optimizer, self.trainable, settings.max_grad_norm, lr=lr)
         self.backend.sync_weights(self.model)
+
+    def _padding_minibatches(self, parts: list[list[torch.Tensor]]) -> list[int]:
+        """Per part of the update, the minibatches this rank adds so that it makes as many forwards as the rank
+        with the most: under FSDP every forward's all-gathers (and every backward's reduce-scatters) are
+        collectives that pair up across ranks, and the ranks' kept rows differ when dynamic sampling drops
+        groups. A padding minibatch's loss is multiplied by 0 and its metrics are dropped. Without FSDP
+        (gradients averaged once, at the optimizer step): none."""
+        if not self.dist.fsdp:
+            return [0] * len(parts)
+        paddings = [self.dist.max_over_ranks(len(part)) - len(part) for part in parts]
+        self.metrics.add("train/padding_minibatches", float(sum(paddings)))
+        return paddings
 
     def _train_minibatch(
         self,

@@ -589,6 +589,31 @@ def test_dynamic_sampling_filter_settings_are_checked(model_dir, tmp_path, overr
         make_cfg(model_dir, tmp_path, "f", "trainer.mode=group", "trainer.dynamic_sampling=true", *overrides)
 
 
+def test_a_step_without_a_kept_sample_takes_no_optimizer_step_and_wakes_the_engine(model_dir, tmp_path):
+    """Every group's rewards equal, dynamic sampling drops them all: the weights and the optimizer state stay as
+    they were (zero gradients would still move them by Adam's momentum), and the generation backend gets the
+    weights back (an engine asleep at level 2 discarded its own)."""
+    cfg = make_cfg(model_dir, tmp_path, "nosignal", "trainer.mode=group", "trainer.dynamic_sampling=true")
+    trainer = VLMRLVRTrainer(cfg, None)
+    trainer.setup()
+    trainer.score_samples = _scores_by_group(trainer, [[1, 0, 0]] * 4, [[1] * 3] * 4)
+    trainer.update(*trainer.collect())  # one step that trains: Adam's momentum is not zero
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    optimizer_steps = [s["step"].clone() for s in trainer.optimizer.state.values()]
+    assert optimizer_steps  # (the first step trained)
+    synced = []
+    trainer.backend.sync_weights = synced.append
+    trainer.score_samples = _scores_by_group(trainer, [[1] * 3] * 4, [[1] * 3] * 4)
+    pairs, adv, keep, lags = trainer.collect()
+    assert not keep.any()
+    trainer.update(pairs, adv, keep, lags)
+    after = dict(trainer.model.named_parameters())
+    assert all(torch.equal(after[n], before[n]) for n in before)
+    assert [s["step"] for s in trainer.optimizer.state.values()] == optimizer_steps
+    assert synced == [trainer.model]
+    assert trainer.metrics.reduce()["train/skipped_no_signal"] == 1.0
+
+
 def test_dynamic_sampling_rounds_refill_the_step_with_varied_groups(model_dir, tmp_path):
     """DAPO's refill: 4 prompts a step, their groups varying in round 1 for one prompt, in round 2 for two and in
     round 3 for two: the step takes 3 rounds and keeps the first 4 varied groups, the last one dropped."""
