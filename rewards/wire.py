@@ -9,6 +9,7 @@ one common length ``B``::
      "prompts": ["a red circle", ...],
      "completions": ["<think>..</think><answer>3</answer>", ...],   # text verifiers
      "ground_truths": ["3", ...],                      # str, number or list of acceptable answers
+     "references": ["red 1. red 2", ...],              # reference solutions (reasoning_steps), str or null
      "metadata": [{...}, ...]}
 
 Response (200)::
@@ -43,7 +44,15 @@ from rewards.base import RewardOutput
 from rewards.images import ImageBatch, images_to_uint8
 
 #: the per-sample fields a request may carry; everything else except "id" is rejected
-FIELDS: tuple[str, ...] = ("images", "videos", "prompts", "completions", "ground_truths", "metadata")
+FIELDS: tuple[str, ...] = (
+    "images",
+    "videos",
+    "prompts",
+    "completions",
+    "ground_truths",
+    "references",
+    "metadata",
+)
 
 
 #: the eight bytes every PNG file starts with
@@ -194,6 +203,8 @@ def decode_batch(payload: Any) -> tuple[str | None, dict[str, Any]]:
             ]
         elif key == "prompts" and not all(isinstance(p, str) for p in value):
             raise WireError("every prompt must be a string")
+        elif key == "references" and not all(r is None or isinstance(r, str) for r in value):
+            raise WireError("every reference must be a string or null")
         batch[key] = value
     if not batch:
         raise WireError(f"request has no data; send at least one of {list(FIELDS)}")

@@ -244,6 +244,23 @@ def test_client_survives_server_restart_mid_stream() -> None:
         torch.testing.assert_close(scores, JPEG(images=imgs), rtol=0, atol=0)
 
 
+def test_the_vlm_trainers_batch_reaches_a_reference_checking_reward() -> None:
+    """What the VLM trainer sends every verifier (completions, ground truths, reference solutions) crosses the
+    wire: a remote ``reasoning_steps`` scores against the references as the local one does."""
+    local = rewards.build("reasoning_steps")
+    batch = {
+        "completions": ["<think>red 1. red 2</think>", "<think>blue 1</think>"],
+        "ground_truths": ["2", "1"],
+        "references": ["red 1. red 2", "red 1"],
+    }
+    with ServerThread(local, config(reward="reasoning_steps")) as running:
+        client = rewards.build("remote", url=running.url, token=TOKEN, retries=0)
+        remote = client.score(**batch)
+        status, data = post(running.url, json.dumps({**batch, "references": [3, None]}).encode())
+    assert remote.scores.tolist() == local.score(**batch).scores.tolist() == [1.0, 0.0]
+    assert status == 400 and "every reference must be a string or null" in data["error"]
+
+
 def test_client_gives_up_after_retries() -> None:
     client = rewards.build("remote", url="http://127.0.0.1:9", retries=2, backoff_s=0.01, timeout=2)
     start = time.monotonic()
