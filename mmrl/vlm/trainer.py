@@ -1143,6 +1143,7 @@ def evaluate(
     trainer.setup(for_training=False)
     if checkpoint is not None:
         load_trainable(trainer.model, load_checkpoint(checkpoint)["trainable"])
+        trainer.backend.sync_weights(trainer.model)  # a vLLM engine was built with the base weights
     summary = trainer.evaluate()
     pairs, total = trainer._last_eval
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -344,15 +344,25 @@ def test_update_takes_old_policy_statistics_from_the_gradient_forward(model_dir,
         assert metrics["clip/low_frac"] == metrics["clip/high_frac"] == 0.0
 
 
-def test_main_writes_peft_adapter_and_eval(model_dir, tmp_path):
+def test_main_writes_peft_adapter_and_eval(model_dir, tmp_path, monkeypatch):
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
+
+    from pipelines.vlm.hf_backend import HFBackend
 
     final = main(make_cfg(model_dir, tmp_path, "run", "trainer.steps=1", "trainer.eval_every=1"))
     assert 0.0 <= final["eval/accuracy"] <= 1.0
     adapter = tmp_path / "run/checkpoints/step_00000001/adapter"
     base = AutoModelForImageTextToText.from_pretrained(model_dir)
     PeftModel.from_pretrained(base, adapter)
+    # the generation backend gets the checkpoint's weights (a vLLM engine holds its own copy of the base)
+    trained = torch.load(adapter.parent / "state.pt", weights_only=False)["trainable"]
+    synced = []
+    monkeypatch.setattr(
+        HFBackend,
+        "sync_weights",
+        lambda self, model: synced.append({n: p.detach().clone() for n, p in model.named_parameters()}),
+    )
     summary = evaluate(
         make_cfg(model_dir, tmp_path, "run"),
         None,
@@ -361,6 +371,7 @@ def test_main_writes_peft_adapter_and_eval(model_dir, tmp_path):
         1,
     )
     assert summary["questions"] == 8 and (tmp_path / "eval/answers.jsonl").is_file()
+    assert len(synced) == 1 and all(torch.equal(synced[0][n], value) for n, value in trained.items())
 
 
 def test_a_bfloat16_full_finetune_checkpoint_loads_and_evaluates(model_dir, tmp_path):
