@@ -45,6 +45,7 @@ __all__ = [
     "rescore_main",
     "sft_batch",
     "token_labels",
+    "vision_pretraining_line",
 ]
 
 logger = logging.getLogger(__name__)
@@ -271,6 +272,19 @@ def flat_settings(config: dict[str, Any]) -> dict[str, Any]:
     for key, value in config.items():
         flat.update(value if isinstance(value, dict) else {key: value})
     return flat
+
+
+def vision_pretraining_line(report: dict[str, Any], steps: int) -> str:
+    """A card's line on the vision tower's pretraining (:func:`pretrain_vision`, ``steps`` steps) and its held-out
+    token accuracies; ``""`` for a run that skipped it (``vision_pretrain_steps: 0``)."""
+    vision = report.get("vision_pretraining")
+    if not vision:
+        return ""
+    return (
+        f"- vision pretraining first: {steps} steps of per-image-token colour and shape classification "
+        f"(`mmrl.vlm.sft.pretrain_vision`), held-out token accuracy colour {vision['colour']:.1%}, shape "
+        f"{vision['shape']:.1%}"
+    )
 
 
 def rescore_main(prog: str, rescore: Callable[[str, dict[str, Any]], dict[str, Any]]) -> None:

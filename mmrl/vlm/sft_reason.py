@@ -70,6 +70,7 @@ from mmrl.vlm.sft import (
     caption,
     flat_settings,
     rescore_main,
+    vision_pretraining_line,
 )
 from pipelines.vlm.backend import SamplingParams
 from pipelines.vlm.hf_backend import HFBackend
@@ -481,6 +482,8 @@ def render_card(report: dict[str, Any]) -> str:
         if sampled
         else "No samples at temperature 1\nwere drawn (`data.samples: 0`): greedy scores only."
     )
+    vision_line = vision_pretraining_line(report, cfg["vision_pretrain_steps"])
+    vision_line = f"{vision_line}\n" if vision_line else ""
     examples = "\n".join(
         f"- {e['question']} (answer {e['answer']}): `{e['completion']}`"
         for e in report["heldout"]["heldout"]["examples"]
@@ -504,13 +507,7 @@ model = AutoModelForImageTextToText.from_pretrained("{cfg["out"]}")
 - wall time {report["wall_minutes"]:.1f} min ({report["train_minutes"]:.1f} min of SFT steps), {
         report["machine"]
     }{"; " + report["machine_state"] if report.get("machine_state") else ""}
-- vision pretraining first: {
-        cfg["vision_pretrain_steps"]
-    } steps of per-image-token colour and shape classification
-  (`mmrl.vlm.sft.pretrain_vision`), held-out token accuracy colour {
-        report["vision_pretraining"]["colour"]:.1%}, shape
-  {report["vision_pretraining"]["shape"]:.1%}
-- then {cfg["steps"]} steps of {cfg["batch_size"]} items, AdamW lr {cfg["lr"]} ({schedule}
+{vision_line}- then {cfg["steps"]} steps of {cfg["batch_size"]} items, AdamW lr {cfg["lr"]} ({schedule}
   warm-up steps), loss on the completion only; {
         cfg["caption_fraction"]:.0%} of the batches are the perception task
   "list the objects from left to right." -> `<answer>red circle, blue square</answer>`{counts}
@@ -584,7 +581,11 @@ def evaluate_checkpoint(path: str, settings: dict[str, Any]) -> dict[str, Any]:
     items, seed, size = settings["eval_items"], settings["seed"], settings["image_size"]
     return {
         split: reasoning_report(
-            model, processor, make_math_items(items, seed + 1, size, split), settings["samples"]
+            model,
+            processor,
+            make_math_items(items, seed + 1, size, split),
+            settings["samples"],
+            settings.get("max_new_tokens", 48),  # (reports before the setting: 48)
         )
         for split in ("heldout", "heldout_templates")
     }

@@ -41,6 +41,7 @@ from mmrl.vlm.sft import (
     caption,
     flat_settings,
     rescore_main,
+    vision_pretraining_line,
 )
 from pipelines.vlm.backend import SamplingParams
 from pipelines.vlm.hf_backend import HFBackend
@@ -289,14 +290,8 @@ def render_card(report: dict) -> str:
         if cfg.get("curriculum")
         else ""
     )
-    vision = report.get("vision_pretraining")
-    vision_line = (
-        f"\n- vision pretraining first: {cfg['vision_pretrain_steps']} steps of per-image-token colour and shape "
-        f"classification (`pretrain_vision`), held-out token accuracy colour {vision['colour']:.1%}, shape "
-        f"{vision['shape']:.1%}"
-        if vision
-        else ""
-    )
+    vision_line = vision_pretraining_line(report, cfg.get("vision_pretrain_steps", 0))
+    vision_line = f"\n{vision_line}" if vision_line else ""
     curve = ""
     if report.get("curve"):
         points = "\n".join(

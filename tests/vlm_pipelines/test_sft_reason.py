@@ -118,6 +118,12 @@ def test_card_states_the_schedule_the_count_share_and_only_the_scores_it_has():
     committed = render_card(json.loads((CHECKPOINT / "sft_report.json").read_text()))
     assert "(constant after 50" in committed and "count questions" not in committed and "pass@8" in committed
     assert "(training scenes, training templates)" in committed
+    assert "- vision pretraining first:" in committed and "- vision pretraining first:" in card
+    # a run without the vision pretraining (vision_pretrain_steps: 0) has no accuracies to state
+    report["config"]["vision_pretrain_steps"] = 0
+    report["vision_pretraining"] = None
+    without = render_card(report)
+    assert "vision pretraining" not in without and "\n- then " in without
 
 
 def test_sft_templates_must_be_training_templates():
