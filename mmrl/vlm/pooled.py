@@ -276,7 +276,6 @@ class PooledVLMSource:
             for s in result.output.skipped:
                 logger.warning("skipped prompt %s: %s", s.prompt_id, s.reason)
             skipped += len(result.output.skipped)
-        self.metrics.add("gen/skipped", float(skipped))
         carried = [rid for rid, at in self.step_of.items() if at == pool_step]
         for rid in carried:  # the pool delivers them first at the next step
             self.step_of[rid] = pool_step + 1

@@ -41,7 +41,10 @@ class LoopVLMSource:
         for n in sorted(set(request.counts)):
             ids = [pid for pid, count in zip(request.prompt_ids, request.counts, strict=True) if count == n]
             pairs.extend(self.generate(ids, n))
-        return SourceBatch(pairs, step, torch.zeros(len(pairs), dtype=torch.long))
+        # a prompt too long for the length settings is skipped by the backend: no sample of it comes back
+        answered = {pid for pid, _ in pairs}
+        skipped = sum(pid not in answered for pid in request.prompt_ids)
+        return SourceBatch(pairs, step, torch.zeros(len(pairs), dtype=torch.long), {"skipped": skipped})
 
     def prefetch(self, step: int) -> None:
         """Nothing to queue: every step is generated when it is collected."""

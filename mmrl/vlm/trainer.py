@@ -370,7 +370,6 @@ class VLMRLVRTrainer(TrainerBase):
         result = self.backend.generate([self._prompt(ex) for ex in examples], params)
         for skipped in result.skipped:
             logger.warning("skipped prompt %s: %s", skipped.prompt_id, skipped.reason)
-        self.metrics.add("gen/skipped", float(len(result.skipped)))
         return [(examples[s.prompt_index], s) for s in result.samples]
 
     def verify(self, pairs: list[tuple[VQAExample, GenerationSample]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -478,11 +477,9 @@ class VLMRLVRTrainer(TrainerBase):
         g = self.cfg.generation
         return [(ex.prompt_id, s) for ex, s in self.generate(examples, n, g.temperature, g.top_p)]
 
-    def collect(
-        self,
-    ) -> tuple[list[tuple[VQAExample, GenerationSample]], torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Steps 1-3: ``(pairs, advantages, row mask [N] of samples that enter the loss, weight lags [N] of the
-        samples)``; the advantages are per sequence ``[N]``, or per token ``[N, T]`` with process credit.
+    def collect(self) -> StepSamples:
+        """Steps 1-3: the step's samples, their advantages and rewards, and which of them enter the loss
+        (:class:`StepSamples`).
 
         With DAPO's dynamic sampling and ``trainer.dynamic_sampling_rounds`` R > 1, the step generates up to R
         rounds of ``allocation.prompts_per_step`` prompts until that many groups whose rewards vary are kept
@@ -510,6 +507,9 @@ class VLMRLVRTrainer(TrainerBase):
         adv = torch.cat([_token_width(part.adv, width) if width else part.adv for part in rounds])
         keep = torch.cat([part.keep for part in rounds])
         lags = torch.cat([part.lags for part in rounds])
+        total = torch.cat([part.total for part in rounds])
+        raw = torch.cat([part.raw for part in rounds])
+        self.metrics.add("gen/skipped", float(sum(part.skipped for part in rounds)))
         if refill:
             group_ids, offset = [], 0  # each round's groups after the last round's
             for part in rounds:
@@ -521,14 +521,14 @@ class VLMRLVRTrainer(TrainerBase):
             self.metrics.add("dynamic_sampling/rounds", float(len(rounds)))
             self.metrics.add("dynamic_sampling/kept_groups", float(min(kept_groups, target)))
         self.rollout_source.prefetch(self.step)  # later steps' requests, chosen with this step's statistics
-        return pairs, adv, keep, lags
+        return StepSamples(pairs, adv, keep, lags, total, raw)
 
     def _collect_round(self) -> _Round:
         """One generation round of :meth:`collect`, the statistics store updated with its rewards."""
         settings = self.cfg.trainer
         source = self.rollout_source.collect(self.step)
         if not source.output:
-            raise self._no_samples_error(source.info.get("skipped", self.cfg.allocation.prompts_per_step))
+            raise self._no_samples_error(source.info["skipped"])
         pairs = [(self.by_id[pid], sample) for pid, sample in source.output]
         total, raw, outputs = self.score_samples(pairs)
         pids = [ex.prompt_id for ex, _ in pairs]
@@ -558,7 +558,7 @@ class VLMRLVRTrainer(TrainerBase):
         self.metrics.add("adv/std", adv.std(correction=0))
         if settings.process_credit.reward is not None:
             adv = self._add_process_credit(pairs, adv, outputs[settings.process_credit.reward], group_ids)
-        return _Round(pairs, adv, keep, source.sample_lags, group_ids)
+        return _Round(pairs, adv, keep, source.sample_lags, group_ids, total, raw, source.info["skipped"])
 
     def _dynamic_sampling_groups(
         self, total: torch.Tensor, raw: torch.Tensor, group_ids: torch.Tensor, multi_reward: bool
@@ -581,10 +581,10 @@ class VLMRLVRTrainer(TrainerBase):
 
     def _no_samples_error(self, skipped: int) -> ValueError:
         """The error of a step without a sample (nothing to verify, baseline or train on): all its ``skipped``
-        prompts (the pooled source counts them, carried requests included, in its batch's ``info``; the loop
-        source asks for ``allocation.prompts_per_step``) were too long for the length settings it names. A step
-        that keeps some prompts trains on them (each skip is logged and counted in ``gen/skipped``); a step that
-        keeps none stops the run rather than train nothing silently."""
+        prompts (each source counts them in its batch's ``info``, the pooled one carried requests included) were
+        too long for the length settings it names. A step that keeps some prompts trains on them (each skip is
+        logged, and the step's count is ``gen/skipped``); a step that keeps none stops the run rather than train
+        nothing silently."""
         generation = self.cfg.generation
         limits = ", ".join(
             f"generation.{key} ({'null' if value is None else value})"
@@ -789,21 +789,20 @@ class VLMRLVRTrainer(TrainerBase):
 
     def train_step(self) -> dict[str, float]:
         start = time.perf_counter()
-        pairs, adv, keep, lags = self.collect()
+        batch = self.collect()
         self.metrics.add("time/rollout_s", time.perf_counter() - start)
         start = time.perf_counter()
-        self.update(pairs, adv, keep, lags)
+        self.update(batch.pairs, batch.adv, batch.keep, batch.lags)
         self.metrics.add("time/train_s", time.perf_counter() - start)
         if self.run is not None and (self.step + 1) % self.cfg.trainer.sample_every == 0:
-            shown = pairs[:8]
-            total, raw = self.verify(shown)  # (collect keeps the advantages, not the rewards)
+            shown, adv = batch.pairs[:8], batch.adv
             if adv.ndim == 2:  # token advantages: each sample's mean over its completion's tokens
                 shown_adv = [
                     float(adv[i, : len(s.completion_token_ids)].mean()) for i, (_, s) in enumerate(shown)
                 ]
             else:
                 shown_adv = adv[:8].tolist()
-            self._save_samples(self.step + 1, "train", shown, total, raw, shown_adv)
+            self._save_samples(self.step + 1, "train", shown, batch.total[:8], batch.raw[:8], shown_adv)
         return self.metrics.reduce()
 
     def _save_samples(
@@ -860,7 +859,10 @@ class VLMRLVRTrainer(TrainerBase):
             spec.key: checked_score(reward, spec.key, len(pairs), **batch).scores.detach().float().cpu()
             for spec, reward in zip(self.cfg.eval_rewards, self.eval_rewards, strict=True)
         }
-        out = {f"{prefix}/accuracy": float(total.mean())}
+        out = {
+            f"{prefix}/accuracy": float(total.mean()),
+            f"{prefix}/skipped": float(len(examples) - len(pairs)),
+        }
         for k, spec in enumerate(self.cfg.rewards):
             out[f"{prefix}/{spec.key}"] = float(raw[:, k].mean())
         out.update({f"{prefix}/{key}": float(scores.mean()) for key, scores in extra.items()})
@@ -973,15 +975,39 @@ def _fsdp_units(model: torch.nn.Module, family: VLMFamily) -> list[torch.nn.Modu
     return [*units, backbone, head]
 
 
+class StepSamples(NamedTuple):
+    """A VLM training step's samples (:meth:`VLMRLVRTrainer.collect`).
+
+    Attributes:
+        pairs: ``N`` (question, sample) pairs.
+        adv: advantages, per sequence ``[N]`` or per token ``[N, T]`` (process credit).
+        keep: ``[N]`` bool, the samples that enter the loss.
+        lags: ``[N]`` weight versions each sample lags behind the policy.
+        total: ``[N]`` weighted reward, as trained on.
+        raw: ``[N, K]`` each verifier's score.
+    """
+
+    pairs: list[tuple[VQAExample, GenerationSample]]
+    adv: torch.Tensor
+    keep: torch.Tensor
+    lags: torch.Tensor
+    total: torch.Tensor
+    raw: torch.Tensor
+
+
 class _Round(NamedTuple):
     """One generation round of a VLM step: its samples, advantages (``[N]`` or ``[N, T]``), loss mask ``[N]``,
-    weight lags ``[N]`` and group index ``[N]`` (``0..`` in order of the prompts' first sample)."""
+    weight lags ``[N]``, group index ``[N]`` (``0..`` in order of the prompts' first sample), weighted and
+    per-verifier rewards (``[N]``, ``[N, K]``), and the number of its prompts skipped as too long."""
 
     pairs: list[tuple[VQAExample, GenerationSample]]
     adv: torch.Tensor
     keep: torch.Tensor
     lags: torch.Tensor
     group_ids: torch.Tensor
+    total: torch.Tensor
+    raw: torch.Tensor
+    skipped: int
 
 
 def _group_index(prompt_ids: list[str]) -> list[int]:

@@ -84,7 +84,6 @@ def test_synchronous_pool_equals_in_loop_rollouts():
             temperature=temperature, top_p=top_p, max_new_tokens=g.max_new_tokens, n=n, seed=sub
         )
         result = plain.backend.generate([plain._prompt(ex) for ex in examples], params)
-        plain.metrics.add("gen/skipped", float(len(result.skipped)))
         return [(examples[s.prompt_index], s) for s in result.samples]
 
     plain.generate = request_seeded

@@ -133,7 +133,7 @@ def test_collect_adds_step_advantages_to_the_sequence_advantage(tmp_path):
     trainer = VLMRLVRTrainer(demo_cfg(tmp_path, "trainer.process_credit.reward=steps"), None)
     trainer.setup()
     torch.manual_seed(0)
-    pairs, adv, keep, _ = trainer.collect()
+    pairs, adv, keep, *_ = trainer.collect()
     widths = [len(s.completion_token_ids) for _, s in pairs]
     assert adv.shape == (len(pairs), max(widths))
     # past a completion's last step (its answer) only the sequence advantage is left: the same on every such token
@@ -154,7 +154,7 @@ def test_equal_token_advantages_train_as_the_sequence_advantage(tmp_path):
         trainer = VLMRLVRTrainer(demo_cfg(tmp_path, f"run.name=eq{token_level}", "trainer.beta=0"), None)
         trainer.setup()
         torch.manual_seed(0)
-        pairs, _, keep, _ = trainer.collect()
+        pairs, _, keep, *_ = trainer.collect()
         adv = torch.linspace(-1, 1, len(pairs))
         if token_level:  # wider than any completion: cut to each minibatch's width
             adv = adv[:, None].expand(-1, 60).clone()

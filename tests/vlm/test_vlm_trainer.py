@@ -315,7 +315,7 @@ def test_update_takes_old_policy_statistics_from_the_gradient_forward(model_dir,
     )
     trainer = VLMRLVRTrainer(cfg, None)
     trainer.setup()
-    pairs, _, keep, _ = trainer.collect()
+    pairs, _, keep, *_ = trainer.collect()
     adv = torch.arange(len(pairs), dtype=torch.float32) % 2 - 0.5
     # with dropout off, a train-mode forward with gradients gives the no-grad eval-mode statistics
     trainer.model.eval()
@@ -447,7 +447,7 @@ def test_group_mode_gdpo_normalises_each_reward_in_its_group(model_dir, tmp_path
         return raw @ trainer.reward_weights, raw
 
     trainer.score_samples = lambda pairs: (*fake_verify(pairs), {})
-    pairs, adv, _, _ = trainer.collect()
+    pairs, adv, *_ = trainer.collect()
     _, raw = fake_verify(pairs)
     groups = torch.tensor(
         [[p for p in dict.fromkeys(ex.prompt_id for ex, _ in pairs)].index(ex.prompt_id) for ex, _ in pairs]
@@ -534,7 +534,7 @@ def test_dynamic_sampling_keeps_exactly_the_groups_whose_rewards_vary(
     trainer = VLMRLVRTrainer(cfg, None)
     trainer.setup()
     trainer.score_samples = _scores_by_group(trainer, *_DAPO_GROUPS[estimator])
-    pairs, adv, keep, _ = trainer.collect()
+    pairs, adv, keep, *_ = trainer.collect()
     order = list(dict.fromkeys(ex.prompt_id for ex, _ in pairs))
     group = torch.tensor([order.index(ex.prompt_id) for ex, _ in pairs])
     assert torch.equal(adv[group % 2 == 1], torch.zeros(int((group % 2 == 1).sum())))  # constant: exactly 0
@@ -576,7 +576,7 @@ def test_dynamic_sampling_key_and_band_choose_the_kept_groups(model_dir, tmp_pat
     trainer = VLMRLVRTrainer(cfg, None)
     trainer.setup()
     trainer.score_samples = _scores_by_group(trainer, *_FILTER_GROUPS)
-    pairs, _, keep, _ = trainer.collect()
+    pairs, _, keep, *_ = trainer.collect()
     group = torch.tensor([g for g, _ in _group_positions(pairs)])
     assert keep.tolist() == [g in kept for g in group.tolist()]
 
@@ -608,14 +608,14 @@ def test_a_step_without_a_kept_sample_takes_no_optimizer_step_and_wakes_the_engi
     trainer = VLMRLVRTrainer(cfg, None)
     trainer.setup()
     trainer.score_samples = _scores_by_group(trainer, [[1, 0, 0]] * 4, [[1] * 3] * 4)
-    trainer.update(*trainer.collect())  # one step that trains: Adam's momentum is not zero
+    trainer.update(*trainer.collect()[:4])  # one step that trains: Adam's momentum is not zero
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     optimizer_steps = [s["step"].clone() for s in trainer.optimizer.state.values()]
     assert optimizer_steps  # (the first step trained)
     synced = []
     trainer.backend.sync_weights = synced.append
     trainer.score_samples = _scores_by_group(trainer, [[1] * 3] * 4, [[1] * 3] * 4)
-    pairs, adv, keep, lags = trainer.collect()
+    pairs, adv, keep, lags, *_ = trainer.collect()
     assert not keep.any()
     trainer.update(pairs, adv, keep, lags)
     after = dict(trainer.model.named_parameters())
@@ -649,7 +649,7 @@ def test_dynamic_sampling_rounds_refill_the_step_with_varied_groups(model_dir, t
         return raw @ trainer.reward_weights, raw, {}
 
     trainer.score_samples = fake_scores
-    pairs, adv, keep, lags = trainer.collect()
+    pairs, adv, keep, lags, *_ = trainer.collect()
     assert calls == [12, 12, 12]  # three rounds of 4 prompts x 3 samples, then enough
     assert len(pairs) == 36 and adv.shape == keep.shape == lags.shape == (36,)
     group_of_row = torch.arange(36) // 3  # rounds' groups in generation order: 4 per round
@@ -855,7 +855,7 @@ def test_minibatches_give_the_gradient_of_one_full_batch(model_dir, tmp_path, lo
     )
     trainer = VLMRLVRTrainer(cfg, None)
     trainer.setup()
-    pairs, _, _, _ = trainer.collect()
+    pairs, *_ = trainer.collect()
     assert len(pairs) == 18
     # completions of 1..6 tokens: the rows' token counts differ, so token and row shares differ
     pairs = [
@@ -971,6 +971,57 @@ def test_a_step_whose_every_prompt_is_too_long_names_the_length_settings(model_d
         "generation.max_prompt_length (8), generation.max_model_len (null): all 4 prompts of step 0 are too long "
         "for them (each one's length is in the warnings above); raise them or filter the data"
     )
+
+
+def test_skipped_prompts_are_counted_per_step_and_per_evaluation(model_dir, tmp_path):
+    """The backend skips the first prompt of every call: a step of four prompts in two generate calls (group
+    sizes 2 and 3) logs ``gen/skipped`` 2, its total, and trains on the rest; an evaluation of 8 questions in one
+    call reports ``eval/skipped`` 1 and leaves nothing in the next step's metrics."""
+    from dataclasses import replace
+
+    from pipelines.vlm.inputs import SkippedPrompt
+
+    trainer = VLMRLVRTrainer(make_cfg(model_dir, tmp_path, "skips", "trainer.mode=group"), None)
+    trainer.setup()
+    real = trainer.backend.generate
+
+    def generate_skipping_first(prompts, params):
+        result = real(prompts, params)
+        kept = [sample for sample in result.samples if sample.prompt_index != 0]
+        return replace(result, samples=kept, skipped=[SkippedPrompt(0, prompts[0].prompt_id, "too long")])
+
+    trainer.backend.generate = generate_skipping_first
+    ids = [ex.prompt_id for ex in trainer.train_set[:4]]
+    trainer.choose_prompts = lambda k, exclude=frozenset(): (ids, [2, 3, 3, 2])
+    batch = (
+        trainer.collect()
+    )  # calls [ids[0], ids[3]] x 2 and [ids[1], ids[2]] x 3: ids[0] and ids[1] skipped
+    assert [ex.prompt_id for ex, _ in batch.pairs] == [ids[3]] * 2 + [ids[2]] * 3
+    assert trainer.metrics.reduce()["gen/skipped"] == 2.0
+    assert trainer.evaluate()["eval/skipped"] == 1.0
+    assert "gen/skipped" not in trainer.metrics.reduce()
+
+
+def test_a_steps_sample_file_shows_the_rewards_it_trained_on(model_dir, tmp_path):
+    """The verifiers score a step once: the sample file shows those rewards (a judge or a remote reward asked
+    again could answer otherwise), whatever a later call would return."""
+    from mmrl.run import Run
+
+    cfg = make_cfg(model_dir, tmp_path, "shown", "trainer.mode=group", "trainer.sample_every=1")
+    trainer = VLMRLVRTrainer(cfg, Run(cfg.run, cfg))
+    trainer.setup()
+    calls = []
+
+    def scores(pairs):
+        calls.append(len(pairs))
+        raw = torch.tensor([[float(len(calls)), 0.5]] * len(pairs))
+        return raw @ trainer.reward_weights, raw, {}
+
+    trainer.score_samples = scores
+    trainer.train_step()
+    assert calls == [12]  # (4 prompts x 3), scored once
+    records = [json.loads(line) for line in (tmp_path / "shown/samples/train_00000001.jsonl").open()]
+    assert [(r["exact_match"], r["format"]) for r in records] == [(1.0, 0.5)] * 8
 
 
 def test_tis_auto_weights_samples_drawn_from_a_top_p_nucleus(model_dir, tmp_path):
