@@ -80,6 +80,9 @@ __all__ = ["VLMRLVRTrainer", "evaluate", "load_examples", "main"]
 
 logger = logging.getLogger(__name__)
 
+#: the generation seed of every evaluation
+EVAL_SEED = 1234
+
 
 class VLMRLVRTrainer(TrainerBase):
     """Single-rollout or group RLVR for a transformers VLM, with the core's baseline, selection and losses."""
@@ -357,15 +360,18 @@ class VLMRLVRTrainer(TrainerBase):
         )
 
     def generate(
-        self, examples: list[VQAExample], n: int, temperature: float, top_p: float
+        self, examples: list[VQAExample], n: int, temperature: float, top_p: float, seed: int | None = None
     ) -> list[tuple[VQAExample, GenerationSample]]:
+        """``n`` samples of each question; ``seed`` None: one drawn from the training generator (rollouts)."""
         g = self.cfg.generation
+        if seed is None:
+            seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator))
         params = SamplingParams(
             temperature=temperature,
             top_p=top_p if temperature > 0 else 1.0,
             max_new_tokens=g.max_new_tokens,
             n=n,
-            seed=int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator)),
+            seed=seed,
         )
         result = self.backend.generate([self._prompt(ex) for ex in examples], params)
         for skipped in result.skipped:
@@ -852,7 +858,9 @@ class VLMRLVRTrainer(TrainerBase):
 
     def _evaluate_set(self, examples: list[VQAExample], prefix: str) -> dict[str, float]:
         g = self.cfg.generation
-        pairs = self.generate(examples, 1, g.eval_temperature, g.eval_top_p)
+        # the same seed at every evaluation: sampled answers are comparable across steps, and evaluating (how
+        # often, on how many sets) leaves the training generator, hence the training prompts, as they were
+        pairs = self.generate(examples, 1, g.eval_temperature, g.eval_top_p, seed=EVAL_SEED)
         total, raw = self.verify(pairs)
         batch = self._reward_batch(pairs)
         extra = {

@@ -1002,6 +1002,24 @@ def test_skipped_prompts_are_counted_per_step_and_per_evaluation(model_dir, tmp_
     assert "gen/skipped" not in trainer.metrics.reduce()
 
 
+def test_evaluation_leaves_training_as_it_was_and_samples_the_same_answers_each_time(model_dir, tmp_path):
+    """An evaluation draws nothing from the training generator (a run evaluating more often trains on the same
+    prompts and samples), and sampled evaluations repeat their answers (one seed at every evaluation)."""
+    overrides = ("trainer.mode=group", "generation.eval_temperature=0.8")
+    evaluated = VLMRLVRTrainer(make_cfg(model_dir, tmp_path, "evaluated", *overrides), None)
+    plain = VLMRLVRTrainer(make_cfg(model_dir, tmp_path, "plain", *overrides), None)
+    evaluated.setup()
+    plain.setup()
+    evaluated.evaluate()
+    first = [sample.text for _, sample in evaluated._last_eval[0]]
+    evaluated.evaluate()
+    assert [sample.text for _, sample in evaluated._last_eval[0]] == first
+    ours, theirs = evaluated.collect(), plain.collect()
+    assert [(ex.prompt_id, s.text) for ex, s in ours.pairs] == [
+        (ex.prompt_id, s.text) for ex, s in theirs.pairs
+    ]
+
+
 def test_a_steps_sample_file_shows_the_rewards_it_trained_on(model_dir, tmp_path):
     """The verifiers score a step once: the sample file shows those rewards (a judge or a remote reward asked
     again could answer otherwise), whatever a later call would return."""
