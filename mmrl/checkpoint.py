@@ -5,7 +5,9 @@ Layout under a run directory::
     checkpoints/
       step_00000100/      one folder per checkpoint
         state.pt          trainer state: model/optimizer/scheduler state dicts, PromptStats, RNG states, step
-        adapter/          (front ends) LoRA weights in PEFT format, loadable by diffusers/transformers
+        adapter/          (front ends, LoRA) the adapter in PEFT format, loadable by diffusers/transformers
+        model/            (VLM full fine-tuning, SFT recipes) a transformers from_pretrained folder
+        transformer/      (flow full fine-tuning) a diffusers model folder; Wan2.2 also transformer_2/
       latest              text file: the folder name of the newest complete checkpoint
 
 A checkpoint is assembled in a hidden temporary folder and renamed into place, and ``latest`` is replaced by

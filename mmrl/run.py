@@ -34,7 +34,15 @@ from pydantic import BaseModel
 from mmrl.checkpoint import atomic_write_text, latest_checkpoint
 from mmrl.config import RunConfig, to_yaml
 
-__all__ = ["MetricAccumulator", "Run", "launch_command", "read_metrics", "resume_checkpoint", "setup_logging"]
+__all__ = [
+    "MetricAccumulator",
+    "Run",
+    "launch_command",
+    "read_metrics",
+    "resume_checkpoint",
+    "setup_logging",
+    "write_summary_json",
+]
 
 logger = logging.getLogger(__name__)
 

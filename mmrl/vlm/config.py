@@ -96,16 +96,25 @@ class VLMDataConfig(Config):
     )
     eval_limit: int | None = Field(200, ge=1, description="Eval examples kept.")
     split: str = Field("train", description="Split of a hub dataset.")
-    question_column: str = "question"
-    answer_column: str = "answer"
-    image_column: str | None = "image"
-    id_column: str | None = None
+    question_column: str = Field("question", description="Column of the question text.")
+    answer_column: str = Field("answer", description="Column of the ground truth the verifiers check.")
+    image_column: str | None = Field(
+        "image",
+        description="Column of each question's image(s): a path, a list of paths, a datasets.Image or bytes; "
+        "null: text-only questions.",
+    )
+    id_column: str | None = Field(
+        None, description="Column of the question ids the statistics store keys on; null: the row index."
+    )
     reference_column: str | None = Field(
         None,
         description="Column of reference solutions (worked steps), which the reasoning_steps reward compares a "
         "completion's <think> steps against; generated shapes_math items carry theirs.",
     )
-    image_root: str | None = None
+    image_root: str | None = Field(
+        None,
+        description="Folder that relative image paths are resolved against; null: the data file's folder.",
+    )
     question_template: str = Field("{question}", description="Formats the question text.")
     system_prompt: str | None = Field(None, description="Optional system message.")
     image_size: int = Field(32, ge=8, description="Side of generated shapes images.")
@@ -210,14 +219,16 @@ class VLMTrainerConfig(Config):
         "constant",
         description="cosine: decay from lr to 0 over trainer.steps (late steps then add little drift).",
     )
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(
+        0.0, ge=0, description="AdamW's decoupled weight decay (verl / EasyR1: 1e-2)."
+    )
     optimizer: OptimizerName = Field(
         "adamw",
         description="adamw8bit: bitsandbytes 8-bit AdamW. adamw_kahan: AdamW with Kahan-compensated updates for "
         "pure bfloat16 training (model.master_weight_dtype: bfloat16; EasyR1's adamw_bf16 with a float32 second "
         "moment), 12 bytes per trained value against 16 with float32 master weights (mmrl.optim).",
     )
-    max_grad_norm: float = Field(1.0, gt=0)
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradients are clipped to this global norm.")
     advantage: str | None = Field(
         None,
         description="Advantage estimator (mmrl.core.estimators.list_estimators()); null: single in single "
@@ -318,7 +329,11 @@ class VLMTrainerConfig(Config):
         "when generation.top_p < 1: samples from the truncated nucleus).",
     )
     tis_cap: float = Field(2.0, gt=0, description="TIS cap C.")
-    tis_mode: Literal["token", "sequence"] = "token"
+    tis_mode: Literal["token", "sequence"] = Field(
+        "token",
+        description="token: each token's own capped ratio; sequence: one ratio per completion, the product of "
+        "its tokens' (capped as a whole).",
+    )
     minibatch_size: int = Field(
         16,
         ge=1,
@@ -335,7 +350,7 @@ class VLMTrainerConfig(Config):
     )
     ppo_epochs: int = Field(1, ge=1, description="Passes over the step's samples (each part once per pass).")
     logprob_chunk_size: int = Field(128, ge=1, description="Positions per chunk of the head/softmax.")
-    eval_every: int = Field(10, ge=1)
+    eval_every: int = Field(10, ge=1, description="Evaluate on the held-out questions every N steps.")
     sample_every: int = Field(10, ge=1, description="Write example completions every N steps.")
 
 

@@ -46,6 +46,7 @@ from mmrl.vlm.sft import (
 from pipelines.vlm.backend import SamplingParams
 from pipelines.vlm.hf_backend import HFBackend
 from pipelines.vlm.inputs import VLMPrompt
+from pipelines.vlm.tiny import TinyVLMConfig
 from rewards.text import NUMBER_WORDS
 
 __all__ = ["SFTShapesConfig", "SFTShapesTrainer", "main"]
@@ -290,6 +291,8 @@ def render_card(report: dict) -> str:
         if cfg.get("curriculum")
         else ""
     )
+    merge = TinyVLMConfig.merge_size  # (not a setting of the recipe)
+    image_tokens = (cfg["image_size"] // (cfg.get("patch_size", TinyVLMConfig.patch_size) * merge)) ** 2
     vision_line = vision_pretraining_line(report, cfg.get("vision_pretrain_steps", 0))
     vision_line = f"\n{vision_line}" if vision_line else ""
     curve = ""
@@ -326,7 +329,7 @@ model = AutoModelForImageTextToText.from_pretrained("{cfg["out"]}")
   {report["steps"]} steps of {cfg["batch_size"]} items, final training loss {report["final_loss"]:.3f})
 - machine: {report["machine"]}{vision_line}
 - data: {cfg["train_items"]} training items (train split of scenes), {cfg["image_size"]}x{cfg["image_size"]}
-  scenes (16 image tokens), completion `<answer>X</answer><|im_end|>`; {cfg["caption_fraction"]:.0%} of the
+  scenes ({image_tokens} image tokens), completion `<answer>X</answer><|im_end|>`; {cfg["caption_fraction"]:.0%} of the
   batches are the auxiliary captioning task ("{CAPTION_QUESTION}" -> `<answer>red circle, blue square</answer>`){curriculum}
 - scenes of another size are resized to {cfg["image_size"]}x{cfg["image_size"]} by the processor; for RL and
   evaluation, render scenes at this size (`make_vqa_items(..., size={cfg["image_size"]})`){words}

@@ -4,7 +4,7 @@ A trainer turns the allocator's decision (prompt ids and how many samples each) 
 a rollout worker answers each with one :class:`RolloutResult` stamped with the weight version that produced it;
 the pool hands a step's results to the trainer as a :class:`PoolBatch`, which also says how many versions behind
 the trainer every sample is (``lag``), so that the trainer can weight stale samples by truncated importance
-sampling (``mmrl.core.losses.truncated_is_weights`` with the behaviour log-probs inside each output).
+sampling (``mmrl.core.losses.stale_sample_weights`` with the behaviour log-probs inside each output).
 Weights go the other way as a :class:`WeightUpdate` (see :mod:`pipelines.pool.weights`).
 """
 

@@ -59,8 +59,9 @@ def import_vllm() -> Any:
 def build_requests(prepared: Sequence[PreparedPrompt]) -> list[dict[str, Any]]:
     """vLLM prompt dicts (``TextPrompt``): the chat-templated text and its images as multimodal data.
 
-    The text keeps one ``<|vision_start|><|image_pad|><|vision_end|>`` slot per image; vLLM's own Qwen-VL input
-    processor expands each slot to the image's token count, as the HF processor did when measuring the prompt.
+    The text keeps the chat template's one image placeholder per image (Qwen-VL:
+    ``<|vision_start|><|image_pad|><|vision_end|>``; Gemma 3: ``<start_of_image>``); vLLM's input processor of
+    the family expands each to the image's token count, as the HF processor did when measuring the prompt.
     """
     requests = []
     for prompt in prepared:
