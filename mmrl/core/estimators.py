@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -180,8 +180,9 @@ def estimate(name: str, batch: RewardBatch, **options: Any) -> Advantages:
 
 
 @register_estimator("grpo", "group mean / group std (GRPO, DeepSeekMath 2402.03300 eq. 3)")
-def grpo(batch: RewardBatch) -> Advantages:
-    return Advantages(adv_lib.group_normalized(batch.rewards, batch.group_ids, std="group"))
+def grpo(batch: RewardBatch, center: Literal["mean", "median"] = "mean") -> Advantages:
+    """``center: median``: the group's lower median instead of its mean (robust to one outlying reward)."""
+    return Advantages(adv_lib.group_normalized(batch.rewards, batch.group_ids, std="group", center=center))
 
 
 @register_estimator("dr_grpo", "group mean, no std (Dr.GRPO 2503.20783)")
@@ -229,7 +230,10 @@ def gdpo(batch: RewardBatch) -> Advantages:
     needs_baseline=True,
     single_rollout=True,
 )
-def single(batch: RewardBatch, center: bool = False) -> Advantages:
+def single(
+    batch: RewardBatch, center: bool = False, scale: Literal["batch_std", "none"] = "batch_std"
+) -> Advantages:
+    """``scale: none``: the raw ``r - V(x)``, not divided by the batch std."""
     if batch.baseline is None:
         raise ValueError("the single estimator needs batch.baseline (the store's value before the update)")
-    return Advantages(adv_lib.single_rollout(batch.rewards, batch.baseline, scale="batch_std", center=center))
+    return Advantages(adv_lib.single_rollout(batch.rewards, batch.baseline, scale=scale, center=center))

@@ -237,7 +237,8 @@ class VLMTrainerConfig(Config):
     advantage_options: dict[str, Any] = Field(
         default_factory=dict,
         description="Keyword options of the estimator, e.g. single: {center: true} centres the advantages on "
-        "the batch mean (off in MSSR: it can turn a correct answer negative).",
+        "the batch mean (off in MSSR: it can turn a correct answer negative), {scale: none} leaves them undivided "
+        "by the batch std; grpo: {center: median}.",
     )
     # group mode
     num_generations: int = Field(

@@ -94,7 +94,17 @@ def test_a_constant_group_gets_exactly_zero_advantage_for_every_estimator(name, 
 def test_registry_metadata_drives_the_trainers():
     assert get_estimator("single").needs_baseline and get_estimator("single").single_rollout
     assert get_estimator("mc_grpo").extra_per_group == 1 and get_estimator("mc_grpo").odd_groups
-    assert get_estimator("single").options() == ["center"] and get_estimator("grpo").options() == []
+    assert get_estimator("single").options() == ["center", "scale"] and get_estimator("grpo").options() == [
+        "center"
+    ]
+
+
+def test_the_estimators_options_reach_their_formulas():
+    """grpo ``center: median``: group 2 (0.5, 0.25, 1) centres on 0.5; single ``scale: none``: ``r - V``."""
+    median = estimate("grpo", _batch(), center="median").adv
+    torch.testing.assert_close(median, A.group_normalized(REWARDS, GROUPS, center="median"))
+    assert median[6] == 0.0 and median[8] > 0 > median[7]
+    torch.testing.assert_close(estimate("single", _batch(), scale="none").adv, REWARDS - 0.5)
 
 
 def test_unknown_names_and_options_are_named():
@@ -102,7 +112,7 @@ def test_unknown_names_and_options_are_named():
         get_estimator("gpro")
     with pytest.raises(ValueError, match=r"registered: \[.*'rloo'"):
         check_estimator("gpro", {})
-    with pytest.raises(ValueError, match=r"takes \[.center.\]"):
+    with pytest.raises(ValueError, match=r"takes \[.center., .scale.\]"):
         check_estimator("single", {"centre": True})
     with pytest.raises(ValueError, match="already registered"):
         register_estimator("grpo", "a second grpo")(lambda batch: Advantages(batch.rewards))
