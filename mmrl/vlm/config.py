@@ -20,6 +20,7 @@ from mmrl.sections import (
     check_group_sizes,
     check_reward_keys,
 )
+from pipelines.vlm.backend import SamplingParams
 
 __all__ = ["VLMAllocation", "VLMPoolSettings", "VLMRLVRConfig"]
 
@@ -169,6 +170,36 @@ class GenerationConfig(Config):
         description="Most images one prompt may carry in vLLM (its limit_mm_per_prompt; the engine reserves "
         "memory for that many). Raise it for multi-image data; the hf backend has no such limit.",
     )
+
+    def sampling(
+        self, temperature: float, top_p: float, n: int = 1, seed: int | None = None
+    ) -> SamplingParams:
+        """Sampling parameters of a generate call (greedy at temperature 0, where a nucleus means nothing)."""
+        return SamplingParams(
+            temperature=temperature,
+            top_p=top_p if temperature > 0 else 1.0,
+            max_new_tokens=self.max_new_tokens,
+            n=n,
+            seed=seed,
+        )
+
+    def vllm_engine_options(self) -> dict[str, Any]:
+        """The ``VLLMBackend`` arguments these settings fix, for the trainer's engine and a pool member's."""
+        return dict(
+            max_model_len=self.max_model_len or 4096,
+            max_prompt_length=self.max_prompt_length,
+            gpu_memory_utilization=self.vllm_gpu_memory_utilization,
+            max_images_per_prompt=self.vllm_max_images_per_prompt,
+            quantization="fp8" if self.vllm_fp8 else None,
+        )
+
+    def hf_backend_options(self) -> dict[str, Any]:
+        """The ``HFBackend`` arguments these settings fix, for the trainer's backend and a pool member's."""
+        return dict(
+            max_model_len=self.max_model_len,
+            max_prompt_length=self.max_prompt_length,
+            batch_size=self.batch_size,
+        )
 
 
 class EntropyShaping(Config):

@@ -120,11 +120,7 @@ def pooled_worker_factory(
         ImportError: ``generation.backend=vllm`` with in-process members and vLLM not installed.
     """
     family = get_vlm_family(model.family) if model.family else None
-    params = SamplingParams(
-        temperature=generation.temperature,
-        top_p=generation.top_p if generation.temperature > 0 else 1.0,
-        max_new_tokens=generation.max_new_tokens,
-    )
+    params = generation.sampling(generation.temperature, generation.top_p)
     if generation.backend == "vllm":
         if settings.executor == "inprocess":
             # fail here, naming the extra, not later in a member's thread (a Ray driver may lack the GPU and
@@ -133,11 +129,7 @@ def pooled_worker_factory(
         # the engine arguments of the trainer's own engine (VLMRLVRTrainer._make_backend); a member never
         # sleeps (it generates while the trainer trains), so sleep mode is off
         engine: dict[str, Any] = dict(
-            max_model_len=generation.max_model_len or 4096,
-            max_prompt_length=generation.max_prompt_length,
-            gpu_memory_utilization=generation.vllm_gpu_memory_utilization,
-            max_images_per_prompt=generation.vllm_max_images_per_prompt,
-            quantization="fp8" if generation.vllm_fp8 else None,
+            **generation.vllm_engine_options(),
             dtype=model.dtype,
             seed=seed,
             enable_sleep_mode=False,
@@ -146,9 +138,7 @@ def pooled_worker_factory(
     else:
         engine = dict(
             device=settings.device if settings.device is not None else device,
-            max_model_len=generation.max_model_len,
-            max_prompt_length=generation.max_prompt_length,
-            batch_size=generation.batch_size,
+            **generation.hf_backend_options(),
             family=family,
         )
     return functools.partial(

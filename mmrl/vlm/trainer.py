@@ -70,7 +70,7 @@ from mmrl.vlm.process_credit import process_advantages
 from mmrl.vlm.rollouts import LoopVLMSource, VLMPairs
 from pipelines.pool.protocol import WeightUpdate
 from pipelines.pool.weights import make_update
-from pipelines.vlm.backend import GenerationBackend, GenerationSample, SamplingParams
+from pipelines.vlm.backend import GenerationBackend, GenerationSample
 from pipelines.vlm.families import VLMFamily, family_for_model_type, get_vlm_family
 from pipelines.vlm.inputs import VLMPrompt
 from pipelines.vlm.logprobs import TokenStats, backbone_and_head, build_scoring_batch, completion_token_stats
@@ -285,11 +285,7 @@ class VLMRLVRTrainer(TrainerBase):
             return VLLMBackend(
                 self.cfg.model.path,
                 self.processor,
-                max_model_len=g.max_model_len or 4096,
-                max_prompt_length=g.max_prompt_length,
-                gpu_memory_utilization=g.vllm_gpu_memory_utilization,
-                max_images_per_prompt=g.vllm_max_images_per_prompt,
-                quantization="fp8" if g.vllm_fp8 else None,
+                **g.vllm_engine_options(),
                 dtype=self.cfg.model.dtype,
                 seed=self.cfg.run.seed,
                 family=self.family,
@@ -300,9 +296,7 @@ class VLMRLVRTrainer(TrainerBase):
         return HFBackend(
             self.model,
             self.processor,
-            max_model_len=g.max_model_len,
-            max_prompt_length=g.max_prompt_length,
-            batch_size=g.batch_size,
+            **g.hf_backend_options(),
             synced_gpus=self.dist.fsdp,
             family=self.family,
             autocast_dtype=self.compute_dtype,
@@ -363,16 +357,9 @@ class VLMRLVRTrainer(TrainerBase):
         self, examples: list[VQAExample], n: int, temperature: float, top_p: float, seed: int | None = None
     ) -> list[tuple[VQAExample, GenerationSample]]:
         """``n`` samples of each question; ``seed`` None: one drawn from the training generator (rollouts)."""
-        g = self.cfg.generation
         if seed is None:
             seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator))
-        params = SamplingParams(
-            temperature=temperature,
-            top_p=top_p if temperature > 0 else 1.0,
-            max_new_tokens=g.max_new_tokens,
-            n=n,
-            seed=seed,
-        )
+        params = self.cfg.generation.sampling(temperature, top_p, n=n, seed=seed)
         result = self.backend.generate([self._prompt(ex) for ex in examples], params)
         for skipped in result.skipped:
             logger.warning("skipped prompt %s: %s", skipped.prompt_id, skipped.reason)
