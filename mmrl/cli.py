@@ -56,10 +56,18 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             checkpoint = latest_checkpoint(target / "checkpoints")
             if checkpoint is None:
                 raise ConfigError(f"run directory {target} has no checkpoint to evaluate")
-        out = Path(args.out) if args.out else target / "eval" / checkpoint.name
+        # one folder per checkpoint and question set, so an evaluation on other prompts keeps the last one's
+        default = (
+            target / "eval" / (checkpoint.name + (f"-{Path(args.prompts).stem}" if args.prompts else ""))
+        )
+        out = Path(args.out) if args.out else default
     else:
         config_path = target
         out = Path(args.out) if args.out else Path("runs") / "eval" / target.stem
+    if (out / "config.yaml").is_file():
+        raise ConfigError(
+            f"--out {out} is a run directory: its summary.json would be replaced; choose another --out"
+        )
     recipe, data = _recipe_of(str(config_path), args.overrides)
     cfg = validate(recipe.load_config_class(), data)
     summary = recipe.load_evaluate()(cfg, args.prompts, out, checkpoint, args.images_per_prompt)

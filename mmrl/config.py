@@ -8,11 +8,12 @@ text; modes are ``Literal`` so a typo fails at load time. ``load_config`` reads 
 from __future__ import annotations
 
 import difflib
+import os
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 __all__ = [
     "Config",
@@ -41,9 +42,15 @@ class Config(BaseModel):
 class RunConfig(Config):
     """Where a run writes, how it logs and checkpoints; shared by every recipe."""
 
-    name: str = Field("run", description="Run name; the run directory is output_dir/name.")
-    output_dir: str = Field("runs", description="Parent folder of run directories.")
-    seed: int = Field(0, description="Global seed (python, numpy, torch); a run is reproducible from it.")
+    name: str = Field(
+        "run",
+        description="Run name; the run directory is output_dir/name (a relative path inside output_dir: not empty, "
+        "not absolute, no '..').",
+    )
+    output_dir: str = Field("runs", description="Parent folder of run directories ('~' is the home folder).")
+    seed: int = Field(
+        0, strict=True, description="Global seed (python, numpy, torch); a run is reproducible from it."
+    )
     log_every: int = Field(1, ge=1, description="Write metrics every this many steps.")
     save_every: int = Field(0, ge=0, description="Checkpoint every this many steps (0: only at the end).")
     keep_last: int = Field(2, ge=1, description="Checkpoints kept on disk; older ones are deleted.")
@@ -54,7 +61,9 @@ class RunConfig(Config):
     tensorboard: bool = Field(True, description="Write TensorBoard event files under the run directory.")
     wandb: bool = Field(False, description="Also log to Weights & Biases (needs `pip install wandb`).")
     progress: bool = Field(True, description="Show a live progress bar with the latest metrics.")
-    log_level: str = Field("INFO", description="Python logging level: DEBUG, INFO, WARNING or ERROR.")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="Python logging level: DEBUG, INFO, WARNING or ERROR."
+    )
     threads: int | None = Field(
         None,
         ge=1,
@@ -71,6 +80,29 @@ class RunConfig(Config):
         "makes waiting threads sleep at once (OMP_WAIT_POLICY=PASSIVE) unless OMP_WAIT_POLICY or GOMP_SPINCOUNT "
         "is set in the environment. fixed: the waits stay as the process started.",
     )
+
+    @field_validator("name")
+    @classmethod
+    def _inside_output_dir(cls, name: str) -> str:
+        """The run directory stays inside ``output_dir`` and is not ``output_dir`` itself: ``run.overwrite``
+        deletes it, so a name that points elsewhere could delete what is not a run."""
+        path = Path(name)
+        if not name.strip() or path.is_absolute() or ".." in path.parts or path == Path("."):
+            raise ValueError(
+                f"{name!r} is not a folder inside run.output_dir: give a relative name without '..' (set "
+                "run.output_dir for the parent folder)"
+            )
+        return name
+
+    @field_validator("output_dir")
+    @classmethod
+    def _home(cls, output_dir: str) -> str:
+        return os.path.expanduser(output_dir)
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, level: Any) -> Any:
+        return level.upper() if isinstance(level, str) else level
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

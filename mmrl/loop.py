@@ -59,7 +59,17 @@ def train_loop(
     show: tuple[str, ...] = ("reward/mean",),
     main_process: bool = True,
 ) -> dict[str, float]:
-    """Run ``trainer`` from its current step to ``total``; returns the latest value of every metric."""
+    """Run ``trainer`` from its current step to ``total``; returns the latest value of every metric.
+
+    Raises:
+        ValueError: a resumed run is already at ``total`` steps or past them (before anything is written: its
+            summary, report and last checkpoint stay as they are).
+    """
+    if trainer.step > 0 and trainer.step >= total:
+        raise ValueError(
+            f"run.resume: the run is at step {trainer.step} and trainer.steps={total}: nothing is left to train; "
+            "raise trainer.steps to continue it"
+        )
     latest: dict[str, float] = {}
     writes = main_process and run is not None
     if trainer.step == 0:

@@ -167,8 +167,8 @@ class Run:
     ``metrics.orphaned.jsonl``, as lines after the last checkpoint are when one exists.
 
     Raises:
-        FileExistsError: if the directory holds a previous run (or files a run does not write) and neither
-            ``resume`` nor ``overwrite`` is set (nothing already written is touched).
+        FileExistsError: the directory holds a previous run and neither ``resume`` nor ``overwrite`` is set, or
+            it holds files but no run (no ``config.yaml``), whatever is set (nothing already written is touched).
         ValueError: ``run.output_dir`` or the run directory is a file.
     """
 
@@ -182,6 +182,13 @@ class Run:
                     raise ValueError(f"{key}: {folder} is a file, not a folder; choose another {key}")
                 break
         existing = self.dir.exists() and any(self.dir.iterdir())
+        if existing and not (self.dir / "config.yaml").is_file() and not _setup_leftovers(self.dir):
+            # every run writes its config.yaml first: a folder without one is not a run, and neither resume nor
+            # overwrite (which deletes the folder) may touch it
+            raise FileExistsError(
+                f"{self.dir} holds files but no run (no config.yaml); mmrl writes a run only into an empty folder "
+                "or its own run directory: choose another run.name or run.output_dir"
+            )
         if existing and not run_cfg.resume and not run_cfg.overwrite and _setup_leftovers(self.dir):
             logger.info(
                 "%s holds only what a run that stopped before its first step left; replacing it", self.dir

@@ -95,6 +95,7 @@ def test_a_corrupt_metrics_line_is_named_with_file_and_line(tmp_path) -> None:
     run_dir = tmp_path / "r"
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('{"step": 0}\nnot json\n{"step": 1}\n')
+    (run_dir / "config.yaml").write_text("recipe: core_bandit\n")
     with pytest.raises(ValueError, match=r"r/metrics\.jsonl line 2 is not valid JSON"):
         read_metrics(run_dir)
     cfg = cfg_for(tmp_path, "r", "run.resume=true")
@@ -120,12 +121,43 @@ def test_a_run_that_failed_in_setup_does_not_block_the_rerun(tmp_path, monkeypat
     monkeypatch.setattr(BanditTrainer, "setup", original)
     final = main(cfg_for(tmp_path, "again", "trainer.steps=2"))
     assert final and [r["step"] for r in read_metrics(tmp_path / "again")] == [0, 1, 2]
-    # a file a run does not write makes the directory someone's: refused, with the way out
+    # a folder that holds files but no run is someone's: refused even with overwrite or resume, nothing touched
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine/notes.txt").write_text("keep")
-    with pytest.raises(FileExistsError, match=r"run\.overwrite=true"):
-        main(cfg_for(tmp_path, "mine", "trainer.steps=2"))
+    for flags in ([], ["run.overwrite=true"], ["run.resume=true"]):
+        with pytest.raises(FileExistsError, match=r"mine holds files but no run \(no config.yaml\)"):
+            main(cfg_for(tmp_path, "mine", "trainer.steps=2", *flags))
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
     assert (tmp_path / "mine/notes.txt").read_text() == "keep"
+
+
+@pytest.mark.parametrize("name", [".", "''", "..", "../elsewhere", "a/../../b", "/tmp/abs"])
+def test_a_run_name_must_be_a_folder_inside_output_dir(tmp_path, name) -> None:
+    """run.overwrite deletes the run directory: a name that points at output_dir itself, above it or elsewhere
+    is refused when the config loads, naming the key."""
+    (tmp_path / "other_run.txt").write_text("keep")
+    with pytest.raises(ValueError, match=r"run\.name.*is not a folder inside run\.output_dir"):
+        cfg_for(tmp_path, name, "run.overwrite=true")
+    assert (tmp_path / "other_run.txt").read_text() == "keep"
+
+
+def test_resuming_a_finished_run_is_refused_and_keeps_its_summary(tmp_path) -> None:
+    main(cfg_for(tmp_path, "done", "trainer.steps=2"))
+    summary = (tmp_path / "done/summary.json").read_text()
+    assert len(json.loads(summary)) > 2
+    for steps in (2, 1):
+        with pytest.raises(
+            ValueError, match=rf"at step 2 and trainer.steps={steps}: nothing is left to train"
+        ):
+            main(cfg_for(tmp_path, "done", f"trainer.steps={steps}", "run.resume=true"))
+    assert (tmp_path / "done/summary.json").read_text() == summary
+    resumed = main(cfg_for(tmp_path, "done", "trainer.steps=3", "run.resume=true"))  # more steps: continues
+    assert resumed and [r["step"] for r in read_metrics(tmp_path / "done")][-1] == 3
+
+
+def test_output_dir_expands_the_home_folder(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert cfg_for(tmp_path, "r", "run.output_dir=~/runs").run.output_dir == str(tmp_path / "runs")
 
 
 def test_non_finite_metrics_are_left_out_and_lines_stay_json(tmp_path) -> None:
@@ -139,3 +171,14 @@ def test_non_finite_metrics_are_left_out_and_lines_stay_json(tmp_path) -> None:
     assert "NaN" not in text and "Infinity" not in text
     record = json.loads(text, parse_constant=lambda name: pytest.fail(f"bare {name} in metrics.jsonl"))
     assert record["eval/accuracy"] == 0.5 and "eval/accuracy_count" not in record and "loss" not in record
+
+
+def test_eval_refuses_to_write_into_a_run_directory(tmp_path, capsys) -> None:
+    from mmrl.cli import main as cli_main
+
+    main(cfg_for(tmp_path, "trained", "trainer.steps=1"))
+    summary = (tmp_path / "trained/summary.json").read_text()
+    out = tmp_path / "trained"
+    assert cli_main(["eval", "configs/demo/flow_shapes.yaml", "--out", str(out)]) == 2
+    assert f"--out {out} is a run directory" in capsys.readouterr().err
+    assert (tmp_path / "trained/summary.json").read_text() == summary
