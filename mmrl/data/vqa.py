@@ -287,9 +287,8 @@ def load_vqa(
                     f"{where}: no {column!r} (the value is {row[column]!r}); every row needs one"
                 )
         question = format_question(question_template, row[question_column])
-        answer = row[answer_column]
-        answer = answer if isinstance(answer, str) else str(answer)
-        pid = str(row[id_column]) if id_column else f"{path.stem or source}-{i}"
+        answer = _cell_text(row[answer_column])
+        pid = _cell_text(row[id_column]) if id_column else f"{path.stem or source}-{i}"
         reference = ""
         if reference_column:
             if row[reference_column] is None or not str(row[reference_column]).strip():
@@ -310,6 +309,15 @@ def _fit_images(
     for example in examples:
         example.images = [fit_pixels(image, min_pixels, max_pixels) for image in example.images]
     return examples
+
+
+def _cell_text(value: Any) -> str:
+    """A data cell as text. A column that mixes integers and decimals (answers 4 and 2.5 in one JSON file) loads
+    as floats, which would make the answer 4 the string "4.0" that no verifier matches against "4": an integral
+    float is written as the integer."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return value if isinstance(value, str) else str(value)
 
 
 def check_answers(examples: Sequence[VQAExample], verifiers: Sequence[tuple[str, Any]], source: str) -> None:

@@ -39,6 +39,26 @@ def test_vqa_rows_load_when_complete(tmp_path) -> None:
     assert (example.question, example.answer, example.prompt_id) == ("Q: how many?", "2", "vqa-0")
 
 
+def test_numbers_of_a_column_that_mixes_integers_and_decimals_keep_their_integers(tmp_path) -> None:
+    """JSON answers 4 and 2.5 load as one float column; the answer 4 stays "4" (exact match against "4.0"
+    would fail every right integer answer), and so do integer ids."""
+    import rewards
+
+    source = tmp_path / "mixed.jsonl"
+    rows = [
+        {"id": 7, "question": "how many?", "answer": 4},
+        {"id": 8.5, "question": "how much?", "answer": 2.5},
+    ]
+    source.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    examples = load_vqa(str(source), image_column=None, id_column="id")
+    assert [(ex.prompt_id, ex.answer) for ex in examples] == [("7", "4"), ("8.5", "2.5")]
+    exact = rewards.build("exact_match")
+    assert (
+        exact.score(completions=["<answer>4</answer>"], ground_truths=[examples[0].answer]).scores.item()
+        == 1.0
+    )
+
+
 def test_vqa_question_template_with_a_literal_brace_names_the_key_and_the_field(tmp_path) -> None:
     source = write_jsonl(tmp_path / "vqa.jsonl", [{"question": "how many?", "answer": 2}])
     template = 'Reply as {"answer": N}. {question}'
