@@ -105,13 +105,34 @@ class RunConfig(Config):
         return level.upper() if isinstance(level, str) else level
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` that refuses a key given twice in one mapping, where PyYAML keeps the last silently
+    (a second ``trainer:`` section would reset every setting of the first to its default)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"key {key!r} appears twice in one mapping (first on line {seen[key] + 1})",
+                    key_node.start_mark,
+                )
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML mapping, with errors that name the file and line."""
+    """Read a YAML mapping, with errors that name the file and line (a key given twice is one)."""
     path = Path(path)
     if not path.is_file():
+        if path.is_dir():
+            raise ConfigError(f"{path} is a folder, not a config file")
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason})") from None
     except yaml.YAMLError as err:

@@ -33,7 +33,7 @@ from typing import Any
 import yaml
 
 from mmrl.checkpoint import latest_checkpoint
-from mmrl.config import ConfigError, validate
+from mmrl.config import ConfigError, load_yaml, validate
 from mmrl.recipes import get_recipe
 from mmrl.run import read_metrics
 
@@ -355,7 +355,7 @@ def export_run(
     config_file = run_dir / "config.yaml"
     if not config_file.is_file():
         raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
-    data = yaml.safe_load(config_file.read_text()) or {}
+    data = load_yaml(config_file)
     recipe_name = str(data.get("recipe"))
     if recipe_name not in ("flow_grpo", "vlm_rlvr"):
         raise ValueError(

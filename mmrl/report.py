@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mmrl.config import load_yaml
 from mmrl.run import read_metrics
 
 __all__ = [
@@ -123,17 +124,20 @@ class _Run:
 
 
 def _load_run(run_dir: str | Path) -> _Run:
-    import yaml
-
     path = Path(run_dir)
     config_file = path / "config.yaml"
     if not config_file.is_file():
         raise FileNotFoundError(f"{path} is not a run directory (no config.yaml)")
     config_text = config_file.read_text()
-    config = yaml.safe_load(config_text) or {}
+    config = load_yaml(config_file)
     records = read_metrics(path) if (path / "metrics.jsonl").is_file() else []
     summary_file = path / "summary.json"
-    summary = json.loads(summary_file.read_text()) if summary_file.is_file() else None
+    summary = None
+    if summary_file.is_file():
+        try:
+            summary = json.loads(summary_file.read_text())
+        except ValueError as err:
+            raise ValueError(f"{summary_file} is not valid JSON ({err})") from None
     command_file = path / "command.txt"
     command = command_file.read_text().strip() if command_file.is_file() else None
     name = str((config.get("run") or {}).get("name") or path.name)

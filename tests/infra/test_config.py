@@ -88,7 +88,17 @@ def test_checks_across_keys_say_their_message_without_repeating_the_config(tmp_p
 
 @pytest.mark.parametrize(
     ("text", "match"),
-    [("trainer: [unclosed\n", "invalid YAML"), ("", "empty"), ("- a\n- b\n", "mapping")],
+    [
+        ("trainer: [unclosed\n", "invalid YAML"),
+        ("", "empty"),
+        ("- a\n- b\n", "mapping"),
+        # PyYAML keeps the last of two keys silently: the first section's settings would fall to their defaults
+        (
+            "trainer:\n  lr: 0.5\ntrainer:\n  steps: 4\n",
+            r"key 'trainer' appears twice in one mapping \(first on line 1\)",
+        ),
+        ("trainer:\n  lr: 0.5\n  lr: 0.1\n", r"key 'lr' appears twice in one mapping \(first on line 2\)"),
+    ],
 )
 def test_malformed_files(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match):
@@ -98,6 +108,8 @@ def test_malformed_files(tmp_path, text, match):
 def test_missing_file_and_bad_override(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(Recipe, "/nonexistent/c.yaml")
+    with pytest.raises(ConfigError, match="is a folder, not a config file"):
+        load_config(Recipe, str(tmp_path))
     with pytest.raises(ConfigError, match=r"key\.sub=value"):
         load_config(Recipe, None, ["trainer.lr"])
     with pytest.raises(ConfigError, match="is a value"):

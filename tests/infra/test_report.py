@@ -201,6 +201,19 @@ def test_report_of_a_run_still_writing(flow_run, tmp_path):
     assert "in progress" in page and "3 of 3" in page
 
 
+def test_a_damaged_config_or_summary_is_named(flow_run, tmp_path):
+    from mmrl.config import ConfigError
+
+    run = tmp_path / "damaged"
+    shutil.copytree(flow_run, run)
+    (run / "summary.json").write_text('{"step": 3, ')
+    with pytest.raises(ValueError, match=r"damaged/summary.json is not valid JSON"):
+        render_report(run)
+    (run / "config.yaml").write_text("run: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"damaged/config.yaml: invalid YAML"):
+        render_report(run)
+
+
 def test_cli_report_and_compare_overlay_runs(flow_run, tmp_path):
     other = tmp_path / "other"
     shutil.copytree(flow_run, other)
