@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -129,14 +129,36 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load the state saved by :func:`save_checkpoint` from a checkpoint folder (or its ``state.pt``)."""
+def load_checkpoint(
+    path: str | Path, map_location: str | torch.device = "cpu", require: Sequence[str] = ()
+) -> dict[str, Any]:
+    """Load the state saved by :func:`save_checkpoint` from a checkpoint folder (or its ``state.pt``).
+
+    The file is unpickled (``weights_only=False``: prompt ids and RNG tuples are part of the state), which runs
+    whatever code a pickle names: load only checkpoints you or a trusted party wrote.
+
+    Raises:
+        FileNotFoundError: no state file there.
+        ValueError: the file is not a readable checkpoint (cut short, not a torch file), or lacks a key of
+            ``require`` (the checkpoint of another recipe); the message names the file.
+    """
     path = Path(path)
     file = path / STATE_FILE if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(f"no checkpoint state at {file}")
-    # Our own files: python objects (prompt ids, RNG tuples) are part of the state, so weights_only is off.
-    return torch.load(file, map_location=map_location, weights_only=False)
+    try:
+        state = torch.load(file, map_location=map_location, weights_only=False)
+    except Exception as err:  # a zip cut short, an empty file, a file that is no pickle: all say the same
+        raise ValueError(
+            f"{file} is not a readable checkpoint ({type(err).__name__}: {err}); if it was cut short, delete "
+            f"{file.parent} to resume from the checkpoint before it"
+        ) from err
+    if not isinstance(state, dict):
+        raise ValueError(f"{file} is not an mmrl checkpoint (it holds a {type(state).__name__})")
+    missing = [key for key in require if key not in state]
+    if missing:
+        raise ValueError(f"{file} has no {missing}: the checkpoint of another recipe or model")
+    return state
 
 
 def load_trainable(module: torch.nn.Module, trainable: dict[str, torch.Tensor]) -> None:
@@ -144,7 +166,8 @@ def load_trainable(module: torch.nn.Module, trainable: dict[str, torch.Tensor]) 
     on a model sharded by ``mmrl.distributed.shard_model`` every rank must call this, each keeps its shard).
 
     Raises:
-        ValueError: the checkpoint names parameters the module lacks (a different model or LoRA layout).
+        ValueError: the checkpoint names parameters the module lacks, or holds them in other shapes (a different
+            model or LoRA layout).
     """
     from mmrl.distributed import shard_like
 
@@ -152,6 +175,15 @@ def load_trainable(module: torch.nn.Module, trainable: dict[str, torch.Tensor]) 
     missing = sorted(set(trainable) - set(params))
     if missing:
         raise ValueError(f"checkpoint has parameters this model lacks, e.g. {missing[:3]}")
+    resized = [
+        f"{name} {tuple(value.shape)} (the model: {tuple(params[name].shape)})"
+        for name, value in trainable.items()
+        if tuple(value.shape) != tuple(params[name].shape)
+    ]
+    if resized:
+        raise ValueError(
+            f"checkpoint tensors differ in shape from the model's (another LoRA rank or model size?): {resized[:3]}"
+        )
     with torch.no_grad():
         for name, value in trainable.items():
             params[name].copy_(shard_like(value, params[name]))

@@ -328,7 +328,7 @@ processor = AutoProcessor.from_pretrained("{to.name}")
         model = AutoModelForImageTextToText.from_pretrained(model_dir)
     else:  # a checkpoint from before full fine-tunes were saved as model folders: the base plus state.pt
         model = AutoModelForImageTextToText.from_pretrained(cfg.model.path)
-        load_trainable(model, load_checkpoint(ckpt)["trainable"])
+        load_trainable(model, load_checkpoint(ckpt, require=("trainable",))["trainable"])
     model.save_pretrained(to)
     processor.save_pretrained(to)
     return "transformers", "Fully fine-tuned model", merged_usage

@@ -32,7 +32,7 @@ import torch
 from pydantic import BaseModel
 
 from mmrl.checkpoint import atomic_write_text, latest_checkpoint
-from mmrl.config import RunConfig, to_yaml
+from mmrl.config import RunConfig, load_yaml, to_yaml
 
 __all__ = [
     "MetricAccumulator",
@@ -189,6 +189,15 @@ class Run:
                 f"{self.dir} holds files but no run (no config.yaml); mmrl writes a run only into an empty folder "
                 "or its own run directory: choose another run.name or run.output_dir"
             )
+        if existing and run_cfg.resume and (self.dir / "config.yaml").is_file():
+            # another recipe's checkpoint would fail to load with a bare key name, after the model loaded
+            recorded = load_yaml(self.dir / "config.yaml").get("recipe")
+            recipe = getattr(full_cfg, "recipe", None)
+            if recorded != recipe:
+                raise ValueError(
+                    f"run.resume: {self.dir} holds a {recorded} run and this config is {recipe}: choose another "
+                    "run.name"
+                )
         if existing and not run_cfg.resume and not run_cfg.overwrite and _setup_leftovers(self.dir):
             logger.info(
                 "%s holds only what a run that stopped before its first step left; replacing it", self.dir

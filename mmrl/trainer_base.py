@@ -99,7 +99,11 @@ class TrainerBase:
         ckpt = resume_checkpoint(self.cfg.run) if self.checkpoint_wanted() else None
         if ckpt is None:
             return
-        self.load_state(load_checkpoint(ckpt, map_location=map_location))
+        state = load_checkpoint(ckpt, map_location=map_location)
+        try:
+            self.load_state(state)
+        except KeyError as err:  # (a state dict's own size mismatch names its tensors; this names nothing)
+            raise ValueError(f"{ckpt} has no {err}: the checkpoint of another recipe or model") from err
         if self.run is not None:
             self.run.truncate_metrics(self.step)
         logger.info("resumed from %s at step %d", ckpt, self.step)

@@ -1099,7 +1099,10 @@ def evaluate(
     trainer.setup(for_training=False)
     if checkpoint is not None:
         if cfg.model.lora is None:
-            load_trainable(trainer.adapter.transformer, exported_weights(load_checkpoint(checkpoint)))
+            load_trainable(
+                trainer.adapter.transformer,
+                exported_weights(load_checkpoint(checkpoint, require=("trainable",))),
+            )
         else:
             trainer.adapter.load_lora(checkpoint / "adapter")
     prompts = trainer.eval_pool

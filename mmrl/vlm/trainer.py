@@ -1163,7 +1163,7 @@ def evaluate(
     trainer = VLMRLVRTrainer(cfg, run=None)
     trainer.setup(for_training=False)
     if checkpoint is not None:
-        load_trainable(trainer.model, load_checkpoint(checkpoint)["trainable"])
+        load_trainable(trainer.model, load_checkpoint(checkpoint, require=("trainable",))["trainable"])
         trainer.backend.sync_weights(trainer.model)  # a vLLM engine was built with the base weights
     summary = trainer.evaluate()
     pairs, total = trainer._last_eval

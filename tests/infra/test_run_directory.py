@@ -95,7 +95,7 @@ def test_a_corrupt_metrics_line_is_named_with_file_and_line(tmp_path) -> None:
     run_dir = tmp_path / "r"
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('{"step": 0}\nnot json\n{"step": 1}\n')
-    (run_dir / "config.yaml").write_text("recipe: core_bandit\n")
+    (run_dir / "config.yaml").write_text("recipe: bandit\n")
     with pytest.raises(ValueError, match=r"r/metrics\.jsonl line 2 is not valid JSON"):
         read_metrics(run_dir)
     cfg = cfg_for(tmp_path, "r", "run.resume=true")
@@ -182,3 +182,17 @@ def test_eval_refuses_to_write_into_a_run_directory(tmp_path, capsys) -> None:
     assert cli_main(["eval", "configs/demo/flow_shapes.yaml", "--out", str(out)]) == 2
     assert f"--out {out} is a run directory" in capsys.readouterr().err
     assert (tmp_path / "trained/summary.json").read_text() == summary
+
+
+def test_resuming_a_run_of_another_recipe_is_refused_before_loading(tmp_path) -> None:
+    from mmrl.flow.config import FlowGRPOConfig
+
+    main(cfg_for(tmp_path, "bandit_run", "trainer.steps=1"))
+    flow = load_config(
+        FlowGRPOConfig,
+        "configs/demo/flow_shapes.yaml",
+        [f"run.output_dir={tmp_path}", "run.name=bandit_run", "run.resume=true"],
+    )
+    with pytest.raises(ValueError, match=r"bandit_run holds a bandit run and this config is flow_grpo"):
+        Run(flow.run, flow)
+    assert not list((tmp_path / "bandit_run").glob("config.resumed-*"))
