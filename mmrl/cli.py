@@ -43,6 +43,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is below 1")
+    return value
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from mmrl.checkpoint import latest_checkpoint
 
@@ -159,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", help="a checkpoint folder to load instead of the run's latest")
     p.add_argument(
         "--images-per-prompt",
-        type=int,
+        type=_positive_int,
         default=1,
         help="samples per prompt (flow recipes; a VLM run answers each question once, greedily)",
     )

@@ -33,6 +33,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import json
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -205,6 +206,13 @@ def decode_batch(payload: Any) -> tuple[str | None, dict[str, Any]]:
             raise WireError("every prompt must be a string")
         elif key == "references" and not all(r is None or isinstance(r, str) for r in value):
             raise WireError("every reference must be a string or null")
+        elif key == "ground_truths":
+            for index, truth in enumerate(value):
+                if not _is_answer(truth):
+                    raise WireError(
+                        f"ground_truths[{index}]: expected a string, a finite number or a non-empty list of them, "
+                        f"got {json.dumps(truth)[:80]}"
+                    )
         batch[key] = value
     if not batch:
         raise WireError(f"request has no data; send at least one of {list(FIELDS)}")
@@ -215,6 +223,22 @@ def decode_batch(payload: Any) -> tuple[str | None, dict[str, Any]]:
     if size == 0:
         raise WireError("empty batch")
     return request_id, batch
+
+
+def _is_answer(truth: Any) -> bool:
+    """A ground truth a verifier can compare against: a string, a finite number, or a non-empty list of those
+    (the acceptable answers). A null, an object or NaN is a client's bug that would score 0 as a wrong answer."""
+    if isinstance(truth, list):
+        return bool(truth) and all(_is_single_answer(item) for item in truth)
+    return _is_single_answer(truth)
+
+
+def _is_single_answer(truth: Any) -> bool:
+    if isinstance(truth, bool):  # (JSON true is no answer a verifier reads)
+        return False
+    if isinstance(truth, int | float):
+        return math.isfinite(truth)
+    return isinstance(truth, str)
 
 
 def _floats(values: torch.Tensor) -> list[float | None]:

@@ -9,6 +9,7 @@ from pydantic import model_validator
 
 from mmrl.config import Config, Field, RunConfig
 from mmrl.core.estimators import check_estimator
+from mmrl.device import DeviceName
 from mmrl.flow.objectives import check_objective, list_objectives
 from mmrl.optim import OptimizerName, check_optimizer_dtype
 from mmrl.schedule import LRSchedule, learning_rate
@@ -52,7 +53,7 @@ class FlowModelConfig(Config):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Weights dtype; bfloat16 on GPUs. The SDE math is always float32."
     )
-    device: str = Field(
+    device: DeviceName = Field(
         "auto", description="'auto' (cuda when available, else cpu), 'cpu', 'cuda', 'cuda:1'..."
     )
     master_weight_dtype: Literal["float32", "bfloat16", "float16"] = Field(

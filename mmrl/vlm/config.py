@@ -10,6 +10,7 @@ from pydantic import PositiveInt, field_validator, model_validator
 from mmrl.config import Config, Field, RunConfig
 from mmrl.core.estimators import check_estimator, get_estimator
 from mmrl.data.vqa import format_question
+from mmrl.device import DeviceName
 from mmrl.optim import OptimizerName, check_optimizer_dtype
 from mmrl.sections import (
     AllocationConfig,
@@ -58,7 +59,9 @@ class VLMModelConfig(Config):
         "LoRA: in bfloat16 an AdamW step below 2^-9 of a weight rounds away. The model then computes in "
         "model.dtype under torch.autocast. bfloat16: pure bfloat16 training in half the memory.",
     )
-    device: str = Field("auto", description="'auto', 'cpu', 'cuda', ...")
+    device: DeviceName = Field(
+        "auto", description="'auto' (cuda when available, else cpu), 'cpu', 'cuda', ..."
+    )
     lora: VLMLora | None = Field(
         default_factory=VLMLora, description="LoRA settings; null: full fine-tuning."
     )
@@ -118,7 +121,11 @@ class VLMDataConfig(Config):
     )
     question_template: str = Field("{question}", description="Formats the question text.")
     system_prompt: str | None = Field(None, description="Optional system message.")
-    image_size: int = Field(32, ge=8, description="Side of generated shapes images.")
+    image_size: int = Field(
+        32,
+        ge=24,
+        description="Side of generated shapes images (at least 24: four objects fit with clear gaps).",
+    )
     min_pixels: int | None = Field(
         None,
         ge=1,

@@ -268,3 +268,27 @@ def test_missing_vlm_path_names_the_folder_and_the_hub(tmp_path) -> None:
         OSError, match=rf"cannot load the VLM '{missing}': there is no such folder and the .*Hub could not"
     ):
         load_vlm(str(missing))  # an absolute path: the working directory is not named
+
+
+def test_a_device_name_torch_cannot_read_is_refused_when_the_config_loads() -> None:
+    from mmrl.config import ConfigError, load_config
+    from mmrl.flow.config import FlowGRPOConfig
+    from mmrl.vlm.config import VLMRLVRConfig
+
+    for schema, path in ((FlowGRPOConfig, "flow_shapes"), (VLMRLVRConfig, "vlm_shapes_single")):
+        with pytest.raises(
+            ConfigError, match=r"model.device: Value error, 'gpu' is not a device: use 'auto'"
+        ):
+            load_config(schema, f"configs/demo/{path}.yaml", ["model.device=gpu"])
+        assert (
+            load_config(schema, f"configs/demo/{path}.yaml", ["model.device=cuda:1"]).model.device == "cuda:1"
+        )
+
+
+def test_eval_images_per_prompt_below_one_is_a_usage_error(capsys) -> None:
+    from mmrl.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["eval", "configs/demo/flow_shapes.yaml", "--images-per-prompt", "0"])
+    assert exit_info.value.code == 2
+    assert "argument --images-per-prompt: 0 is below 1" in capsys.readouterr().err

@@ -124,6 +124,25 @@ def test_malformed_payload_is_400_and_server_stays_up(server, body: bytes) -> No
     assert health(server.url)["status"] == "ok"
 
 
+@pytest.mark.parametrize("truth", ["null", "{}", "[]", "NaN", "Infinity", "true", '["4", [4]]'])
+def test_a_ground_truth_no_verifier_can_read_is_refused_by_name(truth) -> None:
+    """A null, an object or NaN would score 0, as if the completion were wrong: a client's bug, refused."""
+    from rewards.wire import WireError, decode_batch
+
+    with pytest.raises(
+        WireError, match=r"ground_truths\[1\]: expected a string, a finite number or a non-empty"
+    ):
+        decode_batch(json.loads(f'{{"completions": ["a", "b"], "ground_truths": ["4", {truth}]}}'))
+
+
+def test_ground_truths_of_every_accepted_form_decode() -> None:
+    from rewards.wire import decode_batch
+
+    truths = ["4", 4, 2.5, ["4", "four", 4]]
+    _, batch = decode_batch({"completions": ["a"] * 4, "ground_truths": truths})
+    assert batch["ground_truths"] == truths
+
+
 def test_length_mismatch_and_rejected_fields_are_400(server) -> None:
     payload = encode_batch({"images": distinct_images(2, 2)})
     payload["prompts"] = ["only one"]
