@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
     "Config",
@@ -93,6 +93,14 @@ class RunConfig(Config):
                 "run.output_dir for the parent folder)"
             )
         return name
+
+    @model_validator(mode="after")
+    def _resume_or_overwrite(self) -> RunConfig:
+        if self.resume and self.overwrite:
+            raise ValueError(
+                "run.resume continues the run directory and run.overwrite deletes it: set one of them"
+            )
+        return self
 
     @field_validator("output_dir")
     @classmethod

@@ -204,7 +204,7 @@ class Run:
             )
             shutil.rmtree(self.dir)
             existing = False
-        if existing and run_cfg.overwrite and not run_cfg.resume:
+        if existing and run_cfg.overwrite:
             shutil.rmtree(self.dir)
         elif existing and not run_cfg.resume:
             raise FileExistsError(

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from pipelines.hub import model_not_found
+from pipelines.hub import model_not_found, model_not_loadable
 from pipelines.vlm.backend import GenerationBackend, GenerationResult, GenerationSample, SamplingParams
 from pipelines.vlm.families import VLMFamily, family_for_model_type
 from pipelines.vlm.inputs import PreparedPrompt, VLMPrompt, collate_left_padded, prepare_prompts
@@ -36,16 +36,19 @@ def load_vlm(model_id_or_path: str, **kwargs: Any) -> tuple[Any, torch.nn.Module
 
     Raises:
         OSError: neither a local folder nor a reachable Hub repository (both places named).
+        ValueError: a local path that exists but holds no VLM that loads (the loader's reason named).
     """
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     try:
         processor = AutoProcessor.from_pretrained(model_id_or_path)
         return processor, AutoModelForImageTextToText.from_pretrained(model_id_or_path, **kwargs)
-    except (OSError, ValueError) as error:  # (a path that is no repo id fails the Hub's id check: ValueError)
+    except Exception as error:  # (safetensors' errors are no OSError; a broken config.json is a ValueError)
         if Path(model_id_or_path).exists():
-            raise
-        raise model_not_found("VLM", model_id_or_path, error) from error
+            raise model_not_loadable("VLM", model_id_or_path, error) from error
+        if isinstance(error, OSError | ValueError):  # (a path that is no repo id fails the Hub's id check)
+            raise model_not_found("VLM", model_id_or_path, error) from error
+        raise
 
 
 def _stop_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:

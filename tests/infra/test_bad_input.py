@@ -270,6 +270,31 @@ def test_missing_vlm_path_names_the_folder_and_the_hub(tmp_path) -> None:
         load_vlm(str(missing))  # an absolute path: the working directory is not named
 
 
+def test_a_folder_that_holds_no_loadable_model_is_named_with_the_loaders_reason(tmp_path) -> None:
+    """A flow checkpoint given as a VLM, a VLM whose weights were cut short, a flow folder with a broken config:
+    each names the path and the loader's reason, where the loaders' own errors named neither."""
+    import shutil
+
+    from pipelines.flow.adapters.registry import load_adapter
+    from pipelines.vlm.hf_backend import load_vlm
+
+    with pytest.raises(
+        ValueError, match=r"cannot load the VLM from 'checkpoints/shapes_flow': it exists but"
+    ):
+        load_vlm("checkpoints/shapes_flow")
+    cut = tmp_path / "cut_vlm"
+    shutil.copytree("checkpoints/shapes_vlm", cut)
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=rf"cannot load the VLM from '{cut}': it exists but .*\(\w*Error"):
+        load_vlm(str(cut))
+    broken = tmp_path / "broken_flow"
+    shutil.copytree("checkpoints/shapes_flow", broken)
+    (broken / "model_index.json").write_text("{not json")
+    with pytest.raises(ValueError, match=rf"cannot load the 'shapes' model from '{broken}': it exists but"):
+        load_adapter("shapes", str(broken))
+
+
 def test_a_device_name_torch_cannot_read_is_refused_when_the_config_loads() -> None:
     from mmrl.config import ConfigError, load_config
     from mmrl.flow.config import FlowGRPOConfig

@@ -155,6 +155,13 @@ def test_resuming_a_finished_run_is_refused_and_keeps_its_summary(tmp_path) -> N
     assert resumed and [r["step"] for r in read_metrics(tmp_path / "done")][-1] == 3
 
 
+def test_resume_and_overwrite_together_are_refused(tmp_path) -> None:
+    with pytest.raises(
+        ValueError, match=r"run\.resume continues the run directory and run\.overwrite deletes it"
+    ):
+        cfg_for(tmp_path, "r", "run.resume=true", "run.overwrite=true")
+
+
 def test_output_dir_expands_the_home_folder(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("HOME", str(tmp_path))
     assert cfg_for(tmp_path, "r", "run.output_dir=~/runs").run.output_dir == str(tmp_path / "runs")

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from pipelines.hub import model_not_found
+from pipelines.hub import model_not_found, model_not_loadable
 
 if TYPE_CHECKING:
     from pipelines.flow.adapters.base import FlowAdapter
@@ -102,6 +102,7 @@ def load_adapter(
     Raises:
         OSError: ``model_id_or_path`` is neither a local folder nor a Hub repository that can be reached; the
             message names both places looked at (a relative path is relative to the working directory).
+        ValueError: a local path that exists but holds no such model that loads (the loader's reason named).
     """
     cls = get_adapter(family)
     try:
@@ -112,7 +113,9 @@ def load_adapter(
             quantization_config=quantization_config,
             **kwargs,
         )
-    except OSError as error:
+    except Exception as error:  # (safetensors' errors are no OSError; a broken config.json is a ValueError)
         if Path(model_id_or_path).exists():
-            raise
-        raise model_not_found(f"{family!r} model", model_id_or_path, error) from error
+            raise model_not_loadable(f"{family!r} model", model_id_or_path, error) from error
+        if isinstance(error, OSError):
+            raise model_not_found(f"{family!r} model", model_id_or_path, error) from error
+        raise
