@@ -181,6 +181,24 @@ def model_card(
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n{body}"))
 
 
+def _check_files(ckpt: Path) -> None:
+    """Refuse a checkpoint whose weights (``.safetensors``: header and extent) or configs (``.json``) do not
+    parse, before anything is written: a copy would ship them broken, a merge would fail naming no file."""
+    from safetensors import safe_open
+
+    for file in sorted(ckpt.rglob("*")):
+        try:
+            if file.suffix == ".safetensors":
+                with safe_open(file, "pt"):
+                    pass
+            elif file.suffix == ".json":
+                json.loads(file.read_text())
+        except Exception as err:
+            raise ValueError(
+                f"{file} is damaged ({type(err).__name__}: {err}); export another checkpoint (--checkpoint STEP)"
+            ) from err
+
+
 def _empty_target(to: Path) -> None:
     if to.exists() and (not to.is_dir() or any(to.iterdir())):
         raise FileExistsError(f"export folder {to} exists and is not empty; choose a new folder")
@@ -349,7 +367,8 @@ def export_run(
     Raises:
         FileNotFoundError: no config, no such checkpoint, or the checkpoint lacks the weights to export.
         FileExistsError: ``to`` exists and is not empty (nothing is overwritten).
-        ValueError: the run's recipe has no model a library loads (the bandit demo).
+        ValueError: the run's recipe has no model a library loads (the bandit demo), or a weights or config file
+            of the checkpoint does not parse (named).
     """
     run_dir, to = Path(run_dir), Path(to)
     config_file = run_dir / "config.yaml"
@@ -371,6 +390,7 @@ def export_run(
         raise ValueError(
             f"--merge applies to LoRA runs; {run_dir} fully fine-tuned the model (exported whole anyway)"
         )
+    _check_files(ckpt)
     _empty_target(to)
     export = _export_flow if recipe_name == "flow_grpo" else _export_vlm
     library, weights, usage = export(cfg, ckpt, to, merge)

@@ -114,6 +114,25 @@ def test_flow_lora_export_loads_with_load_lora_weights(flow_lora_run, tmp_path, 
     assert "pipe.load_lora_weights" in card.text and (out / "training_config.yaml").is_file()
 
 
+def test_a_damaged_weights_or_config_file_is_named_before_anything_is_written(flow_lora_run, tmp_path):
+    """A copy would ship a cut-short adapter as it is; the export names it and writes nothing."""
+    import shutil
+
+    run, _ = flow_lora_run
+    damaged = tmp_path / "damaged_run"
+    shutil.copytree(run, damaged)
+    weights = damaged / "checkpoints/step_00000001/adapter/pytorch_lora_weights.safetensors"
+    weights.write_bytes(weights.read_bytes()[:200])
+    with pytest.raises(ValueError, match=r"pytorch_lora_weights.safetensors is damaged \(SafetensorError"):
+        export_run(damaged, tmp_path / "out", checkpoint=1)
+    assert not (tmp_path / "out").exists()
+    shutil.copy2(run / "checkpoints/step_00000001/adapter/pytorch_lora_weights.safetensors", weights)
+    config = damaged / "checkpoints/step_00000001/adapter/adapter_config.json"  # (peft's; diffusers writes none)
+    config.write_text("{broken")
+    with pytest.raises(ValueError, match=rf"{config.name} is damaged \(JSONDecodeError"):
+        export_run(damaged, tmp_path / "out", checkpoint=1)
+
+
 def test_flow_lora_merged_export_is_a_pipeline_with_w_plus_scaled_ba(
     flow_model, flow_lora_run, tmp_path, monkeypatch
 ):
