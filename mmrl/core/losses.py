@@ -454,12 +454,11 @@ def awm_log_likelihood(
     return -weighted
 
 
-def guidance_distillation_loss(
-    v_theta: torch.Tensor, v_uncond: torch.Tensor, v_cond: torch.Tensor, guidance_scale: float
-) -> torch.Tensor:
+def guidance_distillation_loss(v_theta: torch.Tensor, v_guided: torch.Tensor) -> torch.Tensor:
     """Guidance distillation, per sample: the squared distance of the (CFG-free) velocity to a teacher's guided one.
 
-        v_w = v_uncond + w (v_cond - v_uncond)            (CFG, Ho & Salimans 2207.12598)
+        v_w = v_uncond + w (v_cond - v_uncond)            (CFG, Ho & Salimans 2207.12598; a family whose pipeline
+                                                           guides otherwise, as Qwen-Image's norm rescale, its own)
         L   = mean((v_theta - v_w)^2)                       over the non-batch dims
 
     With the teacher the frozen base and the points ``x_s`` noised from the policy's own samples, this teaches
@@ -468,16 +467,12 @@ def guidance_distillation_loss(
 
     Args:
         v_theta: ``[B, ...]`` the trained velocity (carries the gradient).
-        v_uncond: ``[B, ...]`` the teacher's unconditional velocity at the same points.
-        v_cond: ``[B, ...]`` the teacher's conditional velocity at the same points.
-        guidance_scale: ``w`` (1: plain distillation of the conditional velocity).
+        v_guided: ``[B, ...]`` the teacher's guided velocity ``v_w`` at the same points (no gradient flows to it).
 
     Returns:
         ``[B]`` losses, float32 or wider.
     """
-    check_same_shape(v_theta=v_theta, v_uncond=v_uncond, v_cond=v_cond)
+    check_same_shape(v_theta=v_theta, v_guided=v_guided)
     # float32 at least: under bfloat16 autocast small distances would round away
     dtype = torch.promote_types(v_theta.dtype, torch.float32)
-    v_uncond, v_cond = v_uncond.detach().to(dtype), v_cond.detach().to(dtype)
-    target = v_uncond + guidance_scale * (v_cond - v_uncond)
-    return ((v_theta.to(dtype) - target) ** 2).flatten(1).mean(1)
+    return ((v_theta.to(dtype) - v_guided.detach().to(dtype)) ** 2).flatten(1).mean(1)

@@ -563,17 +563,7 @@ class FlowGRPOConfig(Config):
             raise ValueError(
                 f"sampling.sde_window ({w}) exceeds sampling.num_steps ({self.sampling.num_steps})"
             )
-        if self.sampling.sde_window_range is not None:
-            first, end = self.sampling.sde_window_range
-            if w is None:
-                raise ValueError("sampling.sde_window_range places a window: set sampling.sde_window too")
-            usable_first, usable_end = self.sampling.window_bounds()
-            if not 0 <= first < end <= self.sampling.num_steps or usable_end - usable_first < w:
-                raise ValueError(
-                    f"sampling.sde_window_range {[first, end]} must satisfy 0 <= first < end <= sampling.num_steps "
-                    f"({self.sampling.num_steps}) and hold the sampling.sde_window of {w} steps (with sde_kind "
-                    "cps, before the last step)"
-                )
+        self._check_window()
         if self.sampling.rollout == "branch" and t.timestep_selection == "per_sample":
             raise ValueError(
                 "trainer.timestep_selection=per_sample draws steps per sample; sampling.rollout=branch trains a "
@@ -634,13 +624,26 @@ class FlowGRPOConfig(Config):
                 "full fine-tune: it needs trainer.guidance_distill.weight > 0 and model.lora=null (got weight "
                 f"{distill.weight}, model.lora {'set' if self.model.lora is not None else 'null'})"
             )
-        if (
-            objective.trains_on == "transitions"
-            and self.sampling.sde_kind == "cps"
-            and (w is None or w >= self.sampling.num_steps)
-        ):
+        return self
+
+    def _check_window(self) -> None:
+        """The SDE window fits the steps it may cover (:meth:`FlowSamplingConfig.window_bounds`), whatever the
+        objective: every rollout samples its window, and one that cannot be placed failed at the first step."""
+        s = self.sampling
+        w = s.sde_window
+        if s.sde_window_range is not None:
+            first, end = s.sde_window_range
+            if w is None:
+                raise ValueError("sampling.sde_window_range places a window: set sampling.sde_window too")
+            usable_first, usable_end = s.window_bounds()
+            if not 0 <= first < end <= s.num_steps or usable_end - usable_first < w:
+                raise ValueError(
+                    f"sampling.sde_window_range {[first, end]} must satisfy 0 <= first < end <= sampling.num_steps "
+                    f"({s.num_steps}) and hold the sampling.sde_window of {w} steps (with sde_kind cps, before "
+                    "the last step)"
+                )
+        if s.sde_kind == "cps" and (w is None or w >= s.num_steps):
             raise ValueError(
                 "sde_kind=cps adds no noise at the last step: set sampling.sde_window < sampling.num_steps "
-                f"(got {w}, num_steps {self.sampling.num_steps})"
+                f"(got {w}, num_steps {s.num_steps})"
             )
-        return self

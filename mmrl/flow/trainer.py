@@ -122,9 +122,10 @@ class FlowGRPOTrainer(TrainerBase):
         self.adapter.autocast_dtype = DTYPES[compute] if compute else None
         transformer = self.adapter.transformer
         transformer.requires_grad_(False)
-        for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"):
-            module = getattr(self.adapter.pipe, name, None)
-            if module is not None:
+        # every module of the pipeline starts frozen (text encoders, VAE, a second expert): only what the
+        # trainer makes trainable below takes gradients, which the optimizer then steps and zeroes
+        for module in self.adapter.pipe.components.values():
+            if isinstance(module, torch.nn.Module):
                 module.requires_grad_(False)
         self.reference: torch.nn.Module | None = None
         # set below for training; an evaluation-only setup scores the loaded weights themselves
@@ -777,7 +778,7 @@ class FlowGRPOTrainer(TrainerBase):
                     for idx in torch.arange(x_t.shape[0]).split(self.cfg.trainer.minibatch_size)
                 ]
             )
-        self.nfe_total += x_t.shape[0]
+        self.nfe_total += self.adapter.nfe_per_sample(guidance) * x_t.shape[0]
         return velocities
 
     def trains_as_sampled(self, guidance_scale: float) -> bool:
@@ -809,6 +810,7 @@ class FlowGRPOTrainer(TrainerBase):
         (``trainer.guidance_distill``); the optimizer steps as :meth:`minibatches` takes them."""
         t = self.cfg.trainer
         guidance = self.regression_guidance(cond)
+        nfe_each = self.adapter.nfe_per_sample(guidance)  # (2 when the regressed velocity is a CFG pass)
         distill_weight = t.guidance_distill.weight_at(self.step, t.steps)
         for idx, scale in self.minibatches(x_t.shape[0]):
             x_mb, sigma_mb, cond_mb = x_t[idx].to(self.device), sigma[idx].to(self.device), cond.select(idx)
@@ -816,9 +818,9 @@ class FlowGRPOTrainer(TrainerBase):
                 self.adapter.transformer.eval()
                 with torch.no_grad(), self.reference_policy():
                     v_ref = self.adapter.velocity(x_mb, sigma_mb, cond_mb, guidance)
-                self.nfe_total += len(idx)
+                self.nfe_total += nfe_each * len(idx)
             if distill_weight > 0:
-                v_uncond, v_cond = self.teacher_velocities(x_mb, sigma_mb, cond_mb)
+                v_teacher = self.teacher_velocity(x_mb, sigma_mb, cond_mb)
             self.adapter.transformer.train()
             v = self.adapter.velocity(x_mb, sigma_mb, cond_mb, guidance)
             loss = loss_fn(v, idx).mean()
@@ -827,32 +829,27 @@ class FlowGRPOTrainer(TrainerBase):
                 loss = loss + t.beta * kl
                 self.metrics.add("policy/kl", kl, count=len(idx))
             if distill_weight > 0:
-                gap = loss_lib.guidance_distillation_loss(
-                    v, v_uncond, v_cond, t.guidance_distill.guidance_scale
-                ).mean()
+                gap = loss_lib.guidance_distillation_loss(v, v_teacher).mean()
                 loss = loss + distill_weight * gap
                 self.metrics.add("policy/guidance_gap", gap, count=len(idx))
                 self.metrics.add("policy/guidance_weight", distill_weight, count=len(idx))
             (loss * scale).backward()
             self.metrics.add("loss", loss, count=len(idx))
-        self.nfe_total += x_t.shape[0]
+        self.nfe_total += nfe_each * x_t.shape[0]
 
     @torch.no_grad()
-    def teacher_velocities(
-        self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The teacher's (:meth:`teacher_policy`) unconditional (the negative prompt) and conditional velocities
-        ``([b, ...], [b, ...])`` at the points ``x [b, ...]``: the halves of its CFG forward
-        (:meth:`FlowAdapter.cfg_halves`)."""
+    def teacher_velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """The teacher's (:meth:`teacher_policy`) guided velocity ``[b, ...]`` at the points ``x [b, ...]``, at
+        ``trainer.guidance_distill.guidance_scale`` on the negative prompt, guided as the family's pipeline guides
+        (:meth:`FlowAdapter.guide`: Qwen-Image rescales to the conditional velocity's norm)."""
         assert self.distill_uncond is not None  # set in setup when the distillation is on
         uncond = self.distill_uncond.select([0] * x.shape[0]).cond
+        scale = self.cfg.trainer.guidance_distill.guidance_scale
         self.adapter.transformer.eval()
         with self.teacher_policy():
-            halves = self.adapter.cfg_halves(
-                x, sigma, Conditioning(cond.cond, uncond), self.cfg.trainer.guidance_distill.guidance_scale
-            )
-        self.nfe_total += 2 * x.shape[0]
-        return halves
+            guided = self.adapter.velocity(x, sigma, Conditioning(cond.cond, uncond), scale)
+        self.nfe_total += self.adapter.nfe_per_sample(scale) * x.shape[0]
+        return guided
 
     def train_step(self) -> dict[str, float]:
         if self.refresh_teacher():

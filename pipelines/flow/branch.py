@@ -22,7 +22,13 @@ from dataclasses import dataclass, field
 import torch
 
 from pipelines.flow.adapters.base import Conditioning, FlowAdapter
-from pipelines.flow.rollout import SamplingConfig, TransitionBatch, rollout_sigmas, velocity_batched
+from pipelines.flow.rollout import (
+    SamplingConfig,
+    TransitionBatch,
+    check_sde_steps,
+    rollout_sigmas,
+    velocity_batched,
+)
 from pipelines.flow.sde import ode_step, sde_step
 
 __all__ = ["TreeConfig", "TreeRollout", "prune_transitions", "tree_nfe", "tree_rollout"]
@@ -150,7 +156,8 @@ def tree_rollout(
         noise: ``[P, ...]`` root noises instead of drawing them.
 
     Raises:
-        ValueError: a split at an ODE step or out of range, a factor < 2, or root noise of the wrong shape.
+        ValueError: a split at an ODE step or out of range, a factor < 2, root noise of the wrong shape, or SDE
+            steps that add no noise (:func:`~pipelines.flow.rollout.check_sde_steps`).
     """
     splits = _validate(config, tree)
     prompts = list(prompts)
@@ -161,6 +168,7 @@ def tree_rollout(
     cond_trees: Conditioning = adapter.encode(prompts, cfg=cfg, negative_prompt=config.negative_prompt)
     sigmas = rollout_sigmas(adapter, config)
     sde = config.sde_steps()
+    check_sde_steps(config, sigmas, sde)
     shape = adapter.latent_shape(config.height, config.width, config.num_frames)
     # 2. roots
     x = torch.randn((num_trees, *shape), generator=generator) if noise is None else noise.float()

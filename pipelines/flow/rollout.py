@@ -91,6 +91,21 @@ class SamplingConfig:
         return mask
 
 
+def check_sde_steps(config: SamplingConfig, sigmas: torch.Tensor, sde_steps: torch.Tensor) -> None:
+    """Refuse SDE steps that add no noise: ``noise_level`` 0, or CPS at ``sigma_next = 0`` (the last step), where
+    a transition's log-prob would divide by a zero variance.
+
+    Args:
+        sigmas: ``[S+1]`` the rollout's schedule; ``sde_steps``: ``[S]`` bool, the stochastic steps.
+    """
+    if config.noise_level == 0 and sde_steps.any():
+        raise ValueError(
+            "noise_level=0 makes every SDE step deterministic; use an ODE-only rollout (sde_window)"
+        )
+    if config.sde_kind == "cps" and bool((sde_steps & (sigmas[1:] == 0)).any()):
+        raise ValueError("CPS adds no noise at sigma_next=0 (the last step); end the sde_window before it")
+
+
 def rollout_sigmas(adapter: FlowAdapter, config: SamplingConfig) -> torch.Tensor:
     """``[S+1]`` float32 sigmas a rollout with ``config`` steps through, from 1 to 0: the family's own schedule
     (``adapter.sigmas``), or with ``config.shift`` the static shift ``shift t / (1 + (shift - 1) t)`` of
@@ -302,12 +317,7 @@ def rollout(
     # 3. schedule and SDE steps
     sigmas = rollout_sigmas(adapter, config)  # [S+1]
     sde_steps = config.sde_steps()  # [S]
-    if config.noise_level == 0 and sde_steps.any():
-        raise ValueError(
-            "noise_level=0 makes every SDE step deterministic; use an ODE-only rollout (sde_window)"
-        )
-    if config.sde_kind == "cps" and bool((sde_steps & (sigmas[1:] == 0)).any()):
-        raise ValueError("CPS adds no noise at sigma_next=0 (the last step); end the sde_window before it")
+    check_sde_steps(config, sigmas, sde_steps)
 
     # 4. initial noise
     x = initial_noise(adapter, group_index, config, generator) if noise is None else noise.float()

@@ -284,9 +284,10 @@ def test_vlm_fsdp_dynamic_sampling_pads_the_rank_with_fewer_groups_and_matches_d
     ddp = launch(tmp_path, "vlm_rlvr", "full_ddp", *common)
     fsdp = launch(tmp_path, "vlm_rlvr", "full_fsdp", *common, env=fsdp_env())
     # several minibatches a step are reduced per backward under FSDP, summed first under DDP: the rounding
-    # differs by up to a few 1e-6 after Adam's normalisation; a padding minibatch that counted would move the
-    # weights by about the learning rate, 1e-3
-    assert_fsdp_two_steps_equal_ddp(tmp_path, ddp, fsdp, atol=1e-5)
+    # differs, and Adam's first step, g / |g|, turns it into up to ~1e-5 on weights whose gradient is near 0
+    # (1.2e-5 seen on one machine); a padding minibatch that counted would move the weights by about the
+    # learning rate, 1e-3, ten times the tolerance
+    assert_fsdp_two_steps_equal_ddp(tmp_path, ddp, fsdp, atol=1e-4)
     lines = [json.loads(x) for x in (tmp_path / "full_fsdp/metrics.jsonl").read_text().splitlines()]
     padded = [line["train/padding_minibatches"] for line in lines if "train/padding_minibatches" in line]
     assert sum(padded) > 0  # (the mean over the ranks: one rank padded at least once)

@@ -102,3 +102,8 @@ def test_splits_need_sde_steps(adapter):
     assert tr.leaf_node.numel() == 6 and set(tr.transitions.step_index.tolist()) == {2, 3}
     with pytest.raises(ValueError, match=">= 2"):
         TreeConfig(split_steps=(1,), branch_factor=1).factors()
+    # steps that add no noise are refused as the flat rollout refuses them (a zero variance in the log-probs)
+    with pytest.raises(ValueError, match="noise_level=0 makes every SDE step deterministic"):
+        grow(adapter, config=SamplingConfig(num_steps=4, height=32, width=32, noise_level=0.0))
+    with pytest.raises(ValueError, match="CPS adds no noise at sigma_next=0"):
+        grow(adapter, config=SamplingConfig(num_steps=4, height=32, width=32, sde_kind="cps"))

@@ -779,6 +779,34 @@ def test_awm_config_errors_name_the_key(model_dir, tmp_path):
     make_cfg(model_dir, tmp_path, "fine", "trainer.awm.timesteps=6")  # only checked for objective=awm
 
 
+def test_regression_forwards_are_counted_twice_under_cfg(model_dir, tmp_path):
+    """NFT on CFG-3 samples regresses the guided velocity (``train_cfg``): every point's old-policy, reference
+    and trained forwards are CFG passes of two transformer rows each, so each counts 2 in the NFE."""
+    for scale, each in ((3.0, 2), (1.0, 1)):
+        cfg = make_cfg(
+            model_dir,
+            tmp_path,
+            f"nfe{scale}",
+            "trainer.objective=nft",
+            "trainer.beta=0.1",
+            f"sampling.guidance_scale={scale}",
+        )
+        trainer = FlowGRPOTrainer(cfg, None)
+        trainer.setup()
+        batch = trainer.collect()
+        rows, sigma, x_t, _ = trainer.regression_points(batch.final_latents, batch.groups)
+        cond = batch.cond.select(rows)
+        assert trainer.regression_guidance(cond) == scale
+        start = trainer.nfe_total
+        trainer.sampling_velocities(x_t, sigma, cond)
+        assert trainer.nfe_total - start == each * len(rows)
+        start = trainer.nfe_total
+        trainer.regress(x_t, sigma, cond, lambda v, idx: v.sum(dim=tuple(range(1, v.ndim))) * 0.0)
+        assert trainer.nfe_total - start == 2 * each * len(
+            rows
+        )  # the reference's forwards and the trained ones
+
+
 # ---------------------------------------------------------------- guidance distillation (trainer.guidance_distill)
 @pytest.mark.parametrize("lora", [True, False])
 def test_guidance_distillation_pulls_the_cfg_free_velocity_toward_the_frozen_teachers_cfg(
@@ -804,9 +832,17 @@ def test_guidance_distillation_pulls_the_cfg_free_velocity_toward_the_frozen_tea
     with torch.no_grad():
         expected = trainer.adapter.velocity(x_t, sigma, guided, 3.0)
     nfe = trainer.nfe_total
-    v_uncond, v_cond = trainer.teacher_velocities(x_t, sigma, cond)
+    v_teacher = trainer.teacher_velocity(x_t, sigma, cond)
     assert trainer.nfe_total - nfe == 2 * len(rows)
-    torch.testing.assert_close(v_uncond + 3.0 * (v_cond - v_uncond), expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(v_teacher, expected, rtol=1e-4, atol=1e-5)
+    # guided as the family's pipeline guides (Qwen-Image rescales to the conditional norm): the adapter's guide
+    halves = []
+    trainer.adapter.guide = lambda v_u, v_c, w: halves.append(w) or 2.0 * v_c
+    with torch.no_grad():
+        v_cond = trainer.adapter.velocity(x_t, sigma, cond, 1.0)
+    torch.testing.assert_close(trainer.teacher_velocity(x_t, sigma, cond), 2.0 * v_cond, rtol=1e-4, atol=1e-5)
+    assert halves == [3.0]
+    del trainer.adapter.guide
 
     # with the objective's own term switched off, the distillation alone closes the gap step by step
     gaps = []
@@ -816,7 +852,7 @@ def test_guidance_distillation_pulls_the_cfg_free_velocity_toward_the_frozen_tea
     assert gaps[0] > 0 and gaps[-1] < 0.7 * gaps[0], gaps
     # the teacher stays where it was: the same velocities after the updates
     with torch.no_grad():
-        torch.testing.assert_close(trainer.teacher_velocities(x_t, sigma, cond)[1], v_cond)
+        torch.testing.assert_close(trainer.teacher_velocity(x_t, sigma, cond), v_teacher)
 
 
 def test_guidance_distillation_config_errors_name_the_key(model_dir, tmp_path):
@@ -1014,7 +1050,7 @@ def test_self_teacher_is_refreshed_from_the_ema_every_n_steps_and_resumes(model_
     batch = trainer.collect()
     rows, sigma, x_t, _ = trainer.regression_points(batch.final_latents, batch.groups)
     cond, guided = batch.cond.select(rows), trainer.adapter.encode(batch.prompts, cfg=True).select(rows)
-    v_uncond, v_cond = trainer.teacher_velocities(x_t, sigma, cond)
+    v_teacher = trainer.teacher_velocity(x_t, sigma, cond)
     with torch.no_grad(), trainer.evaluation_weights():
         expected = trainer.adapter.velocity(x_t, sigma, guided, 3.0)
     with torch.no_grad(), trainer.reference_policy():  # trainer.beta's reference stays the start weights
@@ -1022,7 +1058,7 @@ def test_self_teacher_is_refreshed_from_the_ema_every_n_steps_and_resumes(model_
             torch.equal(a, b) for a, b in zip(weights(trainer.adapter.transformer), start, strict=True)
         )
         from_start = trainer.adapter.velocity(x_t, sigma, guided, 3.0)
-    torch.testing.assert_close(v_uncond + 3.0 * (v_cond - v_uncond), expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(v_teacher, expected, rtol=1e-4, atol=1e-5)
     assert not torch.allclose(expected, from_start, rtol=1e-4, atol=1e-5)
     assert trainer.train_step()["policy/teacher_refreshed"] == 1.0  # the step's own refresh (step 2 % 2 == 0)
     trainer.step += 1
@@ -1073,10 +1109,22 @@ def test_cps_windows_end_before_the_last_step_and_its_transitions_train(model_di
     windows = {trainer.sde_window(step) for step in range(40)}
     assert windows == {(0, 2), (1, 3)}  # 4 steps, window 2: never (2, 4)
     trainer.train_step()
-    with pytest.raises(
-        ValueError, match=r"sde_kind=cps adds no noise at the last step: .*\(got 4, num_steps 4\)"
-    ):
-        make_cfg(model_dir, tmp_path, "cps", "sampling.sde_kind=cps", "sampling.sde_window=4")
+    # whatever the objective (nft's rollouts sample the window too; they failed at the first step), and with no
+    # window at all (every step SDE)
+    for objective in ("grpo", "nft"):
+        for window in ("4", "null"):
+            with pytest.raises(
+                ValueError,
+                match=rf"sde_kind=cps adds no noise at the last step: .*\(got {window.replace('null', 'None')}",
+            ):
+                make_cfg(
+                    model_dir,
+                    tmp_path,
+                    "cps",
+                    "sampling.sde_kind=cps",
+                    f"sampling.sde_window={window}",
+                    f"trainer.objective={objective}",
+                )
 
 
 @pytest.mark.parametrize("schedule", ["fixed", "sliding", "random"])

@@ -345,3 +345,15 @@ def test_pooled_rollouts_sample_with_both_experts_updated_lora(model_dir, tmp_pa
         assert second["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-5), second["policy/ratio_mean"]
     finally:
         trainer.cleanup()
+
+
+def test_the_wan_family_refuses_a_two_expert_pipeline(model_dir):
+    """``family: wan`` routed the low-noise steps to a second expert it neither trained nor froze; the two-expert
+    pipeline is the ``wan22`` family's, which says which expert trains."""
+    from pipelines.flow.adapters.registry import load_adapter
+
+    with pytest.raises(
+        ValueError, match=r"model.family=wan: this WanPipeline has two experts .*model.family=wan22"
+    ):
+        load_adapter("wan", str(model_dir))
+    assert load_adapter("wan22", str(model_dir)).pipe.transformer_2 is not None

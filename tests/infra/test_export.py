@@ -127,7 +127,9 @@ def test_a_damaged_weights_or_config_file_is_named_before_anything_is_written(fl
         export_run(damaged, tmp_path / "out", checkpoint=1)
     assert not (tmp_path / "out").exists()
     shutil.copy2(run / "checkpoints/step_00000001/adapter/pytorch_lora_weights.safetensors", weights)
-    config = damaged / "checkpoints/step_00000001/adapter/adapter_config.json"  # (peft's; diffusers writes none)
+    config = (
+        damaged / "checkpoints/step_00000001/adapter/adapter_config.json"
+    )  # (peft's; diffusers writes none)
     config.write_text("{broken")
     with pytest.raises(ValueError, match=rf"{config.name} is damaged \(JSONDecodeError"):
         export_run(damaged, tmp_path / "out", checkpoint=1)

@@ -6,7 +6,8 @@ Real checkpoints: ``Wan-AI/Wan2.1-T2V-1.3B-Diffusers``, ``Wan-AI/Wan2.1-T2V-14B-
 ``F' = (F - 1)/4 + 1``; the model takes ``timestep = 1000 * sigma``; decode maps ``z * std + mean`` (the VAE's
 per-channel ``latents_mean``/``latents_std``) through the causal video VAE and returns ``[B, T, 3, H, W]``.
 Wan ships a flow UniPC solver; the adapter steps the same flow sigmas (``flow_shift`` from its config) with
-Euler/SDE steps. Wan2.2 TI2V-5B (``expand_timesteps``, per-token timesteps) is not supported and is refused.
+Euler/SDE steps. Wan2.2 TI2V-5B (``expand_timesteps``, per-token timesteps) is not supported and is refused;
+the two-expert A14B is the ``wan22`` family's (its routing below serves that subclass).
 """
 
 from __future__ import annotations
@@ -24,20 +25,31 @@ from pipelines.flow.adapters.registry import register_flow_family
 class WanAdapter(FlowAdapter):
     """Wan2.x text-to-video through diffusers' ``WanPipeline``.
 
-    ``transformer`` (what RL trains) is the high-noise expert; on Wan2.2 A14B the low-noise expert
-    ``pipe.transformer_2`` denoises below the boundary and can be given its own LoRA by the trainer.
+    ``transformer`` is what RL trains. A two-expert Wan2.2 A14B pipeline (``transformer_2`` below the boundary)
+    is refused here: its family is ``wan22`` (:mod:`pipelines.flow.adapters.wan22`), which says which expert
+    trains and keeps the other's steps out of the loss.
 
     Args:
-        pipe: a loaded ``WanPipeline``.
+        pipe: a loaded one-expert ``WanPipeline``.
         max_sequence_length: UMT5 tokens (pipeline default 226).
+
+    Raises:
+        ValueError: a TI2V pipeline (per-token timesteps), or two experts without the ``wan22`` family.
     """
 
     pipeline_class = WanPipeline
     is_video = True
+    #: the pipeline may hold a second expert (Wan22Adapter); this family trains one-expert pipelines
+    two_experts = False
 
     def __init__(self, pipe: WanPipeline, max_sequence_length: int = 226) -> None:
         if pipe.config.get("expand_timesteps", False):
             raise ValueError("Wan2.2 TI2V (expand_timesteps=True) uses per-token timesteps; not supported")
+        if getattr(pipe, "transformer_2", None) is not None and not self.two_experts:
+            raise ValueError(
+                "model.family=wan: this WanPipeline has two experts (transformer_2, Wan2.2 A14B); use "
+                "model.family=wan22, whose model.options.trained_expert says which of them trains"
+            )
         super().__init__(pipe)
         self.max_sequence_length = max_sequence_length
 

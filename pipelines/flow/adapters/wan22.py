@@ -123,6 +123,8 @@ class Wan22Adapter(WanAdapter):
         ValueError: the pipeline has one expert, or ``trained_expert`` is not one of the three.
     """
 
+    two_experts = True
+
     def __init__(
         self,
         pipe: WanPipeline,
