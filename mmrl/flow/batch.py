@@ -29,7 +29,7 @@ class StepBatch:
         transitions: the SDE transitions to train on (after timestep subsampling / pruning).
         adv: ``[N]`` advantage of each transition (its sample's, or its tree node's).
         images, prompts: the final samples and their prompts.
-        final_latents: ``[B, ...]`` clean latents (DiffusionNFT trains on these).
+        final_latents: ``[B, ...]`` clean latents (the regression objectives, nft, awm and rwr, train on these).
         cond: conditioning of the ``B`` final samples.
         sample_adv: ``[B]`` per-sample advantages.
         nfe: transformer evaluations the rollout spent.

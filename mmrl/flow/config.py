@@ -187,7 +187,8 @@ class ExploreSettings(Config):
     )
     scheme: Literal["nf4", "fp4", "int8", "fp8_weight_only", "fp8", "nvfp4", "none"] = Field(
         "nf4",
-        description="Explorer quantization: nf4/fp4/int8 (bitsandbytes, CPU+GPU), fp8 (Hopper), nvfp4 (Blackwell).",
+        description="Explorer quantization: nf4/fp4/int8 (bitsandbytes, CPU+GPU), fp8_weight_only (torchao, "
+        "CPU+GPU), fp8 (Hopper), nvfp4 (Blackwell); none: a full-precision copy.",
     )
     candidates: int = Field(16, ge=2, description="Seeds previewed per prompt (K).")
     preview_steps: int = Field(4, ge=1, description="Euler (ODE) steps of a preview.")
@@ -355,11 +356,11 @@ class FlowTrainerConfig(Config):
     )
     kl_form: Literal["flow_grpo", "exact"] = Field(
         "flow_grpo",
-        description="grpo's KL on SDE means. flow_grpo (default, Flow-GRPO's code, so its beta carries "
-        "over): mean((mu - mu_ref)^2) / (2 sigma_t^2) with sigma_t the SDE noise scale (a sqrt(s / (1 - s)); eta "
-        "for dance; the std for cps), a KL per unit time. exact: the Gaussian KL of the transition, divided by "
-        "the step's std^2 = sigma_t^2 |dt|, i.e. flow_grpo / |dt| (3.7-25x stronger on a 10-step shift-3 "
-        "schedule): a beta tuned with exact keeps its effect under flow_grpo divided by |dt|.",
+        description="grpo's KL on SDE means, mean((mu - mu_ref)^2) / (2 s^2). flow_grpo (default, Flow-GRPO's "
+        "code, so its beta carries over): s = sigma_t, the SDE noise scale (a sqrt(sigma / (1 - sigma)); eta for "
+        "dance), a KL per unit time. exact: s = the step's std, sigma_t sqrt|dt|, the Gaussian KL of the "
+        "transition, i.e. flow_grpo / |dt| (3.7-25x stronger on a 10-step shift-3 schedule): a beta tuned with "
+        "exact keeps its effect under flow_grpo divided by |dt|. For cps both forms divide by the step's std.",
     )
     timestep_fraction: float = Field(
         1.0,
@@ -381,7 +382,7 @@ class FlowTrainerConfig(Config):
     )
     train_cfg: bool = Field(
         True,
-        description="Log-probs (grpo) or the regressed velocity (nft, rwr) with CFG as sampled (true), or "
+        description="Log-probs (grpo) or the regressed velocity (nft, awm, rwr) with CFG as sampled (true), or "
         "CFG-free (false, one forward per transition).",
     )
     minibatch_size: int = Field(32, ge=1, description="Transitions per forward/backward.")
@@ -408,7 +409,7 @@ class FlowTrainerConfig(Config):
     )
     shared_regression_noise: bool = Field(
         True,
-        description="nft/rwr: the images of one prompt share each regression point's sigma and noise, so the "
+        description="nft/awm/rwr: the images of one prompt share each regression point's sigma and noise, so the "
         "noise, common to the group, cancels in the advantage-weighted gradient (common random numbers).",
     )
     old_policy_decay: float | None = Field(

@@ -123,7 +123,8 @@ class LoopFlowSource:
         return TreeConfig(split_steps=tuple(offset + s for s in tree.split_steps), branch_factor=factors)
 
     def _explore(self, prompts: list[str], sampling: SamplingConfig) -> ExploreResult:
-        """Preview candidates with the quantized copy (synced with the current weights) and pick seeds."""
+        """Preview candidates with the quantized copy (synced with the sampling weights: the old-policy EMA under
+        ``trainer.old_policy_decay``, else the current ones) and pick seeds."""
         self.explorer.sync(self.adapter.transformer)
         result = explore(
             self.adapter,

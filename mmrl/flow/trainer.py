@@ -1085,7 +1085,8 @@ def evaluate(
     checkpoint: Path | None,
     images_per_prompt: int,
 ) -> dict[str, float]:
-    """Score the base model, or a checkpoint's LoRA on it, on a prompt file; write scores and a grid.
+    """Score the base model, or a checkpoint's weights (its LoRA, or its fully fine-tuned transformer; its EMA when
+    the run kept one) on it, on a prompt file; write scores and a grid.
 
     Writes ``out_dir/scores.jsonl`` (prompt, image index, every reward and component), ``out_dir/summary.json``
     (the means of each) and ``out_dir/grid.png``.

@@ -2,10 +2,10 @@
 
 No weights can be downloaded where mmrl is tested, so tests (and the shapes world's text-to-image model) build
 the *real* diffusers / transformers classes from small configs: the same transformer, VAE and text-encoder
-classes that ``stabilityai/stable-diffusion-3.5-medium``, ``black-forest-labs/FLUX.1-dev``,
-``Efficient-Large-Model/Sana_600M_512px_diffusers`` and ``Wan-AI/Wan2.1-T2V-1.3B-Diffusers`` use, only with a
-few thousand parameters. Tokenizers are trained here with the ``tokenizers`` library on a small corpus and
-wrapped as the transformers tokenizer classes the real pipelines load (CLIP BPE, T5 unigram, Gemma BPE).
+classes as every registered family's published checkpoints (SD3.5, FLUX.1, FLUX.2 and FLUX.2 [klein], SANA,
+Qwen-Image, Z-Image, Wan2.1 and Wan2.2; ``FAMILIES`` lists them), only with a few thousand parameters.
+Tokenizers are trained here with the ``tokenizers`` library on a small corpus and wrapped as the transformers
+tokenizer classes the real pipelines load (CLIP BPE, T5 unigram, Gemma BPE, Qwen2 BPE, Pixtral).
 
 A built pipeline is meant to be ``save_pretrained`` to a directory and loaded back through an adapter's
 ``from_pretrained(directory)``, which is the code path users run with hub ids.
