@@ -20,7 +20,7 @@ import copy
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -156,24 +156,21 @@ class FlowGRPOTrainer(TrainerBase):
         if not self.dist.fsdp:  # (sharded weights come from the same checkpoint on every rank)
             broadcast_params(self.trainable, self.world_size)  # a LoRA's random init differs per rank's seed
         # 3. rewards and prompts
-        self.rewards = [reward_registry.build(spec.name, **spec.options) for spec in cfg.rewards]
-        self.reward_weights = torch.tensor([spec.weight for spec in cfg.rewards], dtype=torch.float32)
+        self.rewards, self.reward_weights = _build_rewards(cfg.rewards)
         self.eval_specs = cfg.eval_rewards if cfg.eval_rewards is not None else cfg.rewards
-        self.eval_rewards = (
-            [reward_registry.build(spec.name, **spec.options) for spec in cfg.eval_rewards]
+        self.eval_rewards, self.eval_weights = (
+            _build_rewards(cfg.eval_rewards)
             if cfg.eval_rewards is not None
-            else self.rewards
+            else (self.rewards, self.reward_weights)
         )
-        self.eval_weights = torch.tensor([spec.weight for spec in self.eval_specs], dtype=torch.float32)
         self.eval_pool = load_prompts(cfg.eval_prompts)
         check_prompts(cfg.eval_prompts, self.eval_pool, self.eval_rewards)  # before anything is generated
         # further held-out sets: name -> (prompts, specs, rewards, weights)
         self.extra_eval: dict[str, tuple[list[str], list[Any], list[Any], torch.Tensor]] = {}
         for name, extra in cfg.extra_eval.items():
-            extra_rewards = [reward_registry.build(spec.name, **spec.options) for spec in extra.rewards]
+            extra_rewards, weights = _build_rewards(extra.rewards)
             extra_prompts = load_prompts(extra.prompts)[: extra.num_prompts]
             check_prompts(extra.prompts, extra_prompts, extra_rewards)
-            weights = torch.tensor([spec.weight for spec in extra.rewards], dtype=torch.float32)
             self.extra_eval[name] = (extra_prompts, list(extra.rewards), extra_rewards, weights)
         if not for_training:
             return
@@ -906,11 +903,8 @@ class FlowGRPOTrainer(TrainerBase):
         with nullcontext() if live else self.evaluation_weights():
             ro = self.generate(prompts, t.eval_images_per_prompt)
         raw, components = self.score(ro.images, ro.prompts, evaluation=True)
-        out = {"eval/reward_mean": float((raw @ self.eval_weights).mean())}
-        for k, spec in enumerate(self.eval_specs):
-            out[f"eval/{spec.key}/mean"] = float(raw[:, k].mean())
-        for name, value in components.items():
-            out["eval/" + name.removeprefix("reward/")] = float(value.mean())
+        means = reward_means(raw, self.eval_weights, self.eval_specs, components)
+        out = {f"eval/{key}": value for key, value in means.items()}
         if self.run is not None and not live:
             n = min(64, len(ro.prompts))
             records = sample_records(
@@ -934,12 +928,7 @@ class FlowGRPOTrainer(TrainerBase):
         for name, (prompts, specs, rewards, weights) in self.extra_eval.items():
             ro = self.generate(prompts, images_per_prompt)
             raw, components = self.score_with(specs, rewards, ro.images, ro.prompts)
-            means = {"reward_mean": float((raw @ weights).mean())}
-            means.update({f"{spec.key}/mean": float(raw[:, k].mean()) for k, spec in enumerate(specs)})
-            means.update(
-                {key.removeprefix("reward/"): float(value.mean()) for key, value in components.items()}
-            )
-            out[name] = means
+            out[name] = reward_means(raw, weights, specs, components)
         return out
 
     # ------------------------------------------------------------------ state
@@ -1067,6 +1056,23 @@ def start_copies(cfg: FlowGRPOConfig) -> tuple[str, ...]:
     return copies + (("distill_teacher",) if distill.refresh_every is not None else ())
 
 
+def _build_rewards(specs: Sequence[Any]) -> tuple[list[Any], torch.Tensor]:
+    """The rewards of ``specs`` (``RewardSpec``s) built from the registry, and their ``[R]`` weights."""
+    rewards = [reward_registry.build(spec.name, **spec.options) for spec in specs]
+    return rewards, torch.tensor([spec.weight for spec in specs], dtype=torch.float32)
+
+
+def reward_means(
+    raw: torch.Tensor, weights: torch.Tensor, specs: Sequence[Any], components: dict[str, torch.Tensor]
+) -> dict[str, float]:
+    """An evaluation's means: ``reward_mean`` (of ``raw [N, R] @ weights [R]``), each reward's ``<key>/mean`` and
+    each component's (``reward/<name>``, logged as ``<name>``)."""
+    means = {"reward_mean": float((raw @ weights).mean())}
+    means.update({f"{spec.key}/mean": float(raw[:, k].mean()) for k, spec in enumerate(specs)})
+    means.update({name.removeprefix("reward/"): float(value.mean()) for name, value in components.items()})
+    return means
+
+
 def exported_weights(state: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The weights a checkpoint's ``state`` (:meth:`FlowGRPOTrainer.state_dict`) was evaluated with: its EMA
     (``trainer.ema_decay``) when it holds one, else its trained weights."""
@@ -1106,7 +1112,6 @@ def evaluate(
     prompts = trainer.eval_pool
     ro = trainer.generate(prompts, images_per_prompt)
     raw, components = trainer.score(ro.images, ro.prompts, evaluation=True)
-    total = raw @ trainer.eval_weights
     out_dir.mkdir(parents=True, exist_ok=True)
     records = sample_records(ro.prompts, raw, components, trainer.eval_specs, trainer.eval_weights)
     with open(out_dir / "scores.jsonl", "w") as f:
@@ -1116,18 +1121,15 @@ def evaluate(
         "checkpoint": str(checkpoint) if checkpoint else None,
         "prompts": len(prompts),
         "images": len(ro.prompts),
-        "reward_mean": float(total.mean()),
     }
-    summary.update({f"{spec.key}_mean": float(raw[:, k].mean()) for k, spec in enumerate(trainer.eval_specs)})
-    # each reward's components (the shapes verifier's object / count / colour / position), as in scores.jsonl
-    summary.update(
-        {f"{name.removeprefix('reward/')}_mean": float(v.mean()) for name, v in components.items()}
-    )
-    for name, means in trainer.evaluate_extra_sets(images_per_prompt).items():
-        # the main set's names: reward_mean, <reward>_mean, <component>_mean
+    # reward_mean, <reward>_mean, and each reward's components (the shapes verifier's object / count / colour /
+    # position) as <component>_mean, as in scores.jsonl; each extra set's the same under its name
+    sets = {"": reward_means(raw, trainer.eval_weights, trainer.eval_specs, components)}
+    sets.update({f"{name}/": means for name, means in trainer.evaluate_extra_sets(images_per_prompt).items()})
+    for prefix, means in sets.items():
         summary.update(
             {
-                f"{name}/{key if key == 'reward_mean' else key.removesuffix('/mean') + '_mean'}": value
+                prefix + (key if key == "reward_mean" else key.removesuffix("/mean") + "_mean"): value
                 for key, value in means.items()
             }
         )
