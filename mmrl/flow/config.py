@@ -520,6 +520,12 @@ class FlowGRPOConfig(Config):
         return self.trainer.multi_reward == "gdpo" and len(self.rewards) > 1
 
     @property
+    def allocates_groups(self) -> bool:
+        """Whether the allocator sizes each prompt's group: flat rollouts only (trees and the explorer size their
+        own, one tree or one preview set per prompt)."""
+        return self.sampling.rollout == "flat" and not self.explore.enabled
+
+    @property
     def estimator_name(self) -> str:
         """The advantage estimator the trainer uses: GDPO for several rewards with ``trainer.multi_reward=gdpo``,
         else ``trainer.advantage``, grpo by default."""
@@ -551,8 +557,7 @@ class FlowGRPOConfig(Config):
             check_gdpo_estimator(t.advantage, len(self.rewards))
         estimator = check_estimator(self.estimator_name, t.advantage_options)
         objective = check_objective(t.objective)
-        # the allocation sizes the groups of flat rollouts only; trees and the explorer size their own
-        flat = self.sampling.rollout == "flat" and not self.explore.enabled
+        flat = self.allocates_groups
         if flat and self.allocation.rollouts_per_step is None:
             raise ValueError(
                 "allocation.rollouts_per_step: flat flow rollouts need a budget of images per step (null "

@@ -444,7 +444,7 @@ class FlowGRPOTrainer(TrainerBase):
         a = self.cfg.allocation
         candidates = [p for p in self.train_pool if p not in exclude] if exclude else self.train_pool
         prompts = self.select_prompts(candidates, num_prompts)
-        if self.cfg.sampling.rollout == "flat" and not self.cfg.explore.enabled:
+        if self.cfg.allocates_groups:
             counts = alloc_lib.allocate(
                 self.stats, prompts, a.rollouts_per_step, method=a.method, n_min=a.n_min, n_max=a.n_max
             ).tolist()

@@ -22,6 +22,7 @@ from mmrl.sections import (
     check_reward_keys,
 )
 from pipelines.vlm.backend import SamplingParams
+from pipelines.vlm.families import VLMFamily
 
 __all__ = ["VLMAllocation", "VLMPoolSettings", "VLMRLVRConfig"]
 
@@ -86,6 +87,20 @@ class VLMModelConfig(Config):
         if family is not None and family not in list_vlm_families():
             raise ValueError(f"model.family={family!r} is not registered. Available: {list_vlm_families()}")
         return family
+
+    def resolve_family(self) -> VLMFamily:
+        """The model family's conventions: ``family``, or the family serving the checkpoint's ``model_type`` (read
+        from its config; a published id's config is embedded, so nothing is downloaded).
+
+        Raises:
+            OSError: ``path`` is neither a local model folder nor a Hub repository whose config can be read.
+        """
+        from pipelines.vlm.families import family_for_model_type, get_vlm_family
+        from pipelines.vlm.published import model_config
+
+        if self.family:
+            return get_vlm_family(self.family)
+        return family_for_model_type(model_config(self.path).model_type)
 
 
 class VLMDataConfig(Config):

@@ -29,8 +29,7 @@ from mmrl.memory import (
 from mmrl.vlm.config import VLMRLVRConfig
 from mmrl.vlm.trainer import make_trainable
 from pipelines.quant import quantized_bytes
-from pipelines.vlm.families import family_for_model_type, get_vlm_family
-from pipelines.vlm.published import build_on_meta, model_config
+from pipelines.vlm.published import build_on_meta
 
 __all__ = ["estimate_memory"]
 
@@ -43,7 +42,7 @@ def estimate_memory(cfg: VLMRLVRConfig) -> MemoryEstimate:
             (published repositories need no download).
     """
     m = cfg.model
-    family = get_vlm_family(m.family) if m.family else family_for_model_type(model_config(m.path).model_type)
+    family = m.resolve_family()
     dtype = DTYPES[m.dtype]
     base = build_on_meta(m.path, dtype)
     # the reference copy is taken before the trained weights become master weights (as the trainer does)

@@ -71,7 +71,7 @@ from mmrl.vlm.rollouts import LoopVLMSource, VLMPairs
 from pipelines.pool.protocol import WeightUpdate
 from pipelines.pool.weights import make_update
 from pipelines.vlm.backend import GenerationBackend, GenerationSample
-from pipelines.vlm.families import VLMFamily, family_for_model_type, get_vlm_family
+from pipelines.vlm.families import VLMFamily
 from pipelines.vlm.inputs import VLMPrompt
 from pipelines.vlm.logprobs import TokenStats, backbone_and_head, build_scoring_batch, completion_token_stats
 from rewards.base import RewardOutput, checked_score
@@ -93,12 +93,7 @@ class VLMRLVRTrainer(TrainerBase):
     def family(self) -> VLMFamily:
         """The model family's conventions (prompt layout, vision tokens and tower): ``model.family``, or the family
         serving the checkpoint's ``model_type`` (read from its config, so prompts can be built before setup)."""
-        m = self.cfg.model
-        if m.family:
-            return get_vlm_family(m.family)
-        from pipelines.vlm.published import model_config  # (a published id's config is embedded: no download)
-
-        return family_for_model_type(model_config(m.path).model_type)
+        return self.cfg.model.resolve_family()
 
     # ------------------------------------------------------------------ setup
     def setup(self, for_training: bool = True) -> None:
