@@ -84,13 +84,15 @@ def _to_float(value: Any) -> float:
 class MetricAccumulator:
     """Sums and counts per metric name within a step, NaN-aware, reduced across ranks at log time.
 
-    ``add("reward/mean", 0.5, count=8)`` weights a batch mean by its size; :meth:`reduce` returns the weighted
-    means and clears the buffer (as TRL's trainer does).
+    ``add("reward/mean", 0.5, count=8)`` weights a batch mean by its size; ``add_max("pool/lag_max", 3)`` keeps
+    the largest value; :meth:`reduce` returns the weighted means and the maxima (over the step's values on every
+    rank) and clears the buffer (as TRL's trainer does).
     """
 
     def __init__(self) -> None:
         self._sums: dict[str, float] = {}
         self._counts: dict[str, float] = {}
+        self._maxima: dict[str, float] = {}
 
     def add(self, name: str, value: float | torch.Tensor, count: float = 1.0) -> None:
         v = _to_float(value)
@@ -98,6 +100,13 @@ class MetricAccumulator:
             return
         self._sums[name] = self._sums.get(name, 0.0) + v * count
         self._counts[name] = self._counts.get(name, 0.0) + count
+
+    def add_max(self, name: str, value: float | torch.Tensor) -> None:
+        """Record ``value`` under ``name``, reduced as the largest of the step's values (a mean of per-rank maxima
+        would not be the maximum)."""
+        v = _to_float(value)
+        if not math.isnan(v):
+            self._maxima[name] = max(self._maxima.get(name, -math.inf), v)
 
     def add_dict(self, metrics: Mapping[str, float | torch.Tensor], count: float = 1.0) -> None:
         for k, v in metrics.items():
@@ -107,38 +116,43 @@ class MetricAccumulator:
     def discarded(self) -> Iterator[None]:
         """What is added inside is dropped: computations run only for their collectives (an FSDP rank's
         padding minibatch) leave no value in the step's metrics."""
-        kept = self._sums, self._counts
-        self._sums, self._counts = {}, {}
+        kept = self._sums, self._counts, self._maxima
+        self._sums, self._counts, self._maxima = {}, {}, {}
         try:
             yield
         finally:
-            self._sums, self._counts = kept
+            self._sums, self._counts, self._maxima = kept
 
     def reduce(self) -> dict[str, float]:
         """Weighted means over this step's values on every rank (a collective under data parallelism: every
         rank calls it once per step, whichever metrics it recorded)."""
         import torch.distributed as dist
 
-        names = sorted(self._sums)
+        names, max_names = sorted(self._sums), sorted(self._maxima)
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         if distributed:
             # a rank may lack a metric the others have (no signal this step): reduce over the union of names
-            gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
-            dist.all_gather_object(gathered, names)
-            names = sorted({n for rank_names in gathered for n in rank_names})
+            gathered: list[tuple[list[str], list[str]]] = [([], []) for _ in range(dist.get_world_size())]
+            dist.all_gather_object(gathered, (names, max_names))
+            names = sorted({n for rank_names, _ in gathered for n in rank_names})
+            max_names = sorted({n for _, rank_names in gathered for n in rank_names})
         sums = torch.tensor([self._sums.get(n, 0.0) for n in names], dtype=torch.float64)
         counts = torch.tensor([self._counts.get(n, 0.0) for n in names], dtype=torch.float64)
-        if distributed and names:
+        maxima = torch.tensor([self._maxima.get(n, -math.inf) for n in max_names], dtype=torch.float64)
+        if distributed and (names or max_names):
             device = (
                 torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
             )
-            sums, counts = sums.to(device), counts.to(device)
+            sums, counts, maxima = sums.to(device), counts.to(device), maxima.to(device)
             dist.all_reduce(sums)
             dist.all_reduce(counts)
-            sums, counts = sums.cpu(), counts.cpu()
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+            sums, counts, maxima = sums.cpu(), counts.cpu(), maxima.cpu()
         out = {n: float(s / c) for n, s, c in zip(names, sums, counts, strict=True) if c > 0}
+        out.update({n: float(m) for n, m in zip(max_names, maxima, strict=True)})
         self._sums.clear()
         self._counts.clear()
+        self._maxima.clear()
         return out
 
 

@@ -243,7 +243,7 @@ class PooledFlowSource:
         ro = concat_rollouts([r.output for r in batch.results], self.device)
         lags = batch.sample_lags()  # [B], results and samples in order, as in ro
         self.metrics.add("pool/lag_mean", lags.float().mean(), count=lags.numel())
-        self.metrics.add("pool/lag_max", float(lags.max()))
+        self.metrics.add_max("pool/lag_max", float(lags.max()))
         first = torch.ones(len(ro.group_index), dtype=torch.bool)
         first[1:] = ro.group_index[1:] != ro.group_index[:-1]
         prompts = [ro.prompts[i] for i in torch.nonzero(first).flatten().tolist()]

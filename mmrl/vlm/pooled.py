@@ -273,7 +273,7 @@ class PooledVLMSource:
         # no lag when every prompt was skipped (the trainer then stops, naming the length settings)
         if lags.numel() > 0:
             self.metrics.add("pool/lag_mean", lags.float().mean(), count=lags.numel())
-            self.metrics.add("pool/lag_max", float(lags.max()))
+            self.metrics.add_max("pool/lag_max", float(lags.max()))
         self.metrics.add("pool/samples", float(batch.num_samples))
         self.metrics.add("pool/carried", float(sum(self.pending[rid].num_samples for rid in carried)))
         info = {
