@@ -370,13 +370,19 @@ class VLMRLVRTrainer(TrainerBase):
         self, pairs: list[tuple[VQAExample, GenerationSample]]
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, RewardOutput]]:
         """:meth:`verify`, and each verifier's whole output by its key (the step scores process credit reads)."""
-        batch = self._reward_batch(pairs)
-        outputs = {
-            spec.key: checked_score(reward, spec.key, len(pairs), **batch)
-            for spec, reward in zip(self.cfg.rewards, self.rewards, strict=True)
-        }
+        outputs = self._score_with(self.cfg.rewards, self.rewards, pairs)
         raw = torch.stack([out.scores.detach().float().cpu() for out in outputs.values()], dim=1)
         return raw @ self.reward_weights, raw, outputs
+
+    def _score_with(
+        self, specs: list[Any], rewards: list[Any], pairs: list[tuple[VQAExample, GenerationSample]]
+    ) -> dict[str, RewardOutput]:
+        """Each reward's checked output (:func:`rewards.base.checked_score`) on ``pairs``, by its spec's key."""
+        batch = self._reward_batch(pairs)
+        return {
+            spec.key: checked_score(reward, spec.key, len(pairs), **batch)
+            for spec, reward in zip(specs, rewards, strict=True)
+        }
 
     @staticmethod
     def _reward_batch(pairs: list[tuple[VQAExample, GenerationSample]]) -> dict[str, list[str]]:
@@ -844,10 +850,9 @@ class VLMRLVRTrainer(TrainerBase):
         # often, on how many sets) leaves the training generator, hence the training prompts, as they were
         pairs = self.generate(examples, 1, g.eval_temperature, g.eval_top_p, seed=EVAL_SEED)
         total, raw = self.verify(pairs)
-        batch = self._reward_batch(pairs)
         extra = {
-            spec.key: checked_score(reward, spec.key, len(pairs), **batch).scores.detach().float().cpu()
-            for spec, reward in zip(self.cfg.eval_rewards, self.eval_rewards, strict=True)
+            key: out.scores.detach().float().cpu()
+            for key, out in self._score_with(self.cfg.eval_rewards, self.eval_rewards, pairs).items()
         }
         out = {
             f"{prefix}/accuracy": float(total.mean()),
