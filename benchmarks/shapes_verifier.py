@@ -44,7 +44,7 @@ def measure(n: int, size: int, seed: int = 0) -> dict[str, float]:
     timings = []
     for _ in range(3):
         start = time.perf_counter()
-        positive = reward(images, prompts)
+        positive = reward(images=images, prompts=prompts)
         timings.append(time.perf_counter() - start)
 
     rng = np.random.default_rng(seed)
@@ -54,7 +54,7 @@ def measure(n: int, size: int, seed: int = 0) -> dict[str, float]:
         np.prod(list(score_objects(parse_prompt(q), [o.as_detected() for o in s.objects]).values()))
         for q, s in zip(negatives, scenes, strict=True)
     ]
-    negative = reward(images, negatives).numpy()
+    negative = reward(images=images, prompts=negatives).numpy()
     result = {
         "positive": float(positive.mean()),
         "negative": float(np.mean(negative == np.asarray(expected))),
@@ -62,7 +62,7 @@ def measure(n: int, size: int, seed: int = 0) -> dict[str, float]:
     }
     for kind in PERTURBATIONS:
         perturbed = [perturb(s, kind, seed * 100_003 + i) for i, s in enumerate(scenes)]
-        result[f"perturbed/{kind}"] = float(reward(perturbed, prompts).mean())
+        result[f"perturbed/{kind}"] = float(reward(images=perturbed, prompts=prompts).mean())
     result["ms/image"] = 1e3 * min(timings) / n
     return result
 

@@ -74,6 +74,29 @@ class RewardSpec(Config):
         return self
 
 
+def check_reward_inputs(specs: list[RewardSpec], given: tuple[str, ...], recipe: str, where: str) -> None:
+    """Each reward can be scored on the batch fields the recipe gives (``given``, e.g. a VLM run's completions):
+    a reward whose ``score`` requires another field (an image reward in a text recipe) is refused when the
+    config loads, not after the model has loaded.
+
+    Raises:
+        ValueError: naming the entry, its reward, the fields it needs and the ones given.
+    """
+    import inspect
+
+    from rewards.registry import get_reward_class
+
+    for index, spec in enumerate(specs):
+        parameters = inspect.signature(get_reward_class(spec.name).score).parameters.values()
+        needed = [p.name for p in parameters if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+        missing = [name for name in needed if name not in given]
+        if missing:
+            raise ValueError(
+                f"{where}.{index}: the {spec.name!r} reward scores {needed}, and a {recipe} run gives each "
+                f"reward {list(given)}"
+            )
+
+
 def check_reward_keys(specs: list[RewardSpec], where: str) -> None:
     """Each reward of a list logs under its own key: a repeated name without labels would overwrite metrics."""
     keys = [spec.key for spec in specs]

@@ -81,8 +81,8 @@ class Reward:
             ValueError: the prompt is refused (the message says why).
         """
 
-    def __call__(self, *args: Any, **batch: Any) -> torch.Tensor:
-        return self.score(*args, **batch).scores
+    def __call__(self, **batch: Any) -> torch.Tensor:
+        return self.score(**batch).scores
 
 
 class RewardCheckError(ValueError):

@@ -505,7 +505,7 @@ def describe(objects: Sequence[DetectedObject]) -> str:
 class ShapesReward(Reward):
     """Strict GenEval-style verifier of the shapes world: 1 when the image shows exactly the prompt's scene.
 
-    ``reward(images, prompts)`` returns the ``[B]`` float tensor of scores in {0, 1};
+    ``reward(images=images, prompts=prompts)`` returns the ``[B]`` float tensor of scores in {0, 1};
     ``reward.score(images=..., prompts=...)`` also returns the components ``object``, ``count``, ``colour``,
     ``position`` (each in {0, 1}; 1 where a prompt does not constrain the criterion) and, for failed samples, a
     reason listing what was found.
@@ -550,7 +550,7 @@ class ShapesReward(Reward):
         parse_prompt(prompt)
 
     def score(  # type: ignore[override]
-        self, images: ImageBatch | None = None, prompts: Sequence[str] | None = None, **_: Any
+        self, *, images: ImageBatch, prompts: Sequence[str], **_: Any
     ) -> RewardOutput:
         """Score a batch.
 
@@ -559,10 +559,8 @@ class ShapesReward(Reward):
             prompts: ``B`` shapes-world prompts.
 
         Raises:
-            ValueError: missing inputs, a length mismatch, or a prompt outside the grammar (named).
+            ValueError: a length mismatch, or a prompt outside the grammar (named).
         """
-        if images is None or prompts is None:
-            raise ValueError("ShapesReward.score needs images=... and prompts=...")
         if isinstance(prompts, str):
             raise ValueError("prompts must be a list of strings, got one string")
         if len(images) != len(prompts):

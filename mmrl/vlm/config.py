@@ -19,12 +19,16 @@ from mmrl.sections import (
     RewardSpec,
     check_gdpo_estimator,
     check_group_sizes,
+    check_reward_inputs,
     check_reward_keys,
 )
 from pipelines.vlm.backend import SamplingParams
 from pipelines.vlm.families import VLMFamily
 
-__all__ = ["VLMAllocation", "VLMPoolSettings", "VLMRLVRConfig"]
+__all__ = ["REWARD_FIELDS", "VLMAllocation", "VLMPoolSettings", "VLMRLVRConfig"]
+
+#: the batch fields the VLM trainer gives every verifier (VLMRLVRTrainer._reward_batch)
+REWARD_FIELDS = ("completions", "ground_truths", "references")
 
 logger = logging.getLogger(__name__)
 
@@ -548,6 +552,8 @@ class VLMRLVRConfig(Config):
             raise ValueError("rewards: at least one verifier is needed")
         check_reward_keys(self.rewards, "rewards")
         check_reward_keys([*self.rewards, *self.eval_rewards], "rewards + eval_rewards")
+        for where, specs in (("rewards", self.rewards), ("eval_rewards", self.eval_rewards)):
+            check_reward_inputs(specs, REWARD_FIELDS, "vlm_rlvr", where)
         t, a, d = self.trainer, self.allocation, self.data
         check_optimizer_dtype(t.optimizer, self.model.master_weight_dtype)
         if t.dynamic_sampling_rounds > 1 and not (t.mode == "group" and t.dynamic_sampling):

@@ -44,21 +44,21 @@ def test_accuracy_on_rendered_scenes(reward):
     prompts = sample_prompts(N_SCENES, seed=11, split="all")
     scenes = [scene_for_prompt(p, 1000 + i, 32) for i, p in enumerate(prompts)]
     images = [render(s) for s in scenes]
-    positive = reward(images, prompts)
+    positive = reward(images=images, prompts=prompts)
     assert positive.mean().item() >= 0.99
 
     rng = np.random.default_rng(0)
     negatives = [m[rng.integers(len(m))] for m in map(near_miss_prompts, prompts)]
     expected = np.array([_truth(q, s) for q, s in zip(negatives, scenes, strict=True)])
     assert expected.mean() < 0.01  # near misses are (almost) all incompatible with the scene
-    scores = reward(images, negatives).numpy()
+    scores = reward(images=images, prompts=negatives).numpy()
     assert np.mean(scores == expected) >= 0.99
 
 
 def test_every_prompt_re_renders_to_a_verified_image(reward):
     prompts = all_prompts()
     images = [render(scene_for_prompt(p, i, 32)) for i, p in enumerate(prompts)]
-    assert reward(images, prompts).mean().item() >= 0.99
+    assert reward(images=images, prompts=prompts).mean().item() >= 0.99
 
 
 @pytest.mark.parametrize("size", [32, 64])
@@ -68,7 +68,7 @@ def test_accuracy_on_perturbed_renders(reward, size):
     accuracy = {}
     for kind in PERTURBATIONS:
         images = [perturb(s, kind, i) for i, s in enumerate(scenes)]
-        accuracy[kind] = reward(images, prompts).mean().item()
+        accuracy[kind] = reward(images=images, prompts=prompts).mean().item()
     # each kind on its own; JPEG at 32x32 is the hardest (chroma kept at 16x16), measured 0.98
     assert min(accuracy.values()) >= 0.95, accuracy
 
@@ -84,7 +84,7 @@ def test_any_prompt_seed_and_size_verifies(prompt, seed, size, antialias):
     # hard pixel edges need a few pixels per object: 24x24 aliased renders verify only ~90%
     size = max(size, 32) if not antialias else size
     image = render(scene_for_prompt(prompt, seed, size), antialias=antialias)
-    assert ShapesReward()([image], [prompt]).item() == 1.0
+    assert ShapesReward()(images=[image], prompts=[prompt]).item() == 1.0
 
 
 # ---------------------------------------------------------------- an independent drawing of the same scenes
@@ -135,7 +135,7 @@ def test_other_drawings_of_the_scene_verify(reward):
         _draw_independently(scene_for_prompt(p, i, 32), (40, 56, 64)[i % 3], backgrounds[i % 4], i)
         for i, p in enumerate(prompts)
     ]
-    assert reward(images, prompts).mean().item() >= 0.97
+    assert reward(images=images, prompts=prompts).mean().item() >= 0.97
 
 
 # ---------------------------------------------------------------- strictness and tolerance
@@ -226,7 +226,9 @@ def test_empty_and_blob_images_score_zero(reward):
     blob = render(
         _scene(SceneObject("circle", "red", 12.0, 16.0, 9.0), SceneObject("circle", "red", 20.0, 16.0, 9.0))
     )
-    assert reward([blank, blob], ["a photo of one circle", "a photo of two circles"]).tolist() == [0.0, 0.0]
+    assert reward(
+        images=[blank, blob], prompts=["a photo of one circle", "a photo of two circles"]
+    ).tolist() == [0.0, 0.0]
 
 
 @pytest.mark.parametrize("size", [32, 64])
@@ -235,7 +237,7 @@ def test_touching_objects_of_two_colours_are_two_objects(reward, size):
     red = SceneObject("square", "red", 10 * k, 16 * k, 10 * k)
     blue = SceneObject("circle", "blue", 20 * k, 16 * k, 10 * k)  # boxes share an edge
     image = render(_scene(red, blue, size=size))
-    assert reward([image], ["a photo of a red square left of a blue circle"]).item() == 1.0
+    assert reward(images=[image], prompts=["a photo of a red square left of a blue circle"]).item() == 1.0
 
 
 def test_tolerates_speckles(reward):
@@ -245,7 +247,7 @@ def test_tolerates_speckles(reward):
         if abs(y - 16) > 7 or abs(x - 16) > 7:
             image[y, x] = (220, 40, 40) if rng.random() < 0.5 else (40, 80, 220)
     image[0:2, 0:2] = (235, 215, 20)  # a 2x2 yellow speck in a corner
-    assert reward([Image.fromarray(image)], ["a photo of a green triangle"]).item() == 1.0
+    assert reward(images=[Image.fromarray(image)], prompts=["a photo of a green triangle"]).item() == 1.0
 
 
 # ---------------------------------------------------------------- interface
@@ -255,28 +257,30 @@ def test_interface_registry_tensor_and_errors(reward):
     assert isinstance(rewards.build("shapes"), ShapesReward)
     prompts = ["a photo of a red circle", "a photo of three squares"]
     images = [render(scene_for_prompt(p, 0, 32)) for p in prompts]
-    as_pil = reward(images, prompts)
+    as_pil = reward(images=images, prompts=prompts)
     assert as_pil.dtype == torch.float32 and as_pil.tolist() == [1.0, 1.0]
     tensor = torch.stack(
         [torch.from_numpy(np.asarray(im).copy()).permute(2, 0, 1).float() / 255 for im in images]
     )
     torch.testing.assert_close(reward(images=tensor, prompts=prompts), as_pil)
     mixed_sizes = [images[0], render(scene_for_prompt(prompts[1], 0, 64))]
-    assert reward(mixed_sizes, prompts).tolist() == [1.0, 1.0]
+    assert reward(images=mixed_sizes, prompts=prompts).tolist() == [1.0, 1.0]
     with pytest.raises(ValueError, match="a photo of a pink circle"):
-        reward(images, ["a photo of a red circle", "a photo of a pink circle"])
+        reward(images=images, prompts=["a photo of a red circle", "a photo of a pink circle"])
     with pytest.raises(ValueError, match="2 images but 1 prompts"):
-        reward(images, prompts[:1])
-    with pytest.raises(ValueError, match="prompts"):
+        reward(images=images, prompts=prompts[:1])
+    with pytest.raises(TypeError, match="prompts"):  # (every reward's batch fields are keywords)
         reward(images=images)
+    with pytest.raises(TypeError, match="positional"):
+        reward(images, prompts)
 
 
 def test_speed(reward):
     prompts = sample_prompts(256, seed=0, split="all")
     images = [render(scene_for_prompt(p, i, 32)) for i, p in enumerate(prompts)]
-    reward(images, prompts)  # warm-up
+    reward(images=images, prompts=prompts)  # warm-up
     start = time.perf_counter()
-    reward(images, prompts)
+    reward(images=images, prompts=prompts)
     ms = 1e3 * (time.perf_counter() - start) / len(images)
     # ~0.4 ms on a shared 2-core CPU; the bound leaves room for a busy machine
     assert ms < 5.0, f"{ms:.2f} ms per 32x32 image"

@@ -1078,3 +1078,19 @@ def test_vlm_eval_refuses_more_than_one_answer_per_question(model_dir, tmp_path,
     assert cli_main(["eval", str(config), "--images-per-prompt", "3", "--out", str(out)]) == 2
     assert capsys.readouterr().err == f"mmrl: error: {message}\n"
     assert not out.exists()
+
+
+def test_a_reward_that_needs_what_a_vlm_run_does_not_give_is_refused_when_the_config_loads(
+    model_dir, tmp_path
+):
+    from mmrl.vlm.config import REWARD_FIELDS
+
+    assert tuple(VLMRLVRTrainer._reward_batch([])) == REWARD_FIELDS  # what the check assumes is what is sent
+    for key in ("rewards", "eval_rewards"):
+        with pytest.raises(
+            ValueError,
+            match=rf"{key}\.0: the 'shapes' reward scores \['images', 'prompts'\], and a vlm_rlvr run gives each "
+            r"reward \['completions', 'ground_truths', 'references'\]",
+        ):
+            make_cfg(model_dir, tmp_path, "img", f"{key}=[{{name: shapes}}]")
+    make_cfg(model_dir, tmp_path, "ok", "eval_rewards=[{name: remote, options: {url: 'http://127.0.0.1:1'}}]")
