@@ -44,7 +44,19 @@ LOW_EXPERT_WEIGHT_NAME = "pytorch_lora_weights_transformer_2.safetensors"
 #: the LoRA file of each expert in a saved folder (``pytorch_lora_weights.safetensors`` for the high one)
 LORA_FILES = {"transformer": "pytorch_lora_weights.safetensors", "transformer_2": LOW_EXPERT_WEIGHT_NAME}
 
-EXPERT_CHOICES = ("high", "low", "both")
+#: ``trained_expert`` -> the pipeline components RL trains
+EXPERT_COMPONENTS: dict[str, tuple[str, ...]] = {
+    "high": ("transformer",),
+    "low": ("transformer_2",),
+    "both": ("transformer", "transformer_2"),
+}
+
+
+def _check_expert(trained_expert: str) -> None:
+    if trained_expert not in EXPERT_COMPONENTS:
+        raise ValueError(
+            f"model.options.trained_expert must be one of {list(EXPERT_COMPONENTS)}, got {trained_expert!r}"
+        )
 
 
 class WanExperts(nn.Module):
@@ -136,10 +148,7 @@ class Wan22Adapter(WanAdapter):
                 "wan22 needs a two-expert WanPipeline (transformer_2 and boundary_ratio, as "
                 "Wan-AI/Wan2.2-T2V-A14B-Diffusers); use family 'wan' for Wan2.1"
             )
-        if trained_expert not in EXPERT_CHOICES:
-            raise ValueError(
-                f"model.options.trained_expert must be one of {list(EXPERT_CHOICES)}, got {trained_expert!r}"
-            )
+        _check_expert(trained_expert)
         super().__init__(pipe, max_sequence_length)
         self.trained_expert = trained_expert
         #: the trained pair (both experts trained): one object for the optimizer, EMA and LoRA hooks to refer to
@@ -152,16 +161,8 @@ class Wan22Adapter(WanAdapter):
     def trained_components(cls, options: Mapping[str, Any]) -> tuple[str, ...]:
         default = inspect.signature(cls.__init__).parameters["trained_expert"].default
         expert = options.get("trained_expert", default)
-        experts = {
-            "high": ("transformer",),
-            "low": ("transformer_2",),
-            "both": ("transformer", "transformer_2"),
-        }
-        if expert not in experts:
-            raise ValueError(
-                f"model.options.trained_expert must be one of {list(EXPERT_CHOICES)}, got {expert!r}"
-            )
-        return experts[expert]
+        _check_expert(expert)
+        return EXPERT_COMPONENTS[expert]
 
     @property
     def trained_component(self) -> str:
