@@ -23,7 +23,7 @@ from mmrl.sections import (
     check_reward_keys,
 )
 from pipelines.vlm.backend import SamplingParams
-from pipelines.vlm.families import VLMFamily
+from pipelines.vlm.families import VLMFamily, family_for_model_type, get_vlm_family, list_vlm_families
 
 __all__ = ["REWARD_FIELDS", "VLMAllocation", "VLMPoolSettings", "VLMRLVRConfig"]
 
@@ -86,8 +86,6 @@ class VLMModelConfig(Config):
     @field_validator("family")
     @classmethod
     def _registered_family(cls, family: str | None) -> str | None:
-        from pipelines.vlm.families import list_vlm_families
-
         if family is not None and family not in list_vlm_families():
             raise ValueError(f"model.family={family!r} is not registered. Available: {list_vlm_families()}")
         return family
@@ -99,8 +97,7 @@ class VLMModelConfig(Config):
         Raises:
             OSError: ``path`` is neither a local model folder nor a Hub repository whose config can be read.
         """
-        from pipelines.vlm.families import family_for_model_type, get_vlm_family
-        from pipelines.vlm.published import model_config
+        from pipelines.vlm.published import model_config  # (transformers' config classes: loaded on demand)
 
         if self.family:
             return get_vlm_family(self.family)
