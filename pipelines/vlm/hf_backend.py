@@ -43,6 +43,8 @@ def load_vlm(model_id_or_path: str, **kwargs: Any) -> tuple[Any, torch.nn.Module
     try:
         processor = AutoProcessor.from_pretrained(model_id_or_path)
         return processor, AutoModelForImageTextToText.from_pretrained(model_id_or_path, **kwargs)
+    except (torch.OutOfMemoryError, MemoryError):
+        raise  # (the folder is fine; the device is full)
     except Exception as error:  # (safetensors' errors are no OSError; a broken config.json is a ValueError)
         if Path(model_id_or_path).exists():
             raise model_not_loadable("VLM", model_id_or_path, error) from error

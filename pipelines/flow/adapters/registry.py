@@ -113,6 +113,8 @@ def load_adapter(
             quantization_config=quantization_config,
             **kwargs,
         )
+    except (torch.OutOfMemoryError, MemoryError):
+        raise  # (the folder is fine; the device is full)
     except Exception as error:  # (safetensors' errors are no OSError; a broken config.json is a ValueError)
         if Path(model_id_or_path).exists():
             raise model_not_loadable(f"{family!r} model", model_id_or_path, error) from error
