@@ -9,7 +9,11 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["get_rng_state", "request_seed", "seed_everything", "set_rng_state"]
+__all__ = ["EVAL_SEED", "get_rng_state", "request_seed", "seed_everything", "set_rng_state"]
+
+#: the seed of every evaluation's noise and sampling, the same at each one (scores are comparable across steps)
+#: and never drawn from a training generator (how often a run evaluates leaves its training draws as they were)
+EVAL_SEED = 1234
 
 
 def seed_everything(seed: int) -> torch.Generator:

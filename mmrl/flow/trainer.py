@@ -57,6 +57,7 @@ from mmrl.optim import make_optimizer
 from mmrl.rollouts import StepRequest
 from mmrl.run import Run, write_summary_json
 from mmrl.schedule import learning_rate
+from mmrl.seeding import EVAL_SEED
 from mmrl.trainer_base import TrainerBase
 from pipelines.flow.adapters import Conditioning, FlowAdapter, list_adapters, load_adapter
 from pipelines.flow.branch import TreeRollout, prune_transitions
@@ -69,8 +70,6 @@ from rewards.base import checked_score
 __all__ = ["FlowGRPOTrainer", "evaluate", "main"]
 
 logger = logging.getLogger(__name__)
-
-EVAL_SEED = 1234  # evaluation noise is the same at every evaluation, so scores are comparable across steps
 
 
 def sample_records(

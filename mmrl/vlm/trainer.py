@@ -63,6 +63,7 @@ from mmrl.optim import make_optimizer
 from mmrl.rollouts import StepRequest
 from mmrl.run import write_summary_json
 from mmrl.schedule import learning_rate
+from mmrl.seeding import EVAL_SEED
 from mmrl.trainer_base import TrainerBase
 from mmrl.vlm.config import VLMModelConfig, VLMRLVRConfig, VLMTrainerConfig
 from mmrl.vlm.pooled import PooledVLMSource, pooled_worker_factory
@@ -79,9 +80,6 @@ from rewards.base import RewardOutput, checked_score
 __all__ = ["VLMRLVRTrainer", "evaluate", "load_examples", "main"]
 
 logger = logging.getLogger(__name__)
-
-#: the generation seed of every evaluation
-EVAL_SEED = 1234
 
 
 class VLMRLVRTrainer(TrainerBase):
