@@ -134,8 +134,8 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load the state saved by :func:`save_checkpoint` from a checkpoint folder (or its ``state.pt``).
 
-    The file is unpickled (``weights_only=False``: prompt ids and RNG tuples are part of the state), which runs
-    whatever code a pickle names: load only checkpoints you or a trusted party wrote.
+    The file is read with ``torch.load(weights_only=True)``: tensors, numbers, strings and containers only, so
+    a file that names a Python object to build (a pickle's way to run code) is refused, not run.
 
     Raises:
         FileNotFoundError: no state file there.
@@ -147,10 +147,17 @@ def load_checkpoint(
     if not file.is_file():
         raise FileNotFoundError(f"no checkpoint state at {file}")
     try:
-        state = torch.load(file, map_location=map_location, weights_only=False)
-    except Exception as err:  # a zip cut short, an empty file, a file that is no pickle: all say the same
+        state = torch.load(file, map_location=map_location, weights_only=True)
+    except Exception as err:  # a zip cut short, an empty file, a file that is no pickle, a pickle of objects
+        # torch's weights-only message runs to many lines; its one line that says what was refused is enough
+        reason = str(err).partition("WeightsUnpickler error:")[2].strip().partition("\n")[0] or str(err)
+        if reason.startswith("Unsupported global"):
+            raise ValueError(
+                f"{file} is not an mmrl checkpoint: it names a Python object to build ({reason}); checkpoints "
+                f"are read as tensors and plain values only, and code a file names is never run"
+            ) from err
         raise ValueError(
-            f"{file} is not a readable checkpoint ({type(err).__name__}: {err}); if it was cut short, delete "
+            f"{file} is not a readable checkpoint ({type(err).__name__}: {reason}); if it was cut short, delete "
             f"{file.parent} to resume from the checkpoint before it"
         ) from err
     if not isinstance(state, dict):

@@ -32,7 +32,7 @@ def get_rng_state(generators: dict[str, torch.Generator] | None = None) -> dict[
     """Every RNG state of the process (and of named generators), for a checkpoint."""
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": _numpy_state(),
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -44,7 +44,7 @@ def get_rng_state(generators: dict[str, torch.Generator] | None = None) -> dict[
 def set_rng_state(state: dict[str, Any], generators: dict[str, torch.Generator] | None = None) -> None:
     """Restore what :func:`get_rng_state` captured."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    _set_numpy_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -52,6 +52,25 @@ def set_rng_state(state: dict[str, Any], generators: dict[str, torch.Generator] 
         if name not in state["generators"]:
             raise KeyError(f"checkpoint has no RNG state for generator {name!r}")
         g.set_state(state["generators"][name])
+
+
+def _numpy_state() -> dict[str, Any]:
+    """numpy's global RNG state in types a ``weights_only`` torch.load reads (a tensor, not an ndarray)."""
+    bit_generator, keys, position, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    return {
+        "bit_generator": bit_generator,
+        "keys": torch.from_numpy(keys.astype(np.int64)),
+        "position": int(position),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached_gaussian),
+    }
+
+
+def _set_numpy_state(state: dict[str, Any]) -> None:
+    keys = state["keys"].numpy().astype(np.uint32)
+    np.random.set_state(
+        (state["bit_generator"], keys, state["position"], state["has_gauss"], state["cached_gaussian"])
+    )
 
 
 def request_seed(run_seed: int, rank: int, step: int, index: int) -> int:

@@ -1,3 +1,5 @@
+from pathlib import PurePosixPath
+
 import pytest
 import torch
 
@@ -50,6 +52,12 @@ def test_a_damaged_or_foreign_checkpoint_is_named(tmp_path):
             ValueError, match=rf"{file.name} is not a readable checkpoint .*delete {tmp_path}"
         ):
             load_checkpoint(file)
+    with_object = tmp_path / "object.pt"
+    torch.save({"step": 1, "path": PurePosixPath("a")}, with_object)
+    with pytest.raises(
+        ValueError, match=r"object.pt is not an mmrl checkpoint: it names a Python object .*PurePosixPath"
+    ):
+        load_checkpoint(with_object)
     listed = tmp_path / "list.pt"
     torch.save([1, 2], listed)
     with pytest.raises(ValueError, match=r"list.pt is not an mmrl checkpoint \(it holds a list\)"):
