@@ -35,7 +35,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -87,16 +87,6 @@ DEFAULT_SKIP: tuple[str, ...] = (
     "*embed_tokens",
 )
 
-_TORCHAO_SCHEMES = ("fp8_weight_only", "fp8", "nvfp4")
-#: (minimum CUDA compute capability, what it means) for schemes that need a GPU generation
-_CAPABILITY: dict[str, tuple[tuple[int, int], str]] = {
-    # fp8 tensor cores start at sm89 (Ada) and torchao accepts it; mmrl asks for Hopper, the generation the
-    # row-wise fp8 recipe is meant and checked for (DESIGN.md: "FP8 Hopper and newer").
-    "fp8": ((9, 0), "an NVIDIA GPU with compute capability >= 9.0 (Hopper: H100/H200, or newer)"),
-    # FP4 tensor-core GEMMs exist only from Blackwell on.
-    "nvfp4": ((10, 0), "an NVIDIA GPU with compute capability >= 10.0 (Blackwell: B200/GB200, or newer)"),
-}
-
 
 def list_schemes() -> list[str]:
     """Names accepted by :func:`quantize_copy`."""
@@ -112,11 +102,9 @@ def check_scheme(scheme: str, device: torch.device | str) -> None:
         ValueError: unknown scheme, or a GPU-generation scheme on a device that lacks it.
         ImportError: a torchao scheme without torchao installed.
     """
-    if scheme not in SCHEMES:
-        raise ValueError(f"unknown quantization scheme {scheme!r}. Available: {list(SCHEMES)}")
+    spec = scheme_spec(scheme)
     device = torch.device(device)
-    if scheme in _CAPABILITY:
-        minimum, requirement = _CAPABILITY[scheme]
+    if spec.min_capability is not None:
         if device.type != "cuda":
             found = f"the module is on {device.type!r}"
         else:
@@ -124,14 +112,14 @@ def check_scheme(scheme: str, device: torch.device | str) -> None:
             found = (
                 f"{torch.cuda.get_device_name(device)} has compute capability {capability[0]}.{capability[1]}"
             )
-            if capability >= minimum:
+            if capability >= spec.min_capability:
                 found = ""
         if found:
             raise ValueError(
-                f"quantization scheme {scheme!r} needs {requirement}; {found}. Elsewhere use "
+                f"quantization scheme {scheme!r} needs {spec.hardware}; {found}. Elsewhere use "
                 "'fp8_weight_only' (any device, needs torchao), or 'int8' / 'nf4' / 'fp4' (bitsandbytes, CPU and CUDA)."
             )
-    if scheme in _TORCHAO_SCHEMES:
+    if spec.library == "torchao":
         try:
             import torchao  # noqa: F401
         except ImportError as err:
@@ -142,10 +130,8 @@ def check_scheme(scheme: str, device: torch.device | str) -> None:
 
 def _eligible(scheme: str, layer: nn.Linear) -> bool:
     """Whether ``scheme``'s kernels accept this layer's shape; other layers stay in ``compute_dtype``."""
-    if scheme in ("fp8", "nvfp4"):
-        # fp8 GEMMs need 16-aligned dims; NVFP4 uses 16-element scale blocks along both dims.
-        return layer.in_features % 16 == 0 and layer.out_features % 16 == 0
-    return True
+    multiple = scheme_spec(scheme).dims_multiple_of
+    return layer.in_features % multiple == 0 and layer.out_features % multiple == 0
 
 
 def _is_skipped(name: str, patterns: Iterable[str]) -> bool:
@@ -182,7 +168,7 @@ def _build_plain(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.d
 
 
 def _build_bnb_4bit(
-    weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, quant_type: str, opts: _Options
+    weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, scheme: str, opts: _Options
 ) -> nn.Module:
     import bitsandbytes as bnb
 
@@ -193,7 +179,7 @@ def _build_bnb_4bit(
         bias=bias is not None,
         compute_dtype=dtype,
         compress_statistics=opts.double_quant,
-        quant_type=quant_type,
+        quant_type=scheme,
         device="meta",
     )
     # Quantized from the weight in compute dtype, so dequantization returns the compute dtype directly.
@@ -201,7 +187,7 @@ def _build_bnb_4bit(
         weight.detach().to(dtype).contiguous(),
         blocksize=opts.blocksize,
         compress_statistics=opts.double_quant,
-        quant_type=quant_type,
+        quant_type=scheme,
     )
     layer.weight = bnb.nn.Params4bit(
         data,
@@ -209,7 +195,7 @@ def _build_bnb_4bit(
         quant_state=state,
         blocksize=opts.blocksize,
         compress_statistics=opts.double_quant,
-        quant_type=quant_type,
+        quant_type=scheme,
         module=layer,
         bnb_quantized=True,
     )
@@ -223,7 +209,9 @@ def _build_bnb_4bit(
     return layer
 
 
-def _build_bnb_int8(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Module:
+def _build_bnb_int8(
+    weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, scheme: str, opts: _Options
+) -> nn.Module:
     import bitsandbytes as bnb
 
     out_features, in_features = weight.shape
@@ -239,7 +227,7 @@ def _build_bnb_int8(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torc
 
 
 def _build_torchao(
-    weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, scheme: str
+    weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, scheme: str, opts: _Options
 ) -> nn.Module:
     from torchao.quantization import (
         Float8DynamicActivationFloat8WeightConfig,
@@ -264,17 +252,101 @@ def _build_torchao(
     return layer
 
 
+def _build_unquantized(
+    weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, scheme: str, opts: _Options
+) -> nn.Module:
+    return _build_plain(weight, bias, dtype)
+
+
+def _row_scaled_bytes(out_features: int, in_features: int, opts: _Options) -> int:
+    """One byte per value (int8 or float8) and an fp32 scale per output row."""
+    return out_features * in_features + 4 * out_features
+
+
+def _bnb_4bit_bytes(out_features: int, in_features: int, opts: _Options) -> int:
+    """Packed 4-bit codes, a 16-entry fp32 code table, and per block an fp32 absmax, or with double quantization
+    a uint8 absmax plus an fp32 per 256 blocks and a 256-entry fp32 code table."""
+    n = out_features * in_features
+    blocks = -(-n // opts.blocksize)
+    absmax = blocks + 4 * -(-blocks // 256) + 4 * 256 if opts.double_quant else 4 * blocks
+    return -(-n // 2) + 4 * 16 + absmax
+
+
+def _nvfp4_bytes(out_features: int, in_features: int, opts: _Options) -> int:
+    """Packed e2m1 codes, an e4m3 scale per 16 values and one fp32 scale per tensor."""
+    n = out_features * in_features
+    return -(-n // 2) + n // 16 + 4
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """What mmrl knows of one quantization scheme: one entry of :data:`SCHEME_SPECS` per scheme.
+
+    Attributes:
+        library: where its kernels come from (``torchao`` is an optional dependency; bitsandbytes is required).
+        build: ``(weight, bias, compute_dtype, scheme, options) -> layer`` computing ``x @ Q(W).T + b``.
+        stored_bytes: ``(out_features, in_features, options) -> bytes`` of one stored weight (None: the
+            weight stays in ``compute_dtype``).
+        dims_multiple_of: a Linear layer is quantized only if both its dimensions are multiples of this
+            (fp8 GEMMs need 16-aligned dimensions; NVFP4 scales blocks of 16 along both).
+        min_capability: the CUDA compute capability its kernels need (None: any device).
+        hardware: that requirement in words, for the error that names it.
+    """
+
+    library: Literal["torch", "bitsandbytes", "torchao"]
+    build: Callable[[torch.Tensor, torch.Tensor | None, torch.dtype, str, _Options], nn.Module]
+    stored_bytes: Callable[[int, int, _Options], int] | None
+    dims_multiple_of: int = 1
+    min_capability: tuple[int, int] | None = None
+    hardware: str = "any device"
+
+
+#: every scheme by name; a new scheme is a builder, a byte count and an entry here (and a name in ``Scheme``)
+SCHEME_SPECS: dict[str, QuantScheme] = {
+    "none": QuantScheme("torch", _build_unquantized, None),
+    "int8": QuantScheme("bitsandbytes", _build_bnb_int8, _row_scaled_bytes),
+    "nf4": QuantScheme("bitsandbytes", _build_bnb_4bit, _bnb_4bit_bytes),
+    "fp4": QuantScheme("bitsandbytes", _build_bnb_4bit, _bnb_4bit_bytes),
+    "fp8_weight_only": QuantScheme("torchao", _build_torchao, _row_scaled_bytes),
+    # fp8 tensor cores start at sm89 (Ada) and torchao accepts it; mmrl asks for Hopper, the generation the
+    # row-wise fp8 recipe is meant and checked for (DESIGN.md: "FP8 Hopper and newer").
+    "fp8": QuantScheme(
+        "torchao",
+        _build_torchao,
+        _row_scaled_bytes,
+        dims_multiple_of=16,
+        min_capability=(9, 0),
+        hardware="an NVIDIA GPU with compute capability >= 9.0 (Hopper: H100/H200, or newer)",
+    ),
+    # FP4 tensor-core GEMMs exist only from Blackwell on.
+    "nvfp4": QuantScheme(
+        "torchao",
+        _build_torchao,
+        _nvfp4_bytes,
+        dims_multiple_of=16,
+        min_capability=(10, 0),
+        hardware="an NVIDIA GPU with compute capability >= 10.0 (Blackwell: B200/GB200, or newer)",
+    ),
+}
+assert set(SCHEME_SPECS) == set(SCHEMES), "every name of Scheme has an entry in SCHEME_SPECS"
+
+
+def scheme_spec(scheme: str) -> QuantScheme:
+    """The :class:`QuantScheme` of ``scheme``.
+
+    Raises:
+        ValueError: an unknown scheme, listing the known ones.
+    """
+    if scheme not in SCHEME_SPECS:
+        raise ValueError(f"unknown quantization scheme {scheme!r}. Available: {list(SCHEMES)}")
+    return SCHEME_SPECS[scheme]
+
+
 def _build_layer(
     scheme: str, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, opts: _Options
 ) -> nn.Module:
     """A fresh quantized linear layer computing ``x @ Q(W).T + b`` in ``dtype``."""
-    if scheme == "none":
-        return _build_plain(weight, bias, dtype)
-    if scheme in ("nf4", "fp4"):
-        return _build_bnb_4bit(weight, bias, dtype, scheme, opts)
-    if scheme == "int8":
-        return _build_bnb_int8(weight, bias, dtype)
-    return _build_torchao(weight, bias, dtype, scheme)
+    return scheme_spec(scheme).build(weight, bias, dtype, scheme, opts)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -673,8 +745,8 @@ def quantized_bytes(
     factors not at all (they are folded into the copy's weights). The bitsandbytes counts equal
     :func:`weight_bytes` of a real copy exactly (tests/quant); the torchao ones follow its tensor layouts.
     """
-    if scheme not in SCHEMES:
-        raise ValueError(f"unknown quantization scheme {scheme!r}. Available: {list(SCHEMES)}")
+    stored_bytes = scheme_spec(scheme).stored_bytes
+    options = _Options(blocksize, double_quant)
     base, skip = _base_and_patterns(module, skip)
     dtype = compute_dtype or _first_float_param(base).dtype
     copied = _skeleton(base, dtype)
@@ -686,22 +758,8 @@ def quantized_bytes(
             if param is None or id(param) in seen:
                 continue
             seen.add(id(param))
-            if name in quantized and param_name == "weight" and scheme != "none":
-                total += _quantized_weight_bytes(scheme, *param.shape, blocksize, double_quant)
+            if name in quantized and param_name == "weight" and stored_bytes is not None:
+                total += stored_bytes(*param.shape, options)
             else:
                 total += param.numel() * param.element_size()
     return total
-
-
-def _quantized_weight_bytes(
-    scheme: str, out_features: int, in_features: int, blocksize: int, nested: bool
-) -> int:
-    """Bytes of one ``[out_features, in_features]`` weight stored as ``scheme`` (see :func:`quantized_bytes`)."""
-    n = out_features * in_features
-    if scheme in ("int8", "fp8_weight_only", "fp8"):
-        return n + 4 * out_features
-    if scheme == "nvfp4":
-        return -(-n // 2) + n // 16 + 4
-    blocks = -(-n // blocksize)
-    absmax = blocks + 4 * -(-blocks // 256) + 4 * 256 if nested else 4 * blocks
-    return -(-n // 2) + 4 * 16 + absmax

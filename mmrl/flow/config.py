@@ -24,6 +24,7 @@ from mmrl.sections import (
 )
 from pipelines.flow.branch import TreeConfig
 from pipelines.flow.rollout import SamplingConfig
+from pipelines.quant import Scheme
 
 __all__ = [
     "AWMSettings",
@@ -185,7 +186,7 @@ class ExploreSettings(Config):
     enabled: bool = Field(
         False, description="Two-stage explore/train (Sol-RL): preview seeds with a quantized copy."
     )
-    scheme: Literal["nf4", "fp4", "int8", "fp8_weight_only", "fp8", "nvfp4", "none"] = Field(
+    scheme: Scheme = Field(
         "nf4",
         description="Explorer quantization: nf4/fp4/int8 (bitsandbytes, CPU+GPU), fp8_weight_only (torchao, "
         "CPU+GPU), fp8 (Hopper), nvfp4 (Blackwell); none: a full-precision copy.",
