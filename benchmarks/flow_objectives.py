@@ -42,13 +42,17 @@ from mmrl.config import load_config
 from mmrl.data.shapes import KINDS, prompt_kind
 from mmrl.flow.config import FlowGRPOConfig
 from mmrl.flow.trainer import FlowGRPOTrainer
+from rewards.shapes import DetectedObject, PromptSpec, detect_objects, parse_prompt, score_objects
 
 __all__ = [
     "CRITERIA",
+    "FAILURES",
     "RECIPES",
     "Recipe",
     "by_kind",
     "ceiling",
+    "failure",
+    "failure_table",
     "recipe_config",
     "summarize",
     "to_markdown",
@@ -290,6 +294,34 @@ def _eval_point(step: int, nfe: float, train_s: float, scores: dict[str, float])
     return point
 
 
+#: why a sample's strict score is 0, the first that applies, in this order (``right``: it scores 1)
+FAILURES: tuple[str, ...] = ("right", "unread", "extra", "missing", "shape", "colour", "place")
+
+
+def failure(spec: PromptSpec, objects: list[DetectedObject]) -> str:
+    """Which of :data:`FAILURES` a sample of ``spec`` with the verifier's ``objects`` is:
+
+    * ``unread``: a blob the verifier cannot read as a circle, square or triangle (two shapes merged, or ragged);
+    * ``extra`` / ``missing``: more / fewer objects than the prompt names;
+    * ``shape``: as many objects as named, with the named colours, but a shape wrong (a square drawn for a
+      circle, or the two objects' shapes swapped between their colours);
+    * ``colour``: as many objects as named, a colour wrong;
+    * ``place``: the objects right, the relation not.
+    """
+    scores = score_objects(spec, objects)
+    if all(value == 1.0 for value in scores.values()):
+        return "right"
+    if any(obj.shape == "unknown" for obj in objects):
+        return "unread"
+    if len(objects) != len(spec.objects):
+        return "extra" if len(objects) > len(spec.objects) else "missing"
+    if scores["object"] == scores["count"] == scores["colour"] == 1.0:
+        return "place"
+    named_colours = sorted(str(obj.colour) for obj in spec.objects)
+    drawn_colours = sorted(str(obj.colour) if spec.objects[0].colour else "None" for obj in objects)
+    return "shape" if named_colours == drawn_colours else "colour"
+
+
 @torch.no_grad()
 def by_kind(trainer: FlowGRPOTrainer, images_per_prompt: int = 1) -> dict[str, dict[str, float]]:
     """Held-out strict score of ``trainer``'s current weights per prompt kind (single, count, pair, relation) and
@@ -300,7 +332,8 @@ def by_kind(trainer: FlowGRPOTrainer, images_per_prompt: int = 1) -> dict[str, d
         pass@K   = mean_p max_k strict(p, k)      prompts with at least one strictly right sample among K
 
     pass@K bounds what group-relative RL can reinforce from K samples per prompt without finding new images.
-    The weights are the evaluation's (the EMA under ``trainer.ema_decay``).
+    ``failures``: the share of the samples in each class of :func:`failure`. The weights are the evaluation's
+    (the EMA under ``trainer.ema_decay``).
     """
     prompts = trainer.eval_pool[: trainer.cfg.trainer.eval_prompts]
     with trainer.evaluation_weights():
@@ -311,14 +344,21 @@ def by_kind(trainer: FlowGRPOTrainer, images_per_prompt: int = 1) -> dict[str, d
     best = torch.zeros(num_prompts).scatter_reduce(0, ro.group_index, strict, "amax", include_self=False)
     mean = torch.zeros(num_prompts).index_add(0, ro.group_index, strict) / images_per_prompt
     kinds = [prompt_kind(prompt) for prompt in prompts]
+    failures = [
+        failure(parse_prompt(prompt), objects)
+        for prompt, objects in zip(ro.prompts, detect_objects(ro.images), strict=True)
+    ]
+    sample_kinds = [kinds[int(group)] for group in ro.group_index]
     out = {}
     for kind in ("all", *KINDS):
         mask = torch.tensor([kind in ("all", k) for k in kinds])
         if mask.any():
+            found = [f for f, k in zip(failures, sample_kinds, strict=True) if kind in ("all", k)]
             out[kind] = {
                 "prompts": int(mask.sum()),
                 "mean": float(mean[mask].mean()),
                 f"pass@{images_per_prompt}": float(best[mask].mean()),
+                "failures": {name: found.count(name) / len(found) for name in FAILURES},
             }
     return out
 
@@ -348,11 +388,26 @@ def kind_table(rows: dict[str, dict[str, dict[str, float]]]) -> str:
     """Markdown: one row per entry of ``rows`` (``{label: by_kind(...)}``), one column per statistic and kind."""
     first = next(iter(rows.values()))
     kinds = list(first)
-    stats = [k for k in first["all"] if k != "prompts"]
+    stats = [k for k in first["all"] if k not in ("prompts", "failures")]
     columns = [f"{stat} {kind} ({first[kind]['prompts']})" for stat in stats for kind in kinds]
     lines = [f"| | {' | '.join(columns)} |", "| --- |" + " --- |" * len(columns)]
     for label, table in rows.items():
         lines.append(f"| {label} | " + " | ".join(f"{table[k][s]:.3f}" for s in stats for k in kinds) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def failure_table(rows: dict[str, dict[str, dict[str, object]]]) -> str:
+    """Markdown: for each entry of ``rows`` (``{label: by_kind(...)}``) and prompt kind, the share of samples in
+    each class of :data:`FAILURES`."""
+    lines = [f"| | kind | {' | '.join(FAILURES)} |", "| --- | --- |" + " --- |" * len(FAILURES)]
+    for label, table in rows.items():
+        for kind, stats in table.items():
+            shares = stats["failures"]
+            lines.append(
+                f"| {label} | {kind} ({stats['prompts']}) | "
+                + " | ".join(f"{shares[name]:.3f}" for name in FAILURES)
+                + " |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -458,6 +513,10 @@ def summarize(runs: dict[int, dict[str, object]], target: float) -> dict[str, ob
         kind: {
             "prompts": kinds[kind]["prompts"],
             "mean": statistics.fmean(r["by_kind"][kind]["mean"] for r in runs.values()),
+            "failures": {
+                name: statistics.fmean(r["by_kind"][kind]["failures"][name] for r in runs.values())
+                for name in FAILURES
+            },
         }
         for kind in kinds
     }
@@ -492,9 +551,13 @@ def to_markdown(results: dict[str, object]) -> str:
             + f" | {at} |"
         )
     lines += ["", "Final strict score per prompt kind (mean of seeds):", ""]
-    lines.append(
-        kind_table({name: summary["final_by_kind"] for name, summary in results["summaries"].items()})
-    )
+    final_by_kind = {name: summary["final_by_kind"] for name, summary in results["summaries"].items()}
+    lines.append(kind_table(final_by_kind))
+    lines += [
+        "Why the final samples fail (share of samples, mean of seeds; FAILURES):",
+        "",
+        failure_table(final_by_kind),
+    ]
     for name, summary in results["summaries"].items():
         lines += [
             "",
@@ -582,6 +645,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "ceiling.json").write_text(json.dumps(rows, indent=1))
         print(kind_table(rows))
+        print(failure_table(rows))
         return rows
     overrides = [*args.overrides, *([f"trainer.steps={args.steps}"] if args.steps else [])]
     # validate every config before the first run spends minutes

@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks import flow_objectives
 from mmrl.flow.trainer import FlowGRPOTrainer
+from rewards.shapes import DetectedObject, parse_prompt
 
 ROOT = Path(__file__).resolve().parents[2]
 # 4 prompts x 4 images per step, 8 held-out prompts per evaluation
@@ -33,6 +34,10 @@ def test_every_recipe_loads_and_unknown_names_are_refused(monkeypatch):
         flow_objectives.recipe_config("ppo", 0, 1, 8, [])
 
 
+def _failures(right: float) -> dict[str, float]:
+    return {name: {"right": right, "shape": 1.0 - right}.get(name, 0.0) for name in flow_objectives.FAILURES}
+
+
 def test_summary_means_over_seeds_and_first_crossing():
     runs = {
         0: {"curve": [_point(0, 0.35, 0.0), _point(10, 0.50, 10.0), _point(20, 0.60, 20.0)]},
@@ -47,8 +52,8 @@ def test_summary_means_over_seeds_and_first_crossing():
     }
     for seed, count_score in ((0, 0.2), (1, 0.4)):
         runs[seed]["by_kind"] = {
-            "all": {"prompts": 8, "mean": 0.5},
-            "count": {"prompts": 2, "mean": count_score},
+            "all": {"prompts": 8, "mean": 0.5, "failures": _failures(0.5)},
+            "count": {"prompts": 2, "mean": count_score, "failures": _failures(count_score)},
         }
     summary = flow_objectives.summarize(runs, target=0.515)
     assert [p["step"] for p in summary["mean_curve"]] == [0, 10, 20]  # steps every seed evaluated
@@ -58,7 +63,11 @@ def test_summary_means_over_seeds_and_first_crossing():
     assert summary["reaches_target"]["step"] == 10
     final = summary["final"]["strict"]  # each seed's last evaluation: 0.60 (step 20) and 0.70 (step 25)
     assert (final["mean"], final["min"], final["max"]) == pytest.approx((0.65, 0.60, 0.70))
-    assert summary["final_by_kind"]["count"] == {"prompts": 2, "mean": pytest.approx(0.3)}
+    count = summary["final_by_kind"]["count"]
+    assert (count["prompts"], count["mean"]) == (2, pytest.approx(0.3))
+    assert count["failures"]["right"] == pytest.approx(0.3) and count["failures"]["shape"] == pytest.approx(
+        0.7
+    )
     assert flow_objectives.summarize(runs, target=0.9)["reaches_target"] is None
 
 
@@ -152,6 +161,34 @@ def test_ceiling_pass_at_k_bounds_the_mean_and_k1_is_the_evaluation(monkeypatch)
             assert row["mean"] * 3 * row["prompts"] == pytest.approx(round(row["mean"] * 3 * row["prompts"]))
     # K = 1 is the trainer's evaluation itself, and pass@1 equals the mean
     assert base["mean"] == base["pass@1"]
+    for table in rows.values():
+        for kind, row in table.items():
+            # every sample falls in one failure class, and "right" is exactly the strict score's share
+            assert sum(row["failures"].values()) == pytest.approx(1.0), kind
+            assert row["failures"]["right"] == pytest.approx(row["mean"]), kind
+
+
+def test_failure_names_why_a_sample_scores_zero():
+    def obj(shape, colour, x):  # a 6-px object at column x, row 10
+        return DetectedObject(shape, colour, (x, 10.0, x + 6.0, 16.0), 30.0)
+
+    pair = parse_prompt("a photo of a red circle and a blue square")
+    assert flow_objectives.failure(pair, [obj("circle", "red", 2), obj("square", "blue", 20)]) == "right"
+    # the shapes swapped between the two colours: as many objects, the named colours, a shape wrong
+    assert flow_objectives.failure(pair, [obj("square", "red", 2), obj("circle", "blue", 20)]) == "shape"
+    assert flow_objectives.failure(pair, [obj("circle", "red", 2), obj("square", "green", 20)]) == "colour"
+    assert flow_objectives.failure(pair, [obj("circle", "red", 2)]) == "missing"
+    extra = [obj("circle", "red", 2), obj("square", "blue", 12), obj("square", "blue", 22)]
+    assert flow_objectives.failure(pair, extra) == "extra"
+    # an unread blob is named first, whatever else is wrong
+    assert flow_objectives.failure(pair, [obj("unknown", "red", 2), obj("square", "blue", 20)]) == "unread"
+    relation = parse_prompt("a photo of a red circle left of a blue square")
+    assert flow_objectives.failure(relation, [obj("circle", "red", 2), obj("square", "blue", 20)]) == "right"
+    assert flow_objectives.failure(relation, [obj("circle", "red", 20), obj("square", "blue", 2)]) == "place"
+    count = parse_prompt("a photo of three triangles")
+    triangles = [obj("triangle", colour, x) for colour, x in (("red", 2), ("blue", 12), ("green", 22))]
+    assert flow_objectives.failure(count, triangles) == "right"
+    assert flow_objectives.failure(count, [*triangles[:2], obj("circle", "green", 22)]) == "shape"
 
 
 def test_ema_recipe_scores_the_ema_and_records_the_live_weights_beside_it(monkeypatch):
