@@ -5,7 +5,7 @@
         [--variants single group] [--set KEY=VALUE ...]
 
 From a demo config (default: shapes-math reasoning, ``configs/demo/vlm_shapes_reason.yaml``; the convention demo
-``configs/demo/vlm_shapes_single.yaml`` with ``--metric eval/accuracy``) trains three variants with the same
+``configs/demo/vlm_shapes_single.yaml`` with ``--metric eval/exact_match``) trains three variants with the same
 rollouts per step (``8 x group-prompts``) and the same total:
 
 * ``single``: one rollout per prompt, store baseline, entropy shaping (the default recipe);

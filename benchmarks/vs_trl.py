@@ -9,7 +9,7 @@ Two tasks, each from its committed SFT checkpoint and its demo recipe, read at r
 carries over to all three variants):
 
 * ``vqa`` (default): ``configs/demo/vlm_shapes_single.yaml``, shapes VQA, LoRA r16/a32 on the language model,
-  lr 1e-3, temperature 1, 8 new tokens, ``exact_match``; held-out ``eval/accuracy``.
+  lr 1e-3, temperature 1, 8 new tokens, ``exact_match``; held-out ``eval/exact_match``.
 * ``reason``: ``configs/demo/vlm_shapes_reason.yaml``, shapes-math with a ``<think>`` trace, full fine-tuning with
   the vision tower frozen, 48 new tokens, reward 0.6 x ``numeric`` on the answer span + 0.3 x ``reasoning_steps``
   + 0.1 x ``format``;
@@ -83,7 +83,7 @@ class Task:
 
 TASKS = {
     "vqa": Task(
-        "configs/demo/vlm_shapes_single.yaml", (1024, 2048, 3072, 6144), {"accuracy": "eval/accuracy"}
+        "configs/demo/vlm_shapes_single.yaml", (1024, 2048, 3072, 6144), {"accuracy": "eval/exact_match"}
     ),
     "reason": Task(
         "configs/demo/vlm_shapes_reason.yaml",

@@ -62,12 +62,12 @@ class Panel:
 
 
 def _is_main_eval(key: str) -> bool:
-    """Held-out scores proper (``eval/reward_mean``, ``eval/{reward}/mean``, ``eval/accuracy``, ``eval/{verifier}``)
-    rather than their components or per-kind breakdowns."""
+    """Held-out scores proper (``eval/reward_mean``, ``eval/{reward}/mean``, ``eval/accuracy`` of the supervised
+    recipes, ``eval/{verifier}``) rather than their components or per-kind breakdowns."""
     rest = key.removeprefix("eval/")
     if rest.endswith("/mean"):
         return True
-    return "/" not in rest and not rest.startswith("accuracy_")
+    return "/" not in rest and not rest.startswith(("accuracy_", "reward_mean_"))
 
 
 def metric_panels(keys: Iterable[str]) -> list[Panel]:

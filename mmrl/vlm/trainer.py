@@ -85,7 +85,7 @@ logger = logging.getLogger(__name__)
 class VLMRLVRTrainer(TrainerBase):
     """Single-rollout or group RLVR for a transformers VLM, with the core's baseline, selection and losses."""
 
-    show = ("reward/mean", "eval/accuracy")
+    show = ("reward/mean", "eval/reward_mean")
 
     @functools.cached_property
     def family(self) -> VLMFamily:
@@ -831,10 +831,11 @@ class VLMRLVRTrainer(TrainerBase):
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self, examples: list[VQAExample] | None = None) -> dict[str, float]:
-        """One answer per held-out question (greedy, or sampled at ``generation.eval_temperature``): accuracy per
-        verifier and per question kind, each
-        ``eval_rewards`` verifier beside them, then the same for every ``data.extra_eval`` set
-        (``eval/NAME/...``) when ``examples`` is not given. A vLLM engine sleeps after the last set."""
+        """One answer per held-out question (greedy, or sampled at ``generation.eval_temperature``), scored by the
+        training rewards (``eval/reward_mean``: their weighted sum, also per question kind; ``eval/KEY``: each
+        reward alone, e.g. ``eval/exact_match``, the accuracy) and by each ``eval_rewards`` verifier (overall and
+        per kind), then the same for every ``data.extra_eval`` set (``eval/NAME/...``) when ``examples`` is not
+        given. A vLLM engine sleeps after the last set."""
         out = self._evaluate_set(self.eval_set if examples is None else examples, "eval")
         if examples is None:
             for name, extra in self.extra_eval_sets.items():
@@ -853,7 +854,7 @@ class VLMRLVRTrainer(TrainerBase):
             for key, out in self._score_with(self.cfg.eval_rewards, self.eval_rewards, pairs).items()
         }
         out = {
-            f"{prefix}/accuracy": float(total.mean()),
+            f"{prefix}/reward_mean": float(total.mean()),
             f"{prefix}/skipped": float(len(examples) - len(pairs)),
         }
         for k, spec in enumerate(self.cfg.rewards):
@@ -862,7 +863,7 @@ class VLMRLVRTrainer(TrainerBase):
         kinds = sorted({ex.kind for ex, _ in pairs if ex.kind})
         for kind in kinds:
             sel = torch.tensor([ex.kind == kind for ex, _ in pairs])
-            out[f"{prefix}/accuracy_{kind}"] = float(total[sel].mean())
+            out[f"{prefix}/reward_mean_{kind}"] = float(total[sel].mean())
             out.update({f"{prefix}/{key}_{kind}": float(scores[sel].mean()) for key, scores in extra.items()})
         if prefix == "eval":
             self._last_eval = pairs, total

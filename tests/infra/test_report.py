@@ -51,6 +51,7 @@ def test_metric_panels_draw_every_key_once_in_named_groups():
         "eval/shapes/count",
         "eval/accuracy",
         "eval/accuracy_count",
+        "eval/reward_mean_count",
         "loss",
         "policy/kl",
         "policy/ratio_mean",
@@ -68,7 +69,11 @@ def test_metric_panels_draw_every_key_once_in_named_groups():
     assert panels["Reward"].keys == ("reward/mean", "reward/clip/mean", "reward/shapes/mean")
     assert panels["Reward components: shapes"].keys == ("reward/shapes/count",)
     assert set(panels["Held-out scores"].keys) == {"eval/reward_mean", "eval/shapes/mean", "eval/accuracy"}
-    assert set(panels["Held-out breakdown"].keys) == {"eval/shapes/count", "eval/accuracy_count"}
+    assert set(panels["Held-out breakdown"].keys) == {
+        "eval/shapes/count",
+        "eval/accuracy_count",
+        "eval/reward_mean_count",
+    }
     assert panels["KL to the reference"].keys == ("policy/kl",)
     assert panels["Step time split (s)"].stacked
     assert panels["NFE total"].keys == ("nfe/total",) and panels["NFE per step"].keys == ("nfe/rollout",)

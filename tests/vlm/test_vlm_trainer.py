@@ -351,7 +351,7 @@ def test_main_writes_peft_adapter_and_eval(model_dir, tmp_path, monkeypatch):
     from pipelines.vlm.hf_backend import HFBackend
 
     final = main(make_cfg(model_dir, tmp_path, "run", "trainer.steps=1", "trainer.eval_every=1"))
-    assert 0.0 <= final["eval/accuracy"] <= 1.0
+    assert 0.0 <= final["eval/reward_mean"] <= 1.0
     adapter = tmp_path / "run/checkpoints/step_00000001/adapter"
     base = AutoModelForImageTextToText.from_pretrained(model_dir)
     PeftModel.from_pretrained(base, adapter)
