@@ -20,6 +20,7 @@ from mmrl.sections import (
     RewardSpec,
     check_gdpo_estimator,
     check_group_sizes,
+    check_reward_inputs,
     check_reward_keys,
 )
 from pipelines.flow.branch import TreeConfig
@@ -542,6 +543,7 @@ class FlowGRPOConfig(Config):
             )
         check_reward_keys(self.rewards, "rewards")
         check_reward_keys(self.eval_rewards or [], "eval_rewards")
+        self._check_family_and_reward_inputs()
         t = self.trainer
         check_optimizer_dtype(t.optimizer, self.model.master_weight_dtype)
         if t.gradient_accumulation and t.updates_per_step > 1:
@@ -632,6 +634,22 @@ class FlowGRPOConfig(Config):
                 f"{distill.weight}, model.lora {'set' if self.model.lora is not None else 'null'})"
             )
         return self
+
+    def _check_family_and_reward_inputs(self) -> None:
+        """``model.family`` is registered, and each reward scores what the family decodes (images, or videos for
+        a video family), so a video reward on an image model is refused here, not at the first step."""
+        from pipelines.flow.adapters import get_adapter
+
+        try:
+            adapter = get_adapter(self.model.family)
+        except KeyError as err:
+            raise ValueError(f"model.family: {err.args[0]}") from None
+        given = ("videos", "prompts") if adapter.is_video else ("images", "prompts")
+        recipe = f"flow_grpo (model.family {self.model.family!r}: {given[0]})"
+        check_reward_inputs(self.rewards, given, recipe, "rewards")
+        check_reward_inputs(self.eval_rewards or [], given, recipe, "eval_rewards")
+        for name, extra in self.extra_eval.items():
+            check_reward_inputs(extra.rewards, given, recipe, f"extra_eval.{name}.rewards")
 
     def _check_window(self) -> None:
         """The SDE window fits the steps it may cover (:meth:`FlowSamplingConfig.window_bounds`), whatever the

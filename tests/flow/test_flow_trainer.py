@@ -477,6 +477,37 @@ def test_eval_rewards_replace_the_training_rewards_in_evaluation(model_dir, tmp_
         make_cfg(model_dir, tmp_path, "ev2", "eval_rewards=[]")
 
 
+def test_a_reward_for_what_the_family_does_not_decode_or_an_unknown_family_is_refused_at_load(
+    model_dir, tmp_path
+):
+    video_reward = "[{name: temporal_consistency}]"
+    for key in ("rewards", "eval_rewards"):
+        with pytest.raises(
+            ValueError,
+            match=rf"{key}\.0: the 'temporal_consistency' reward scores \['videos'\], and a flow_grpo "
+            r"\(model.family 'shapes': images\) run gives each reward \['images', 'prompts'\]",
+        ):
+            make_cfg(model_dir, tmp_path, "vid", f"{key}={video_reward}")
+    with pytest.raises(
+        ValueError, match=r"extra_eval\.motion\.rewards\.0: the 'temporal_consistency' reward"
+    ):
+        make_cfg(
+            model_dir,
+            tmp_path,
+            "vid",
+            f"extra_eval={{motion: {{prompts: shapes:heldout, rewards: {video_reward}}}}}",
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"rewards\.0: the 'jpeg_incompressibility' reward scores \['images'\], and a flow_grpo "
+        r"\(model.family 'wan': videos\) run gives each reward \['videos', 'prompts'\]",
+    ):
+        make_cfg(model_dir, tmp_path, "img", "model.family=wan")
+    make_cfg(model_dir, tmp_path, "ok", "model.family=wan", f"rewards={video_reward}")
+    with pytest.raises(ValueError, match=r"model.family: unknown flow adapter 'sd4'. Available: \['flux'"):
+        make_cfg(model_dir, tmp_path, "fam", "model.family=sd4")
+
+
 @pytest.mark.parametrize("rollout_mode", ["flat", "branch"])
 def test_saved_training_samples_hold_the_rewards_trained_on_scored_once(model_dir, tmp_path, rollout_mode):
     mode = ("sampling.rollout=branch", "tree.split_steps=[0, 1]") if rollout_mode == "branch" else ()
