@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["lora_delta_adapters", "merged_lora_params", "unwrap_peft"]
+__all__ = ["float32_params", "lora_delta_adapters", "merged_lora_params", "unwrap_peft"]
 
 
 def unwrap_peft(module: nn.Module) -> tuple[nn.Module, bool]:
@@ -41,17 +41,22 @@ def lora_delta_adapters(layer: nn.Module, name: str = "") -> list[str]:
     return adapters
 
 
+def float32_params(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s own parameters (not its children's) as fresh fp32 tensors that never alias its storage;
+    non-float parameters keep their dtype."""
+    return {
+        n: p.detach().to(dtype=torch.float32 if p.is_floating_point() else p.dtype, copy=True)
+        for n, p in module.named_parameters(recurse=False)
+    }
+
+
 def merged_lora_params(layer: nn.Module, name: str = "") -> dict[str, torch.Tensor]:
     """``{"weight": W_base + sum_a s_a B_a A_a, "bias": b + sum_a s_a b_B_a, ...}`` of a peft LoRA layer.
 
     Returns fresh fp32 tensors (non-float parameters keep their dtype) that never alias the layer's storage;
     the bias term is added only for adapters trained with ``lora_bias=True``.
     """
-    base = layer.get_base_layer()
-    params = {
-        n: p.detach().to(dtype=torch.float32 if p.is_floating_point() else p.dtype, copy=True)
-        for n, p in base.named_parameters(recurse=False)
-    }
+    params = float32_params(layer.get_base_layer())
     for adapter in lora_delta_adapters(layer, name):
         # peft's delta is scaling * B @ A laid out like the base weight (transposed for fan_in_fan_out)
         params["weight"] += layer.get_delta_weight(adapter).detach().float()

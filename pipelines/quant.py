@@ -42,7 +42,7 @@ from typing import Literal, get_args
 import torch
 from torch import nn
 
-from pipelines.lora import lora_delta_adapters, merged_lora_params, unwrap_peft
+from pipelines.lora import float32_params, lora_delta_adapters, merged_lora_params, unwrap_peft
 
 logger = logging.getLogger(__name__)
 
@@ -398,10 +398,7 @@ def effective_params(layer: nn.Module, name: str = "") -> dict[str, torch.Tensor
         )
 
     if kind is None:
-        return {
-            n: p.detach().to(dtype=torch.float32 if p.is_floating_point() else p.dtype, copy=True)
-            for n, p in layer.named_parameters(recurse=False)
-        }
+        return float32_params(layer)
     return merged_lora_params(layer, name)
 
 

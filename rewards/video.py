@@ -39,6 +39,14 @@ def video_list(videos: VideoBatch, stride: int = 1) -> list[ImageBatch]:
     return out
 
 
+def all_frames(clips: list[ImageBatch]) -> ImageBatch:
+    """Every frame of ``clips`` (from :func:`video_list`) in one image batch, video after video: a
+    ``[sum T, 3, H, W]`` tensor when the clips are tensors of one frame size, else a list of frames."""
+    if all(isinstance(c, torch.Tensor) for c in clips) and len({tuple(c.shape[1:]) for c in clips}) == 1:
+        return torch.cat(list(clips))
+    return [frame for clip in clips for frame in (clip.unbind(0) if isinstance(clip, torch.Tensor) else clip)]
+
+
 @register("video_frames")
 class FrameAggregate(Reward):
     """Any image reward applied to every frame (all frames of the batch in one call), aggregated per video:
@@ -75,12 +83,8 @@ class FrameAggregate(Reward):
     def score(self, *, videos: VideoBatch, prompts: Sequence[str] | None = None, **_: Any) -> RewardOutput:
         clips = video_list(videos, self.frame_stride)
         lengths = [len(c) for c in clips]
-        # 1. flatten all frames into one image batch, each frame with its video's prompt
-        if all(isinstance(c, torch.Tensor) for c in clips) and len({tuple(c.shape[1:]) for c in clips}) == 1:
-            frames: ImageBatch = torch.cat(list(clips))  # [sum T, 3, H, W]
-        else:
-            frames = [f for c in clips for f in (c.unbind(0) if isinstance(c, torch.Tensor) else c)]
-        batch: dict[str, Any] = {"images": frames}
+        # 1. all frames in one image batch, each frame with its video's prompt
+        batch: dict[str, Any] = {"images": all_frames(clips)}
         if prompts is not None:
             prompt_list = check_prompts(prompts, len(clips), self.name)
             batch["prompts"] = [p for p, n in zip(prompt_list, lengths, strict=True) for _ in range(n)]
@@ -145,7 +149,7 @@ class TemporalConsistency(OpenClipReward):
                     f"temporal_consistency needs >= 2 frames per video; videos[{i}] has {len(clip)}"
                 )
         lengths = [len(c) for c in clips]
-        frames: list[Any] = [f for c in clips for f in (c.unbind(0) if isinstance(c, torch.Tensor) else c)]
+        frames = all_frames(clips)
         with self.grad_mode():
             embeds = torch.cat(
                 [
