@@ -535,6 +535,16 @@ class FlowGRPOConfig(Config):
 
     @model_validator(mode="after")
     def _check(self) -> FlowGRPOConfig:
+        self._check_rewards()
+        self._check_updates()
+        self._check_estimator_and_budget()
+        self._check_window()
+        self._check_rollout_modes()
+        self._check_objective()
+        return self
+
+    def _check_rewards(self) -> None:
+        """At least one training reward, distinct keys, and a family that decodes what each reward scores."""
         if not self.rewards:
             raise ValueError("rewards: at least one reward is needed")
         if self.eval_rewards is not None and not self.eval_rewards:
@@ -544,6 +554,10 @@ class FlowGRPOConfig(Config):
         check_reward_keys(self.rewards, "rewards")
         check_reward_keys(self.eval_rewards or [], "eval_rewards")
         self._check_family_and_reward_inputs()
+
+    def _check_updates(self) -> None:
+        """The optimizer suits the master weights; one setting decides the optimizer steps per training step;
+        the old policy's decay ramp has a decay to ramp to."""
         t = self.trainer
         check_optimizer_dtype(t.optimizer, self.model.master_weight_dtype)
         if t.gradient_accumulation and t.updates_per_step > 1:
@@ -556,10 +570,13 @@ class FlowGRPOConfig(Config):
                 "trainer.old_policy_decay_rate ramps the old policy's decay up to trainer.old_policy_decay, which "
                 "is null (no old policy): set trainer.old_policy_decay (DiffusionNFT: 0.5) or drop the rate"
             )
+
+    def _check_estimator_and_budget(self) -> None:
+        """The advantage estimator and its options, and a step's image budget that holds its groups."""
+        t = self.trainer
         if self.gdpo_applies:
             check_gdpo_estimator(t.advantage, len(self.rewards))
         estimator = check_estimator(self.estimator_name, t.advantage_options)
-        objective = check_objective(t.objective)
         flat = self.allocates_groups
         if flat and self.allocation.rollouts_per_step is None:
             raise ValueError(
@@ -567,12 +584,12 @@ class FlowGRPOConfig(Config):
                 "derives one from trainer.num_generations in the VLM recipe only)"
             )
         check_group_sizes(estimator, self.allocation, self.allocation.rollouts_per_step if flat else None)
+
+    def _check_rollout_modes(self) -> None:
+        """Branching trees, the quantized explorer and the rollout pool: their settings, and the ones they
+        exclude."""
+        t = self.trainer
         w = self.sampling.sde_window
-        if w is not None and w > self.sampling.num_steps:
-            raise ValueError(
-                f"sampling.sde_window ({w}) exceeds sampling.num_steps ({self.sampling.num_steps})"
-            )
-        self._check_window()
         if self.sampling.rollout == "branch" and t.timestep_selection == "per_sample":
             raise ValueError(
                 "trainer.timestep_selection=per_sample draws steps per sample; sampling.rollout=branch trains a "
@@ -611,6 +628,10 @@ class FlowGRPOConfig(Config):
                 "pool.enabled takes flat rollouts from the pool: set sampling.rollout=flat and explore.enabled=false "
                 f"(got sampling.rollout={self.sampling.rollout}, explore.enabled={self.explore.enabled})"
             )
+
+    def _check_objective(self) -> None:
+        """The objective's own settings, and guidance distillation where the objective and sampling allow it."""
+        objective = check_objective(self.trainer.objective)
         if objective.check_config is not None:
             objective.check_config(self)
         distill = self.trainer.guidance_distill
@@ -633,7 +654,6 @@ class FlowGRPOConfig(Config):
                 "full fine-tune: it needs trainer.guidance_distill.weight > 0 and model.lora=null (got weight "
                 f"{distill.weight}, model.lora {'set' if self.model.lora is not None else 'null'})"
             )
-        return self
 
     def _check_family_and_reward_inputs(self) -> None:
         """``model.family`` is registered, and each reward scores what the family decodes (images, or videos for
@@ -656,6 +676,8 @@ class FlowGRPOConfig(Config):
         objective: every rollout samples its window, and one that cannot be placed failed at the first step."""
         s = self.sampling
         w = s.sde_window
+        if w is not None and w > s.num_steps:
+            raise ValueError(f"sampling.sde_window ({w}) exceeds sampling.num_steps ({s.num_steps})")
         if s.sde_window_range is not None:
             first, end = s.sde_window_range
             if w is None:

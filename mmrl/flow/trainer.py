@@ -59,7 +59,7 @@ from mmrl.run import Run, write_summary_json
 from mmrl.schedule import learning_rate
 from mmrl.seeding import EVAL_SEED
 from mmrl.trainer_base import TrainerBase
-from pipelines.flow.adapters import Conditioning, FlowAdapter, list_adapters, load_adapter
+from pipelines.flow.adapters import Conditioning, FlowAdapter, load_adapter
 from pipelines.flow.branch import TreeRollout, prune_transitions
 from pipelines.flow.explore import ExploreConfig, spearman
 from pipelines.flow.rollout import Rollout, SamplingConfig, TransitionBatch, rescore, rollout, rollout_sigmas
@@ -104,18 +104,26 @@ class FlowGRPOTrainer(TrainerBase):
 
     # ------------------------------------------------------------------ setup
     def setup(self, for_training: bool = True) -> None:
-        cfg = self.cfg
-        # 1. seeds and device; one process per GPU under `accelerate launch` (mmrl/distributed.py)
-        self.setup_runtime(cfg.model.device)
+        """The lifecycle's setup: seeds and device, the model (trainable part, frozen copies), the rewards and
+        held-out prompts; for training also the training prompts, the optimizer, statistics, EMA and explorer
+        (resumed from the latest checkpoint) and the rollout source."""
+        # one process per GPU under `accelerate launch` (mmrl/distributed.py)
+        self.setup_runtime(self.cfg.model.device)
         if for_training:  # before minutes of loading: do the weights and training state fit at all?
             from mmrl.flow.memory import estimate_memory
 
             self.check_memory(estimate_memory)
-        # 2. model
-        if cfg.model.family not in list_adapters():
-            raise ValueError(
-                f"model.family: unknown flow family {cfg.model.family!r}; registered: {list_adapters()}"
-            )
+        self._setup_model(for_training)
+        self._setup_rewards_and_eval_prompts()
+        if not for_training:
+            return
+        self._setup_train_prompts()
+        self._setup_training_state()
+
+    def _setup_model(self, for_training: bool) -> None:
+        """The family's adapter loaded as users load it, every pipeline module frozen but the transformer's
+        trainable part (LoRA or full), sharded under FSDP; the frozen copies the objective needs."""
+        cfg = self.cfg
         self.adapter: FlowAdapter = self.load_model()
         compute = cfg.model.compute_dtype()
         self.adapter.autocast_dtype = DTYPES[compute] if compute else None
@@ -154,7 +162,11 @@ class FlowGRPOTrainer(TrainerBase):
         self.trainable = [p for p in transformer.parameters() if p.requires_grad]
         if not self.dist.fsdp:  # (sharded weights come from the same checkpoint on every rank)
             broadcast_params(self.trainable, self.world_size)  # a LoRA's random init differs per rank's seed
-        # 3. rewards and prompts
+
+    def _setup_rewards_and_eval_prompts(self) -> None:
+        """Training and evaluation rewards, the held-out prompts and every ``extra_eval`` set, each prompt
+        checked against the rewards that score it before anything is generated."""
+        cfg = self.cfg
         self.rewards, self.reward_weights = _build_rewards(cfg.rewards)
         self.eval_specs = cfg.eval_rewards if cfg.eval_rewards is not None else cfg.rewards
         self.eval_rewards, self.eval_weights = (
@@ -163,7 +175,7 @@ class FlowGRPOTrainer(TrainerBase):
             else (self.rewards, self.reward_weights)
         )
         self.eval_pool = load_prompts(cfg.eval_prompts)
-        check_prompts(cfg.eval_prompts, self.eval_pool, self.eval_rewards)  # before anything is generated
+        check_prompts(cfg.eval_prompts, self.eval_pool, self.eval_rewards)
         # further held-out sets: name -> (prompts, specs, rewards, weights)
         self.extra_eval: dict[str, tuple[list[str], list[Any], list[Any], torch.Tensor]] = {}
         for name, extra in cfg.extra_eval.items():
@@ -171,8 +183,10 @@ class FlowGRPOTrainer(TrainerBase):
             extra_prompts = load_prompts(extra.prompts)[: extra.num_prompts]
             check_prompts(extra.prompts, extra_prompts, extra_rewards)
             self.extra_eval[name] = (extra_prompts, list(extra.rewards), extra_rewards, weights)
-        if not for_training:
-            return
+
+    def _setup_train_prompts(self) -> None:
+        """The training prompts, checked against the rewards, and the distillation teacher's unconditional input."""
+        cfg = self.cfg
         self.train_pool = load_prompts(cfg.train_prompts)
         check_prompts(cfg.train_prompts, self.train_pool, self.rewards)
         overlap = set(self.train_pool) & set(self.eval_pool)
@@ -196,7 +210,12 @@ class FlowGRPOTrainer(TrainerBase):
                     "or a scale of 1)"
                 )
             self.distill_uncond = self.adapter.encode([cfg.sampling.negative_prompt])
-        # 4. optimizer, statistics store, EMA, explorer
+
+    def _setup_training_state(self) -> None:
+        """Optimizer, quantized explorer, per-prompt statistics, EMA and old policy, resumed from the latest
+        checkpoint; then the rollout source (a pool starts from the weights held after the resume)."""
+        cfg = self.cfg
+        transformer = self.adapter.transformer
         self.optimizer = self._make_optimizer()
         self.explorer = None
         if cfg.explore.enabled:
@@ -221,9 +240,7 @@ class FlowGRPOTrainer(TrainerBase):
         self.ema = EMA(transformer, cfg.trainer.ema_decay) if cfg.trainer.ema_decay else None
         decay = cfg.trainer.old_policy_decay
         self.old_policy = EMA(transformer, decay) if decay else None
-        # 5. resume
         self.resume()
-        # 6. the rollout source; a pool starts from the weights held now (so after a resume)
         if cfg.pool.enabled:
             self.rollout_source = self._make_pooled_source()
         else:

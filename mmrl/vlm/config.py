@@ -545,14 +545,43 @@ class VLMRLVRConfig(Config):
 
     @model_validator(mode="after")
     def _check(self) -> VLMRLVRConfig:
+        self._check_rewards()
+        check_optimizer_dtype(self.trainer.optimizer, self.model.master_weight_dtype)
+        self._check_dynamic_sampling()
+        d = self.data
+        if d.min_pixels is not None and d.max_pixels is not None and d.min_pixels > d.max_pixels:
+            raise ValueError(f"data.min_pixels ({d.min_pixels}) exceeds data.max_pixels ({d.max_pixels})")
+        # a template that cannot be filled fails here, not when the data loads (after the model)
+        format_question(self.data.question_template, "question")
+        self._check_estimator_and_budget()
+        self._check_pool()
+        return self
+
+    def _check_rewards(self) -> None:
+        """At least one reward, distinct keys, each scorable on what a VLM run gives, and the keys other
+        settings name among them."""
         if not self.rewards:
             raise ValueError("rewards: at least one verifier is needed")
         check_reward_keys(self.rewards, "rewards")
         check_reward_keys([*self.rewards, *self.eval_rewards], "rewards + eval_rewards")
         for where, specs in (("rewards", self.rewards), ("eval_rewards", self.eval_rewards)):
             check_reward_inputs(specs, REWARD_FIELDS, "vlm_rlvr", where)
-        t, a, d = self.trainer, self.allocation, self.data
-        check_optimizer_dtype(t.optimizer, self.model.master_weight_dtype)
+        t = self.trainer
+        keys = [spec.key for spec in self.rewards]
+        if t.dynamic_sampling_key is not None and t.dynamic_sampling_key not in keys:
+            raise ValueError(
+                f"trainer.dynamic_sampling_key={t.dynamic_sampling_key!r} is not the key of a reward in "
+                f"`rewards` ({keys})"
+            )
+        if t.process_credit.reward is not None and t.process_credit.reward not in keys:
+            raise ValueError(
+                f"trainer.process_credit.reward={t.process_credit.reward!r} is not the key of a reward in "
+                f"`rewards` ({keys})"
+            )
+
+    def _check_dynamic_sampling(self) -> None:
+        """DAPO's dynamic sampling settings apply to group mode with it on, and fit the rollout source."""
+        t = self.trainer
         if t.dynamic_sampling_rounds > 1 and not (t.mode == "group" and t.dynamic_sampling):
             raise ValueError(
                 f"trainer.dynamic_sampling_rounds={t.dynamic_sampling_rounds} refills DAPO's dynamic sampling: set "
@@ -577,19 +606,10 @@ class VLMRLVRConfig(Config):
                 "trainer.dynamic_sampling_rounds > 1 generates more rounds in the training loop; a rollout pool "
                 "(pool.enabled) delivers one batch per step: leave it at 1"
             )
-        if d.min_pixels is not None and d.max_pixels is not None and d.min_pixels > d.max_pixels:
-            raise ValueError(f"data.min_pixels ({d.min_pixels}) exceeds data.max_pixels ({d.max_pixels})")
-        keys = [spec.key for spec in self.rewards]
-        if t.dynamic_sampling_key is not None and t.dynamic_sampling_key not in keys:
-            raise ValueError(
-                f"trainer.dynamic_sampling_key={t.dynamic_sampling_key!r} is not the key of a reward in "
-                f"`rewards` ({keys})"
-            )
-        if t.process_credit.reward is not None and t.process_credit.reward not in keys:
-            raise ValueError(
-                f"trainer.process_credit.reward={t.process_credit.reward!r} is not the key of a reward in "
-                f"`rewards` ({keys})"
-            )
+
+    def _check_estimator_and_budget(self) -> None:
+        """The estimator matches trainer.mode, and the step's rollout budget holds its groups."""
+        t, a = self.trainer, self.allocation
         if self._gdpo_applies:
             check_gdpo_estimator(t.advantage, len(self.rewards))
         if t.importance_sampling_level == "sequence" and t.loss_agg != "seq_mean_token_mean":
@@ -625,8 +645,9 @@ class VLMRLVRConfig(Config):
                 )
                 a.check_budget(self.rollouts_per_step, budget_key)
             check_group_sizes(estimator, a, self.rollouts_per_step, budget_key)
-        # a template that cannot be filled fails here, not when the data loads (after the model)
-        format_question(self.data.question_template, "question")
+
+    def _check_pool(self) -> None:
+        """Rollout-pool settings that cannot work together."""
         p = self.pool
         if p.enabled:
             if self.generation.backend == "vllm" and p.device is not None:
@@ -650,4 +671,3 @@ class VLMRLVRConfig(Config):
                     "pool.overprovision > 0 resumes by request: set pool.prompts_per_request (e.g. 1) "
                     "so that a step has several requests"
                 )
-        return self

@@ -95,8 +95,10 @@ class VLMRLVRTrainer(TrainerBase):
 
     # ------------------------------------------------------------------ setup
     def setup(self, for_training: bool = True) -> None:
-        cfg = self.cfg
-        model_cfg = cfg.model
+        """The lifecycle's setup: the model (and its reference), the rollout engine, the verifiers, the
+        held-out sets; for training also the training set, the optimizer, the per-prompt statistics (resumed
+        from the latest checkpoint) and the rollout source."""
+        model_cfg = self.cfg.model
         # one process per GPU under `accelerate launch` (mmrl/distributed.py): each rank rolls out its own prompts
         self.setup_runtime(model_cfg.device)
         if for_training:  # before minutes of loading: do the weights and training state fit at all?
@@ -105,7 +107,20 @@ class VLMRLVRTrainer(TrainerBase):
             self.check_memory(estimate_memory)
         if self.dist.fsdp:
             self._check_fsdp()
-        # 1. model and processor, loaded as users load Qwen2.5-VL
+        self._setup_model(for_training)
+        self.backend = self._make_backend()
+        verifiers = self._setup_rewards()
+        self._setup_eval_data(verifiers)
+        if not for_training:
+            return
+        self._setup_train_data(verifiers)
+        self._setup_training_state()
+
+    def _setup_model(self, for_training: bool) -> None:
+        """The policy loaded as users load it, made trainable (LoRA or full), sharded under FSDP; the frozen
+        reference of a full fine-tune with a KL term."""
+        cfg = self.cfg
+        model_cfg = cfg.model
         self.processor, model = self.load_model()
         self.reference = None
         if model_cfg.lora is None and cfg.trainer.beta > 0 and for_training:
@@ -138,9 +153,10 @@ class VLMRLVRTrainer(TrainerBase):
             broadcast_params(
                 self.trainable, self.dist.world_size
             )  # a LoRA's random init differs per rank's seed
-        # 2. rollout engine
-        self.backend = self._make_backend()
-        # 3. verifiers and data
+
+    def _setup_rewards(self) -> list[tuple[str, Any]]:
+        """The training and evaluation verifiers; returns ``(key, reward)`` of each, to check the data's answers."""
+        cfg = self.cfg
         self.rewards = [reward_registry.build(spec.name, **spec.options) for spec in cfg.rewards]
         self.reward_weights = torch.tensor([spec.weight for spec in cfg.rewards], dtype=torch.float32)
         self.eval_rewards = [reward_registry.build(spec.name, **spec.options) for spec in cfg.eval_rewards]
@@ -151,12 +167,16 @@ class VLMRLVRTrainer(TrainerBase):
                     f"trainer.process_credit.reward={credited!r}: reward {spec.name!r} scores whole completions, "
                     "not their steps (use a reward with step scores, e.g. reasoning_steps)"
                 )
-        verifiers = [
+        return [
             (spec.key, reward)
             for spec, reward in zip(
                 [*cfg.rewards, *cfg.eval_rewards], [*self.rewards, *self.eval_rewards], strict=True
             )
         ]
+
+    def _setup_eval_data(self, verifiers: list[tuple[str, Any]]) -> None:
+        """The held-out set and every ``data.extra_eval`` set, each answer checked by the verifiers."""
+        cfg = self.cfg
         data = cfg.data
         self.eval_set = load_examples(cfg, "eval")
         check_answers(self.eval_set, verifiers, data.eval)
@@ -165,8 +185,12 @@ class VLMRLVRTrainer(TrainerBase):
         }
         for name, examples in self.extra_eval_sets.items():
             check_answers(examples, verifiers, data.extra_eval[name])
-        if not for_training:
-            return
+
+    def _setup_train_data(self, verifiers: list[tuple[str, Any]]) -> None:
+        """The training set, its answers checked, with unique prompt ids, enough questions per step, and the
+        question kinds that grouping by kind needs."""
+        cfg = self.cfg
+        data = cfg.data
         self.train_set = load_examples(cfg, "train")
         check_answers(self.train_set, verifiers, data.train)
         self.by_id = {ex.prompt_id: ex for ex in self.train_set}
@@ -186,12 +210,6 @@ class VLMRLVRTrainer(TrainerBase):
                 f"allocation.prompts_per_step ({cfg.allocation.prompts_per_step}) exceeds the {len(self.train_set)} "
                 "train examples"
             )
-        # 4. optimizer and the persistent per-prompt baseline
-        if not self.trainable:
-            raise ValueError("no trainable parameters: check model.lora.target_modules")
-        self.optimizer = make_optimizer(
-            self.trainable, cfg.trainer.optimizer, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay
-        )
         by_kind = [
             key
             for key, value in (
@@ -205,6 +223,16 @@ class VLMRLVRTrainer(TrainerBase):
                 f"{', '.join(by_kind)}: kind groups questions by their kind, and the questions of {data.train} "
                 "have none (the generated shapes worlds give each its template); set it back to its default"
             )
+
+    def _setup_training_state(self) -> None:
+        """Optimizer, per-prompt statistics (resumed from the latest checkpoint) and the rollout source; a pool
+        starts from the weights held after the resume."""
+        cfg = self.cfg
+        if not self.trainable:
+            raise ValueError("no trainable parameters: check model.lora.target_modules")
+        self.optimizer = make_optimizer(
+            self.trainable, cfg.trainer.optimizer, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay
+        )
         kinds = (
             {ex.prompt_id: ex.kind for ex in self.train_set}
             if cfg.allocation.prior_groups == "kind"
@@ -214,7 +242,6 @@ class VLMRLVRTrainer(TrainerBase):
             rho=cfg.allocation.rho, prior_strength=cfg.allocation.prior_strength, prior_groups=kinds
         )
         self.resume()
-        # 5. the rollout source; a pool starts from the weights held now (so after a resume)
         if cfg.pool.enabled:
             self.rollout_source = self._make_pooled_source()
         else:
