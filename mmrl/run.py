@@ -364,13 +364,19 @@ _SETUP_FILES = ("config.yaml", "command.txt", "log.txt", "tb", "samples")
 
 
 def _setup_leftovers(run_dir: Path) -> bool:
-    """Whether ``run_dir`` holds only what :class:`Run` writes before the first step (no metrics, no
-    checkpoints, nothing else), so that replacing it loses nothing."""
+    """Whether ``run_dir`` is a run that stopped before its first step: its ``config.yaml`` (every run writes
+    it first) and only what :class:`Run` writes beside it before the first step (no metrics, no checkpoints,
+    no samples, TensorBoard's own event files only), so that replacing it loses nothing. A folder without
+    ``config.yaml`` is never one, whatever else it holds (someone's ``log.txt`` or ``tb/`` notes)."""
+    if not (run_dir / "config.yaml").is_file():
+        return False
     for entry in run_dir.iterdir():
         resumed_config = entry.name.startswith("config.resumed-") and entry.suffix == ".yaml"
         if entry.name not in _SETUP_FILES and not resumed_config:
             return False
         if entry.name == "samples" and any(entry.iterdir()):
+            return False
+        if entry.name == "tb" and any(not f.name.startswith("events.out.tfevents.") for f in entry.iterdir()):
             return False
     return True
 

@@ -129,6 +129,20 @@ def test_a_run_that_failed_in_setup_does_not_block_the_rerun(tmp_path, monkeypat
             main(cfg_for(tmp_path, "mine", "trainer.steps=2", *flags))
     assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
     assert (tmp_path / "mine/notes.txt").read_text() == "keep"
+    # files named like a run's are someone's too without a config.yaml; and a stopped run's tb/ holding more
+    # than TensorBoard's event files is not replaced either
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes/log.txt").write_text("my lab notes")
+    (tmp_path / "notes/tb").mkdir()
+    (tmp_path / "notes/tb/important.csv").write_text("1,2")
+    for flags in ([], ["run.overwrite=true"], ["run.resume=true"]):
+        with pytest.raises(FileExistsError, match=r"notes holds files but no run \(no config.yaml\)"):
+            main(cfg_for(tmp_path, "notes", "trainer.steps=2", *flags))
+    assert (tmp_path / "notes/log.txt").read_text() == "my lab notes"
+    (tmp_path / "notes/config.yaml").write_text("recipe: bandit\n")
+    with pytest.raises(FileExistsError, match=r"notes already holds a run"):
+        main(cfg_for(tmp_path, "notes", "trainer.steps=2"))
+    assert (tmp_path / "notes/tb/important.csv").read_text() == "1,2"
 
 
 @pytest.mark.parametrize("name", [".", "''", "..", "../elsewhere", "a/../../b", "/tmp/abs"])
