@@ -90,7 +90,9 @@ def train_loop(
                 scores = trainer.evaluate()
                 metrics.update(scores)
             latest.update(metrics)
-            if writes and (trainer.step % run_cfg.log_every == 0 or trainer.step == total):
+            # an evaluation's step is always written, whatever log_every: the held-out curve is what runs report
+            logged = trainer.step % run_cfg.log_every == 0 or trainer.step == total or scores is not None
+            if writes and logged:
                 run.log_metrics(trainer.step, metrics)
                 shown = {
                     k: metrics[k] for k in (*show, *KEY_METRICS) if k in metrics and k not in (scores or {})

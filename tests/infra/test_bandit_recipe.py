@@ -37,6 +37,20 @@ def test_heldout_success_goes_up(tmp_path):
     assert final["eval/heldout_success"] > first["eval/heldout_success"] + 0.2
 
 
+def test_every_evaluation_is_written_whatever_log_every(tmp_path):
+    main(cfg_for(tmp_path, "sparse", "trainer.steps=8", "trainer.eval_every=3", "run.log_every=2"))
+    records = read_metrics(tmp_path / "sparse")
+    assert [r["step"] for r in records] == [
+        0,
+        2,
+        3,
+        4,
+        6,
+        8,
+    ]  # log_every's steps, and the evaluations' 3 and 6
+    assert [r["step"] for r in records if "eval/heldout_success" in r] == [0, 3, 6, 8]
+
+
 @pytest.mark.parametrize(
     "selection",
     [
