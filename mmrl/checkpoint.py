@@ -100,7 +100,7 @@ def save_checkpoint(
 def publish_folder(out: str | Path, write: Callable[[Path], None]) -> Path:
     """Replace the folder ``out`` with what ``write(directory)`` writes (a model release: weights, card):
     written into a hidden sibling, then swapped in by renames, so a crash leaves the old or the new folder
-    complete on disk, never a mix."""
+    complete on disk, never a mix; if ``write`` raises, the sibling is removed and ``out`` is untouched."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".tmp-{out.name}")
@@ -108,7 +108,11 @@ def publish_folder(out: str | Path, write: Callable[[Path], None]) -> Path:
     for leftover in (tmp, old):
         shutil.rmtree(leftover, ignore_errors=True)
     tmp.mkdir()
-    write(tmp)
+    try:
+        write(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left, and ``out`` is as it was
+        raise
     if out.exists():
         os.replace(out, old)
     os.replace(tmp, out)

@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from mmrl.checkpoint import latest_checkpoint
+from mmrl.checkpoint import latest_checkpoint, publish_folder
 from mmrl.config import ConfigError, load_yaml, validate
 from mmrl.recipes import get_recipe
 from mmrl.run import read_metrics
@@ -199,10 +199,9 @@ def _check_files(ckpt: Path) -> None:
             ) from err
 
 
-def _empty_target(to: Path) -> None:
+def _check_target(to: Path) -> None:
     if to.exists() and (not to.is_dir() or any(to.iterdir())):
         raise FileExistsError(f"export folder {to} exists and is not empty; choose a new folder")
-    to.mkdir(parents=True, exist_ok=True)
 
 
 def _none_components(pipeline_dir: str | Path) -> str:
@@ -223,8 +222,9 @@ def _none_components(pipeline_dir: str | Path) -> str:
     return "".join(f", {name}=None" for name in names)
 
 
-def _export_flow(cfg: Any, ckpt: Path, to: Path, merge: bool) -> tuple[str, str, str]:
-    """Writes the flow export; returns ``(library, what the weights are, usage snippet)``."""
+def _export_flow(cfg: Any, ckpt: Path, to: Path, merge: bool, name: str) -> tuple[str, str, str]:
+    """Writes the flow export into ``to``; returns ``(library, what the weights are, usage snippet)``, the snippet
+    loading the folder by its final ``name``."""
     import torch
 
     from mmrl.device import DTYPES
@@ -257,7 +257,7 @@ def _export_flow(cfg: Any, ckpt: Path, to: Path, merge: bool) -> tuple[str, str,
 from diffusers import DiffusionPipeline
 
 pipe = DiffusionPipeline.from_pretrained("{cfg.model.path}"{_none_components(cfg.model.path)})
-{load_lora_lines(to.name)}"""
+{load_lora_lines(name)}"""
         return "diffusers", f"LoRA adapter (rank {cfg.model.lora.rank})", usage
     adapter = load_adapter(
         cfg.model.family,
@@ -296,13 +296,14 @@ pipe = DiffusionPipeline.from_pretrained("{cfg.model.path}"{_none_components(cfg
     usage = f"""
 from diffusers import DiffusionPipeline
 
-pipe = DiffusionPipeline.from_pretrained("{to.name}"{_none_components(to)})
+pipe = DiffusionPipeline.from_pretrained("{name}"{_none_components(to)})
 """
     return "diffusers", weights, usage
 
 
-def _export_vlm(cfg: Any, ckpt: Path, to: Path, merge: bool) -> tuple[str, str, str]:
-    """Writes the VLM export; returns ``(library, what the weights are, usage snippet)``."""
+def _export_vlm(cfg: Any, ckpt: Path, to: Path, merge: bool, name: str) -> tuple[str, str, str]:
+    """Writes the VLM export into ``to``; returns ``(library, what the weights are, usage snippet)``, the snippet
+    loading the folder by its final ``name``."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from mmrl.checkpoint import load_checkpoint, load_trainable
@@ -316,8 +317,8 @@ def _export_vlm(cfg: Any, ckpt: Path, to: Path, merge: bool) -> tuple[str, str, 
     merged_usage = f"""
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-model = AutoModelForImageTextToText.from_pretrained("{to.name}")
-processor = AutoProcessor.from_pretrained("{to.name}")
+model = AutoModelForImageTextToText.from_pretrained("{name}")
+processor = AutoProcessor.from_pretrained("{name}")
 """
     if cfg.model.lora is not None:
         if not (adapter_dir / "adapter_config.json").is_file():
@@ -331,8 +332,8 @@ from peft import PeftModel
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 base = AutoModelForImageTextToText.from_pretrained("{cfg.model.path}")
-model = PeftModel.from_pretrained(base, "{to.name}")
-processor = AutoProcessor.from_pretrained("{to.name}")
+model = PeftModel.from_pretrained(base, "{name}")
+processor = AutoProcessor.from_pretrained("{name}")
 """
             return "peft", f"LoRA adapter (rank {cfg.model.lora.rank})", usage
         from peft import PeftModel
@@ -391,13 +392,19 @@ def export_run(
             f"--merge applies to LoRA runs; {run_dir} fully fine-tuned the model (exported whole anyway)"
         )
     _check_files(ckpt)
-    _empty_target(to)
+    _check_target(to)
     export = _export_flow if recipe_name == "flow_grpo" else _export_vlm
-    library, weights, usage = export(cfg, ckpt, to, merge)
     license = license or _base_license(cfg.model.path) or "other"
-    (to / CARD_FILE).write_text(model_card(run_dir, cfg, step, library, weights, license, usage))
-    shutil.copy2(config_file, to / CONFIG_FILE)
-    logger.info("exported %s (%s) to %s", ckpt, weights, to)
+
+    def write(folder: Path) -> None:
+        library, weights, usage = export(cfg, ckpt, folder, merge, to.name)
+        (folder / CARD_FILE).write_text(model_card(run_dir, cfg, step, library, weights, license, usage))
+        shutil.copy2(config_file, folder / CONFIG_FILE)
+        logger.info("exported %s (%s) to %s", ckpt, weights, to)
+
+    # written beside ``to`` and renamed into place: an export that fails half-way (a metrics line the card
+    # cannot read, a disk that fills) leaves no folder behind, so the same command can run again
+    publish_folder(to, write)
     return to
 
 

@@ -133,6 +133,17 @@ def test_a_damaged_weights_or_config_file_is_named_before_anything_is_written(fl
     config.write_text("{broken")
     with pytest.raises(ValueError, match=rf"{config.name} is damaged \(JSONDecodeError"):
         export_run(damaged, tmp_path / "out", checkpoint=1)
+    config.unlink()
+    # a metrics line the model card cannot read is found after the weights are written: nothing is left
+    # behind, and the same command runs once the line is mended
+    metrics = damaged / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True)
+    metrics.write_text(lines[0] + "{cut\n" + "".join(lines[1:]))
+    with pytest.raises(ValueError, match=r"metrics.jsonl line 2 is not valid JSON"):
+        export_run(damaged, tmp_path / "out", checkpoint=1)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".tmp-out"))
+    metrics.write_text("".join(lines))
+    assert (export_run(damaged, tmp_path / "out", checkpoint=1) / "README.md").is_file()
 
 
 def test_flow_lora_merged_export_is_a_pipeline_with_w_plus_scaled_ba(
