@@ -77,7 +77,8 @@ def metric_panels(keys: Iterable[str]) -> list[Panel]:
     {name}`` per reward with components, ``Held-out scores`` and ``Held-out breakdown`` (``eval/*``), ``Loss``,
     ``KL to the reference`` (``policy/kl``), ``Clipped fraction`` (``clip/*``), ``Entropy`` (``entropy/*``),
     ``NFE per step`` and ``NFE total`` (``nfe/*``), ``Rollouts`` (``rollouts/*``), ``Step time split``
-    (``time/*``, stacked); then one plot per remaining prefix (``train/*``, ``gen/*``, ...), so every logged
+    (``time/rollout_s`` and ``time/train_s``, stacked), the other ``time/*`` keys (a pool's wait and its
+    workers' generation time, which overlap the step); then one plot per remaining prefix (``train/*``, ``gen/*``, ...), so every logged
     key is drawn exactly once.
     """
     remaining = sorted(set(keys) - {"step", "time"})
@@ -105,7 +106,10 @@ def metric_panels(keys: Iterable[str]) -> list[Panel]:
     take("NFE total", ["nfe/total"])
     take("NFE per step", [k for k in remaining if k.startswith("nfe/")])
     take("Rollouts", [k for k in remaining if k.startswith("rollouts/")])
-    take("Step time split (s)", [k for k in remaining if k.startswith("time/")], stacked=True)
+    # only the step's own parts stack; a pool's wait (inside the rollout time) and its workers' generation
+    # seconds (beside the training) overlap them and go to a plain panel
+    take("Step time split (s)", ["time/rollout_s", "time/train_s"], stacked=True)
+    take("Time, overlapping the step (s)", [k for k in remaining if k.startswith("time/")])
     for prefix in sorted({k.split("/")[0] for k in remaining}):
         take(prefix, [k for k in remaining if k.split("/")[0] == prefix])
     return panels

@@ -63,6 +63,8 @@ def test_metric_panels_draw_every_key_once_in_named_groups():
         "rollouts/total",
         "time/rollout_s",
         "time/train_s",
+        "time/wait_s",
+        "time/generate_s",
         "gen/length_mean",
     ]
     panels = {p.title: p for p in metric_panels(keys)}
@@ -75,7 +77,11 @@ def test_metric_panels_draw_every_key_once_in_named_groups():
         "eval/reward_mean_count",
     }
     assert panels["KL to the reference"].keys == ("policy/kl",)
-    assert panels["Step time split (s)"].stacked
+    split = panels["Step time split (s)"]
+    assert split.stacked and split.keys == ("time/rollout_s", "time/train_s")
+    # a pool's wait is inside the rollout time and its workers' generation overlaps training: not stacked
+    overlapping = panels["Time, overlapping the step (s)"]
+    assert not overlapping.stacked and set(overlapping.keys) == {"time/wait_s", "time/generate_s"}
     assert panels["NFE total"].keys == ("nfe/total",) and panels["NFE per step"].keys == ("nfe/rollout",)
     drawn = [k for p in panels.values() for k in p.keys]
     assert sorted(drawn) == sorted(set(keys) - {"step", "time"})  # every key exactly once
