@@ -14,10 +14,11 @@ returns a :class:`SourceBatch`: the samples, tagged with the weight version they
 
 Staleness. A sample generated with the weights of step ``v`` and trained at step ``k`` lags ``k - v`` versions.
 Sources that generate in the loop return lag 0 everywhere; pooled sources return lags up to
-``pool.max_staleness``, which only the pool enforces (:meth:`RolloutPool.submit_through` /
-:meth:`RolloutPool.submit_ahead`). The trainer corrects stale samples with one convention in both front ends:
-each sample's policy-gradient loss term is multiplied by the truncated importance weight
-``min(pi_current / pi_behaviour, C)`` (:func:`mmrl.core.losses.stale_sample_weights`), the KL term is not.
+``pool.max_staleness`` (``+ 1`` for a request carried over by partial rollouts, at most once), which only the
+pool enforces (:meth:`RolloutPool.submit_through` / :meth:`RolloutPool.submit_ahead`). The trainer corrects
+stale samples with one convention in both front ends: each sample's policy-gradient loss term is multiplied by
+the truncated importance weight ``min(pi_current / pi_behaviour, C)``
+(:func:`mmrl.core.losses.stale_sample_weights`), the KL term is not.
 
 A source never receives the trainer: it gets a planner, a weight snapshot function and a metric sink.
 """

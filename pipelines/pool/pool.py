@@ -9,9 +9,10 @@
 
 How it works. A dispatcher thread owns every worker call: it hands queued requests to rollout workers (at most
 ``max_inflight`` queued on each; a request's timeout clock starts when it reaches the front of its worker's
-queue), sends each finished rollout to a reward worker while the rollout worker already generates the next
-request (scoring overlaps generation), and marks a request complete once it is scored. The trainer's thread only queues requests (:meth:`submit`),
-waits for a step's results (:meth:`collect`) and publishes weights (:meth:`broadcast`).
+queue, i.e. once every call queued before it there, weight loads included, has finished), sends each finished
+rollout to a reward worker while the rollout worker already generates the next request (scoring overlaps
+generation), and marks a request complete once it is scored. The trainer's thread only queues requests
+(:meth:`submit`), waits for a step's results (:meth:`collect`) and publishes weights (:meth:`broadcast`).
 
 Staleness (AReaL, arXiv 2505.24298, sec. 5.1). Each request is tagged with the ``step`` whose training consumes
 it, i.e. the trainer's weight version at that time. It is dispatched only once the trainer's version ``v``
@@ -22,12 +23,16 @@ run ahead of training. Every result carries its version and :class:`PoolBatch` r
 
 Partial rollouts (APRIL, arXiv 2509.18521). Over-provision a step's requests and ``collect(min_samples=...)``:
 the call returns once that many samples are complete; the requests still queued or generating stay in the pool
-and are delivered first at the next step, never discarded (one more version of lag each time they are carried).
+and are delivered first at the next step, never discarded. A request is carried at most once: the next
+``collect`` waits for it even when its ``min_samples`` are complete without it, so a sample lags at most
+``max_staleness + 1`` versions (``max_staleness`` without partial rollouts).
 
 Faults. A worker whose process dies, or whose request runs past ``request_timeout``, is dropped (killed if
 hung) and replaced; its request goes back to the front of the queue for the other workers. A request's result
 is delivered exactly once, whatever happened (a late answer of a hung worker is ignored). A failing reward is
-retried ``reward_retries`` times, then :meth:`collect` raises :class:`RewardError`: never a silent zero reward.
+retried ``reward_retries`` times, then :meth:`collect` raises :class:`RewardError`: never a silent zero
+reward. A lost reward worker costs an attempt only to the scoring call it was running; those queued behind it
+are re-queued as they were.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ class _Entry:
     result: RolloutResult | None = None  # set when generated
     done: bool = False  # generated and, with reward workers, scored
     reward_attempts: int = 0
+    carried: bool = False  # left unfinished by a partial collect: the next collect waits for it
 
 
 @dataclass
@@ -79,13 +85,20 @@ class _Members:
     size: int
     ready: set[int] = field(default_factory=set)
     starting: set[int] = field(default_factory=set)
-    #: member -> tokens of its run/score calls in flight, oldest (the one executing) first
-    work: dict[int, deque[int]] = field(default_factory=dict)
+    #: member -> its calls in flight (weight loads, runs, scores) by token, in the order the member executes
+    #: them: the first one is executing, the others wait behind it
+    queued: dict[int, dict[int, _Call]] = field(default_factory=dict)
 
     def free(self, limit: int) -> list[int]:
-        """Ready members with fewer than ``limit`` calls in flight, least loaded first."""
-        load = {m: len(self.work.get(m, ())) for m in self.ready}
+        """Ready members with fewer than ``limit`` run/score calls in flight, least loaded first."""
+        load = {
+            m: sum(c.kind in ("run", "score") for c in self.queued.get(m, {}).values()) for m in self.ready
+        }
         return sorted((m for m in self.ready if load[m] < limit), key=lambda m: (load[m], m))
+
+    def executing(self, m: int) -> _Call | None:
+        """The call member ``m`` runs now: the oldest of its calls not known to have finished."""
+        return next(iter(self.queued.get(m, {}).values()), None)
 
 
 @dataclass
@@ -238,8 +251,9 @@ class RolloutPool:
 
         Args:
             step: the training step whose requests to deliver.
-            min_samples: partial rollouts: return once this many samples of ``step`` are complete; the rest is
-                carried into ``step + 1``. ``None``: wait for every request of ``step``.
+            min_samples: partial rollouts: return once this many samples of ``step`` are complete and every
+                request carried into ``step`` from the step before is; the rest is carried into ``step + 1``.
+                ``None``: wait for every request of ``step``.
             timeout: seconds to wait at most.
 
         Returns:
@@ -267,8 +281,13 @@ class RolloutPool:
                 entries = self._steps.get(step, [])
                 done = [e for e in entries if e.done]
                 complete = len(done) == len(entries)
+                # a request is carried at most once (lag <= max_staleness + 1): what the last step carried
+                # is waited for even when min_samples are complete without it
+                overdue = any(e.carried and not e.done for e in entries)
                 if complete or (
-                    min_samples is not None and sum(e.result.num_samples for e in done) >= min_samples
+                    min_samples is not None
+                    and not overdue
+                    and sum(e.result.num_samples for e in done) >= min_samples
                 ):
                     break
                 for members in (self._rollout, self._reward):
@@ -288,6 +307,7 @@ class RolloutPool:
                 # APRIL: unfinished requests keep running (or waiting) and are delivered first next step
                 for entry in carried:
                     entry.step = step + 1
+                    entry.carried = True
                 self._steps[step + 1] = carried + self._steps.get(step + 1, [])
                 self.stats["carried"] += len(carried)
             return PoolBatch([e.result for e in done], version=self._version)
@@ -409,6 +429,8 @@ class RolloutPool:
         token = self._next_token
         self._next_token += 1
         self._calls[token] = call
+        if call.kind != "start":  # a member is only called once built: its calls queue behind each other
+            call.members.queued.setdefault(call.member, {})[token] = call
         # the callback runs in whatever thread completes the future: it only posts an event
         future.add_done_callback(lambda f: self._events.put((token, f)))
         return token
@@ -416,12 +438,22 @@ class RolloutPool:
     def _send_work(
         self, members: _Members, m: int, kind: Literal["run", "score"], arg: Any, entry: _Entry
     ) -> None:
-        """Queue a run/score call on member ``m``; its timeout clock starts when it reaches the front."""
-        work = members.work.setdefault(m, deque())
-        deadline = None if work or self.request_timeout is None else time.monotonic() + self.request_timeout
-        work.append(
-            self._watch(members.executor.call(m, kind, arg), _Call(kind, members, m, entry, deadline))
-        )
+        """Queue a run/score call on member ``m``; its timeout clock starts once every call queued before it
+        on ``m`` (weight loads included) has finished (:meth:`_start_clock`)."""
+        self._watch(members.executor.call(m, kind, arg), _Call(kind, members, m, entry))
+        self._start_clock(members, m)
+
+    def _start_clock(self, members: _Members, m: int) -> None:
+        """Start the ``request_timeout`` clock of the run/score call member ``m`` executes now, if not yet:
+        a load slower than ``request_timeout`` must not count against the request queued behind it."""
+        call = members.executing(m)
+        if (
+            self.request_timeout is not None
+            and call is not None
+            and call.kind != "load"
+            and call.deadline is None
+        ):
+            call.deadline = time.monotonic() + self.request_timeout
 
     def _start(self, members: _Members, m: int) -> None:
         members.starting.add(m)
@@ -483,14 +515,12 @@ class RolloutPool:
             return  # the call was abandoned (its worker was lost): its outcome no longer counts
         members, m = call.members, call.member
         error = future.exception()
-        if call.kind in ("run", "score"):
-            work = members.work[m]
-            work.remove(token)
-            if work and self.request_timeout is not None:
-                # the next queued call starts executing now
-                self._calls[work[0]].deadline = time.monotonic() + self.request_timeout
+        executing = members.executing(m)  # before this call leaves the queue: what ran when the member died
+        if call.kind != "start":
+            del members.queued[m][token]
+            self._start_clock(members, m)  # the next queued call starts executing now
         if error is not None and members.executor.is_death(error):
-            self._lose(members, m, f"died ({type(error).__name__})", [call])
+            self._lose(members, m, f"died ({type(error).__name__})", [call], executing)
             return
         cause = None if error is None else members.executor.cause(error)
         if call.kind == "start":
@@ -603,23 +633,30 @@ class RolloutPool:
                 call.member,
                 f"exceeded request_timeout={self.request_timeout}s on request {rid!r}",
                 [],
+                call,
             )
 
-    def _lose(self, members: _Members, m: int, reason: str, calls: list[_Call]) -> None:
-        """Drop worker ``m`` (dead or hung): abandon its calls, re-queue its work, replace it."""
+    def _lose(
+        self, members: _Members, m: int, reason: str, calls: list[_Call], executing: _Call | None
+    ) -> None:
+        """Drop worker ``m`` (dead or hung): abandon its calls, re-queue its work, replace it.
+
+        Only ``executing``, the call ``m`` was running, is charged a scoring attempt: the calls queued behind
+        it never ran, so they go back to the queue as they were.
+        """
         for token, call in list(self._calls.items()):
             if call.members is members and call.member == m:
                 del self._calls[token]
                 calls.append(call)
         requeued = []
         for call in reversed(calls):  # pushed to the front in reverse: the queue keeps their order
-            if call.kind == "run":
-                self._queue.appendleft(call.entry)
-                requeued.append(call.entry.request.request_id)
-            elif call.kind == "score":
+            if call.kind == "score" and call is executing:
                 self._retry_score(call.entry, PoolError(f"reward worker {m} {reason}"))
+            elif call.kind in ("run", "score"):
+                (self._queue if call.kind == "run" else self._to_score).appendleft(call.entry)
+                requeued.append(call.entry.request.request_id)
         members.ready.discard(m)
-        members.work.pop(m, None)
+        members.queued.pop(m, None)
         members.starting.discard(m)
         members.executor.kill(m)
         self.stats["worker_lost"] += 1

@@ -218,6 +218,56 @@ def test_hung_worker_is_replaced_and_its_request_requeued(caplog, requests_facto
         release.set()
 
 
+class _PlainWorker(RolloutWorker):
+    """A task worker with no model: a weight load changes nothing and takes ``load_s`` seconds."""
+
+    def __init__(self, fn, load_s: float = 0.0) -> None:
+        super().__init__(fn)
+        self.load_s = load_s
+
+    def apply_weights(self, update: WeightUpdate) -> None:
+        time.sleep(self.load_s)
+
+
+def test_weight_load_slower_than_request_timeout_keeps_the_worker(requests_factory):
+    # full weights of a big model take longer to load than a request may run: the request queued behind the
+    # load must not be timed while the load runs (that killed the worker, whose replacement reloaded, forever)
+    factory = functools.partial(_PlainWorker, lambda request: request.seed, load_s=0.4)
+    with RolloutPool(factory, request_timeout=0.2) as pool:
+        pool.broadcast(WeightUpdate(1, "full", {}))
+        batch = pool.run(requests_factory("l", 2), timeout=10)
+        assert [r.output for r in batch.results] == [0, 1] and batch.lags == [0, 0]
+        assert pool.stats["worker_lost"] == 0 and pool.worker_info()[0]["version"] == 1
+
+
+def test_request_is_carried_at_most_once(requests_factory):
+    b1_ran = threading.Event()
+
+    def task(request: RolloutRequest) -> str:
+        if request.request_id == "slow":  # still generating when the step after the next has its samples
+            b1_ran.wait(30)
+            time.sleep(0.3)
+        elif request.request_id == "b1":
+            b1_ran.set()
+        return request.request_id
+
+    def req(rid: str, seed: int) -> RolloutRequest:
+        return RolloutRequest(rid, ["p"], ["x"], [1], seed=seed)
+
+    factory = functools.partial(_PlainWorker, task)
+    with RolloutPool(factory, num_workers=2, max_staleness=0, max_inflight=1) as pool:
+        pool.submit([req("slow", 0), req("a0", 1), req("a1", 2)], step=0)
+        first = pool.collect(0, min_samples=2, timeout=30)
+        pool.broadcast(WeightUpdate(1, "full", {}))
+        pool.submit([req("b0", 3), req("b1", 4)], step=1)
+        # min_samples are complete with b0 and b1, but "slow" was carried once already: it is waited for
+        second = pool.collect(1, min_samples=2, timeout=30)
+        assert pool.pending(2) == 0 and pool.stats["carried"] == 1
+    assert [r.request_id for r in first.results] == ["a0", "a1"] and first.lags == [0, 0]
+    assert [r.request_id for r in second.results] == ["slow", "b0", "b1"]
+    assert second.lags == [1, 0, 0]  # max_staleness + 1 at most
+
+
 def test_no_worker_left_is_an_error_not_a_hang(requests_factory):
     release, hung = threading.Event(), []
     factory = functools.partial(RolloutWorker, functools.partial(_hang_once, release=release, hung=hung))
@@ -295,6 +345,40 @@ def test_scoring_overlaps_generation(requests_factory):
     # generation of request i+1 runs while request i is scored: 4 x 0.15 s each, ~0.75 s instead of 1.2 s
     overlaps = sum(1 for g in gen for s in score if g[0] < s[1] and s[0] < g[1])
     assert overlaps >= 2 and elapsed < 1.1
+
+
+class _HangingReward(rewards.Reward):
+    """A reward whose call on the completion ``"A"`` hangs until released; records what it scored."""
+
+    def __init__(self, release: threading.Event, scored: list) -> None:
+        self.release, self.scored = release, scored
+
+    def score(self, **batch):
+        self.scored.append(batch["completions"][0])
+        if batch["completions"][0] == "A":
+            self.release.wait(30)
+        return rewards.RewardOutput(scores=torch.ones(len(batch["completions"])))
+
+
+def test_lost_reward_worker_charges_only_the_running_call():
+    release, scored = threading.Event(), []
+    factory = functools.partial(_TextWorker, lambda request: [request.request_id])
+    reward = functools.partial(RewardWorker, _HangingReward(release, scored))
+    requests = [RolloutRequest(rid, ["p"], ["x"], [1], seed=i) for i, rid in enumerate("AB")]
+    try:
+        with RolloutPool(factory, reward=reward, reward_retries=0, request_timeout=0.5) as pool:
+            pool.submit(requests)  # B's scoring call waits behind A's, which hangs, on the one reward worker
+            with pytest.raises(RewardError, match="'A' failed 1 times"):
+                pool.collect(timeout=30)
+            # B never ran on the lost worker: it is scored by the replacement, with no attempt spent
+            batch = pool.collect(timeout=30)
+            assert pool.stats["worker_lost"] == 1 and pool.stats["reward_retries"] == 0
+        assert [r.request_id for r in batch.results] == ["B"] and batch.results[0].reward.scores.tolist() == [
+            1.0
+        ]
+        assert scored == ["A", "B"]
+    finally:
+        release.set()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool])
