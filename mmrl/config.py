@@ -51,7 +51,9 @@ class RunConfig(Config):
     seed: int = Field(
         0, strict=True, description="Global seed (python, numpy, torch); a run is reproducible from it."
     )
-    log_every: int = Field(1, ge=1, description="Write metrics every this many steps.")
+    log_every: int = Field(
+        1, ge=1, description="Write metrics every this many steps (and at every evaluation, the last step)."
+    )
     save_every: int = Field(0, ge=0, description="Checkpoint every this many steps (0: only at the end).")
     keep_last: int = Field(2, ge=1, description="Checkpoints kept on disk; older ones are deleted.")
     resume: bool = Field(
