@@ -69,6 +69,9 @@ class Reward:
     name: str = ""
     #: the reward also scores each step of a completion (``RewardOutput.steps``), for process credit
     scores_steps: bool = False
+    #: a sample's score depends on the other samples of the batch (win rates within a group): the reward
+    #: server then scores each request alone instead of merging concurrent requests into one batch
+    batch_dependent: bool = False
 
     def score(self, **batch: Any) -> RewardOutput:
         raise NotImplementedError(f"{type(self).__name__} must implement score(**batch)")

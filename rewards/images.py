@@ -14,6 +14,7 @@ rounding only (about 1e-3 relative on a real model).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -27,20 +28,81 @@ from rewards.base import Reward, RewardOutput
 ImageBatch = Sequence[Image.Image] | torch.Tensor
 
 
-def pil_to_tensor(image: Image.Image) -> torch.Tensor:
-    """One PIL image -> ``[3, H, W]`` float32 in [0, 1] (converted to RGB first: palette, grey, RGBA)."""
-    array = np.asarray(image.convert("RGB"), dtype=np.uint8)
+#: how far a float image may stray outside [0, 1] (rounding of a decoder's output) before it is refused
+RANGE_TOLERANCE = 1e-3
+
+#: the 16-bit grey modes of PIL (PNG and TIFF of 16 bits per sample open as one of them)
+_16_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+
+
+def pil_to_rgb(image: Image.Image, name: str = "image") -> Image.Image:
+    """One PIL image -> 8-bit RGB, its values scaled, not clipped:
+
+        16-bit grey (``I;16``, and ``I``, as 16-bit PNGs open):  v8 = round(v * 255 / 65535)
+        float grey (``F``, values in [0, 1] as float tensors are):  v8 = round(v * 255)
+
+    Every other mode is 8 bits per sample already and goes through ``convert("RGB")`` (palette, grey, RGBA).
+    (``convert`` alone clips 16-bit values to 255, white, and reads floats as 0..255, black.)
+
+    Raises:
+        ValueError: a 16-bit image with values outside [0, 65535], or a float one with values not finite or
+            outside [0, 1] (by more than :data:`RANGE_TOLERANCE`); the message names the range found.
+    """
+    if image.mode not in (*_16_BIT_MODES, "F"):
+        return image.convert("RGB")
+    array = np.asarray(image, dtype=np.float64)
+    low, high = (float(array.min()), float(array.max())) if array.size else (0.0, 0.0)
+    if image.mode == "F":
+        if not (np.isfinite(array).all() and low >= -RANGE_TOLERANCE and high <= 1 + RANGE_TOLERANCE):
+            raise ValueError(
+                f"{name}: a float (mode F) image must hold values in [0, 1], got values in [{low:.4g}, {high:.4g}];"
+                " scale it to [0, 1] first"
+            )
+        scaled = array * 255.0
+    else:
+        if low < 0 or high > 65535:
+            raise ValueError(
+                f"{name}: a mode {image.mode} image is read as 16 bits per sample, [0, 65535], but holds values in "
+                f"[{low:g}, {high:g}]; scale it to 16 or 8 bits first"
+            )
+        scaled = array * (255.0 / 65535.0)
+    grey = Image.fromarray(np.round(scaled).clip(0, 255).astype(np.uint8))
+    return grey.convert("RGB")
+
+
+def pil_to_tensor(image: Image.Image, name: str = "image") -> torch.Tensor:
+    """One PIL image -> ``[3, H, W]`` float32 in [0, 1] (converted to 8-bit RGB first, :func:`pil_to_rgb`)."""
+    array = np.asarray(pil_to_rgb(image, name), dtype=np.uint8)
     return torch.from_numpy(array.copy()).permute(2, 0, 1).float().div_(255.0)
 
 
 def check_image_tensor(images: torch.Tensor, name: str = "images") -> torch.Tensor:
-    """Validate a ``[B, 3, H, W]`` tensor and return it as float in [0, 1] (uint8 is divided by 255)."""
+    """Validate a ``[B, 3, H, W]`` tensor and return it as float in [0, 1] (uint8 is divided by 255).
+
+    Float values must be finite and lie in [0, 1] up to :data:`RANGE_TOLERANCE`: a [0, 255] or [-1, 1] image
+    would otherwise be clamped to a different picture, scored without a word.
+
+    Raises:
+        ValueError: a wrong shape or dtype, or float values outside [0, 1] or not finite (the range found is
+            named).
+    """
     if images.ndim != 4 or images.shape[1] != 3:
         raise ValueError(f"{name} must be a [B, 3, H, W] tensor, got shape {tuple(images.shape)}")
     if images.dtype == torch.uint8:
         return images.float() / 255.0
     if not images.is_floating_point():
         raise ValueError(f"{name} must be float in [0, 1] or uint8, got dtype {images.dtype}")
+    if images.numel():
+        low, high = (v.item() for v in images.detach().float().aminmax())  # NaN and inf propagate to these
+        if not (math.isfinite(low) and math.isfinite(high)):
+            raise ValueError(
+                f"{name} holds NaN or infinite values (range [{low}, {high}]): check the decoder that made them"
+            )
+        if low < -RANGE_TOLERANCE or high > 1 + RANGE_TOLERANCE:
+            raise ValueError(
+                f"{name} must be float in [0, 1] (or uint8), got values in [{low:.4g}, {high:.4g}]: map [-1, 1] "
+                "images with (x + 1) / 2 and [0, 255] ones with x / 255"
+            )
     return images
 
 
@@ -55,7 +117,7 @@ def image_list(images: ImageBatch, name: str = "images") -> list[torch.Tensor]:
     out = []
     for i, image in enumerate(images):
         if isinstance(image, Image.Image):
-            out.append(pil_to_tensor(image))
+            out.append(pil_to_tensor(image, f"{name}[{i}]"))
         elif isinstance(image, torch.Tensor) and image.ndim == 3:
             out.append(check_image_tensor(image.unsqueeze(0), f"{name}[{i}]")[0])
         else:
@@ -68,7 +130,7 @@ def image_list(images: ImageBatch, name: str = "images") -> list[torch.Tensor]:
 def images_to_uint8(images: ImageBatch) -> list[np.ndarray]:
     """Any accepted image batch -> list of ``[H, W, 3]`` uint8 arrays, rounding as DDPO does: ``round(255 x)``."""
     if isinstance(images, Sequence) and all(isinstance(im, Image.Image) for im in images):
-        return [np.asarray(im.convert("RGB"), dtype=np.uint8) for im in images]
+        return [np.asarray(pil_to_rgb(im, f"images[{i}]"), dtype=np.uint8) for i, im in enumerate(images)]
     return [
         (t.detach() * 255).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).cpu().numpy()
         for t in image_list(images)
@@ -78,7 +140,7 @@ def images_to_uint8(images: ImageBatch) -> list[np.ndarray]:
 def images_to_pil(images: ImageBatch) -> list[Image.Image]:
     """Any accepted image batch -> list of RGB PIL images (tensors are rounded to uint8)."""
     if isinstance(images, Sequence) and all(isinstance(im, Image.Image) for im in images):
-        return [im.convert("RGB") for im in images]
+        return [pil_to_rgb(im, f"images[{i}]") for i, im in enumerate(images)]
     return [Image.fromarray(a) for a in images_to_uint8(images)]
 
 
@@ -118,17 +180,22 @@ def prepare_pixels(
     device: torch.device | str,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Any accepted image batch -> ``[B, 3, *size]`` normalised model input on ``device``.
+    """Any accepted image batch -> ``[B, 3, *size]`` normalised model input on ``device``, in ``dtype``.
 
     A tensor batch is transformed in one call (and keeps its autograd graph); a list of PIL images of
-    different sizes is transformed image by image.
+    different sizes is transformed image by image. The transform runs in float32 whatever ``dtype`` is, the
+    result is cast after: antialiased bicubic resizing has no half-precision CPU kernel, and float32 keeps the
+    resampling of a half-precision model's input exact.
     """
     if isinstance(images, torch.Tensor):
-        pixels = check_image_tensor(images).to(device=device, dtype=dtype)
-        return clip_preprocess(pixels, size, mean, std)
+        pixels = check_image_tensor(images).to(device=device, dtype=torch.float32)
+        return clip_preprocess(pixels, size, mean, std).to(dtype)
     return torch.cat(
-        [clip_preprocess(t.to(device=device, dtype=dtype)[None], size, mean, std) for t in image_list(images)]
-    )
+        [
+            clip_preprocess(t.to(device=device, dtype=torch.float32)[None], size, mean, std)
+            for t in image_list(images)
+        ]
+    ).to(dtype)
 
 
 def batch_size_of(images: ImageBatch) -> int:

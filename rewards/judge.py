@@ -358,16 +358,22 @@ def yes_probability(answer: JudgeAnswer) -> float | None:
     return None if match is None else float(match.group(1).lower() == "yes")
 
 
+# The letters are matched in capitals only (the keywords in any case): a lower-case "a" opening a sentence is the
+# article ("a close call, but B is better"). A lower-case letter counts only as the whole answer ("b", "(a).").
 _PAIR_PATTERNS = (
-    re.compile(r"^\W*(?:answer\W*)?\(?([AB])\b", re.IGNORECASE),  # "A", "(B)", "<answer>A"
-    re.compile(r"\b(?:image|answer|choice|option)\W{0,3}\(?([AB])\b", re.IGNORECASE),  # "Image B is better"
+    re.compile(r"^\W*(?:(?i:answer)\W*)?\(?([ABab])\)?\W*(?:(?i:answer)\W*)?$"),  # "b", "<answer>a</answer>"
+    re.compile(r"^\W*(?:(?i:answer)\W*)?\(?([AB])\b"),  # "A", "(B)", "<answer>A"
+    re.compile(r"\b(?i:image|answer|choice|option)\W{0,3}\(?([AB])\b"),  # "Image B is better"
 )
+# last resort: the one option letter an answer names ("a close call, but B is better"); both named: no choice
+_PAIR_LETTER = re.compile(r"\b([AB])\b")
 
 
 def parse_pair_choice(answer: JudgeAnswer, prob: bool) -> float | None:
     """Points of the first image (A) in one comparison, in [0, 1]: ``P(A) / (P(A) + P(B))`` from the first
-    token when ``prob`` and either is among the top tokens; otherwise 1 (A) or 0 (B) from the text; ``None``
-    when the answer names neither."""
+    token when ``prob`` and either is among the top tokens; otherwise 1 (A) or 0 (B) from the text (the letter
+    it opens with or names as "image B", "option A", else the only one of the two it names); ``None`` when none
+    of these tells (a tie, or an answer naming both letters only in passing)."""
     if prob:
         probability = choice_probability(answer, "a", "b")
         if probability is not None:
@@ -376,7 +382,8 @@ def parse_pair_choice(answer: JudgeAnswer, prob: bool) -> float | None:
         match = pattern.search(answer.text)
         if match is not None:
             return float(match.group(1).upper() == "A")
-    return None
+    named = set(_PAIR_LETTER.findall(answer.text))
+    return float(named == {"A"}) if len(named) == 1 else None
 
 
 # ---- the rewards ----------------------------------------------------------------------------------------------
@@ -417,6 +424,11 @@ class _JudgeReward(Reward):
             retries,
             max_concurrency,
         )
+
+    def question(self, prompt: str) -> str:
+        """The template with ``prompt`` in place of every ``{prompt}``: a plain substitution, not
+        ``str.format``, so other braces in the template (``Reply as JSON {"score": N}``) stay as written."""
+        return self.template.replace("{prompt}", prompt)
 
     def ask(self, requests: list[JudgeRequest], logprobs: bool) -> list[JudgeAnswer]:
         answers = self.judge.answer(requests, logprobs)
@@ -464,9 +476,7 @@ class VLMJudge(_JudgeReward):
     def score(self, *, images: ImageBatch, prompts: Sequence[str] | None = None, **_: Any) -> RewardOutput:
         prompt_list = check_prompts(prompts, batch_size_of(images), self.name)
         pil = images_to_pil(images)
-        requests = [
-            JudgeRequest(self.template.format(prompt=p), [im]) for im, p in zip(pil, prompt_list, strict=True)
-        ]
+        requests = [JudgeRequest(self.question(p), [im]) for im, p in zip(pil, prompt_list, strict=True)]
         answers = self.ask(requests, logprobs=self.mode == "yes_prob")
         scores, ratings, reasons = [], [], []
         for answer in answers:
@@ -503,6 +513,9 @@ class PairwiseVLMJudge(_JudgeReward):
         both_orders: ask each pair in both orders (cancels the judge's position bias).
         Other options: as :class:`VLMJudge`.
     """
+
+    # win rates within a group: the reward server must not merge groups of different requests
+    batch_dependent = True
 
     def __init__(
         self,
@@ -544,9 +557,7 @@ class PairwiseVLMJudge(_JudgeReward):
                 itertools.permutations(members, 2) if self.both_orders else itertools.combinations(members, 2)
             )
         ]
-        requests = [
-            JudgeRequest(self.template.format(prompt=prompt_list[a]), [pil[a], pil[b]]) for a, b in pairs
-        ]
+        requests = [JudgeRequest(self.question(prompt_list[a]), [pil[a], pil[b]]) for a, b in pairs]
         answers = self.ask(requests, logprobs=self.mode == "prob")
         # 3. points: p to A, 1 - p to B (0.5 each when unreadable)
         points = [0.0] * size

@@ -20,15 +20,19 @@ is set) and ``GET /health`` (no auth; status, reward name, request/batch/rejecti
 Dynamic batching: requests are queued; one batcher task takes the oldest, then keeps taking requests until
 ``max_batch_size`` samples are gathered or ``max_wait_ms`` has passed, calls the reward once on the
 concatenated batch in a worker thread (the event loop keeps accepting requests meanwhile, so the queue fills
-while the model runs) and splits the result back. Requests are merged only when they carry the same fields. If
-a merged call fails, each request is retried alone, so one bad request cannot fail its neighbours.
+while the model runs) and splits the result back. Requests are merged only when they carry the same fields, and
+never for a reward whose scores depend on the other samples of its batch (``Reward.batch_dependent``, e.g. the
+pairwise judge's win rates): each request is then scored alone. If a merged call fails, each request is retried
+alone, so one bad request cannot fail its neighbours. A reward that returns other than one score (component,
+reason) per sample fails the request (500), as it could not be split back.
 
 Limits against hostile or broken clients, each answered without a traceback:
 
 * memory: a request's body is at most ``max_request_mb`` and its images at most ``max_request_pixels`` decoded
   pixels, read from the PNG headers before anything is decoded (413); all requests together hold at most
   ``max_mb_in_flight`` of bodies (counted as they arrive) and ``max_pixels_in_flight`` decoded pixels (503,
-  retry later); besides these, aiohttp buffers at most 128 KiB of unread input per connection;
+  retry later; a request's pixels count until the batcher has scored or dropped its images, also after the
+  request timed out); besides these, aiohttp buffers at most 128 KiB of unread input per connection;
 * slow clients: a connection must deliver a request's headers and body within ``read_timeout_s`` of its first
   byte (else 408 and the connection is closed); at most ``max_connections`` connections are open (beyond: 503
   and closed); idle keep-alive connections close after ``keepalive_timeout_s``;
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import hmac
 import ipaddress
 import json
@@ -54,7 +59,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -170,6 +175,12 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def http_url(host: str, port: int) -> str:
+    """``http://host:port``, an IPv6 address in brackets (``http://[::1]:8765``): unbracketed, its colons
+    would read as the port's."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def load_config(path: str | Path, **overrides: Any) -> ServerConfig:
     """Read and validate a server YAML file; ``overrides`` replace its keys.
 
@@ -202,15 +213,42 @@ class _Job:
     batch: dict[str, Any]
     size: int
     future: asyncio.Future[RewardOutput]
+    #: called once the batcher is through with the batch (see :meth:`Batcher.enqueue`)
+    on_done: Callable[[], None] | None = None
     keys: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
         self.keys = tuple(sorted(self.batch))
 
+    def finish(self) -> None:
+        """The batcher holds the batch no longer: call ``on_done``, once."""
+        on_done, self.on_done = self.on_done, None
+        if on_done is not None:
+            on_done()
+
 
 def merge_batches(batches: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Concatenate batches with the same fields, field by field."""
     return {key: [item for b in batches for item in b[key]] for key in batches[0]}
+
+
+def check_output_length(output: RewardOutput, size: int, reward: str) -> None:
+    """Refuse an output that is not one score (component, reason) per sample of the batch it scored: split back
+    over the merged requests, it would shift or cut every later request's scores.
+
+    Raises:
+        RuntimeError: a length other than ``size``, named with the reward and the field (the server answers 500).
+    """
+    lengths = {"scores": len(output.scores)}
+    lengths.update({f"values of component {name!r}": len(v) for name, v in output.components.items()})
+    if output.reasons is not None:
+        lengths["reasons"] = len(output.reasons)
+    for what, length in lengths.items():
+        if length != size:
+            raise RuntimeError(
+                f"reward {reward!r} returned {length} {what} for a batch of {size} samples; a reward must "
+                "return one per sample, in order"
+            )
 
 
 def split_output(output: RewardOutput, sizes: Sequence[int]) -> list[RewardOutput]:
@@ -273,15 +311,22 @@ class Batcher:
             await asyncio.gather(self._task, return_exceptions=True)
         self._executor.shutdown(wait=True)
 
-    async def submit(self, batch: dict[str, Any]) -> RewardOutput:
-        job = _Job(batch, batch_length(batch), asyncio.get_running_loop().create_future())
-        await self.queue.put(job)
-        return await job.future
+    def enqueue(
+        self, batch: dict[str, Any], on_done: Callable[[], None] | None = None
+    ) -> asyncio.Future[RewardOutput]:
+        """Queue ``batch``; its output (or the reward's error) arrives in the returned future. Cancel the future
+        to withdraw the request. ``on_done`` is called once the batcher is through with the batch: scored (or
+        failed), or dropped because the future was cancelled before its turn."""
+        job = _Job(batch, batch_length(batch), asyncio.get_running_loop().create_future(), on_done)
+        self.queue.put_nowait(job)  # (the queue is unbounded: the server's in-flight budgets bound it)
+        return job.future
 
     async def _collect(self) -> list[_Job]:
         loop = asyncio.get_running_loop()
         first = self._carry or await self.queue.get()
         self._carry = None
+        if self.reward.batch_dependent:  # merged, one client's samples would be scored against another's
+            return [first]
         jobs, size = [first], first.size
         deadline = loop.time() + self.max_wait_s
         while size < self.max_batch_size:
@@ -311,36 +356,51 @@ class Batcher:
         return jobs
 
     def _score(self, batches: list[dict[str, Any]]) -> RewardOutput:
-        return self.reward.score(**merge_batches(batches))
+        merged = merge_batches(batches)
+        output = self.reward.score(**merged)
+        check_output_length(output, batch_length(merged), self.reward.name or type(self.reward).__name__)
+        return output
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
-            # requests that timed out while queued are dropped here
-            jobs = [job for job in await self._collect() if not job.future.done()]
+            jobs = []
+            for job in await self._collect():
+                if job.future.done():  # the request timed out or its client left while queued: dropped
+                    job.finish()
+                else:
+                    jobs.append(job)
             if not jobs:
                 continue
             self.stats.batches += 1
             self.stats.samples += sum(job.size for job in jobs)
             try:
-                output = await loop.run_in_executor(self._executor, self._score, [j.batch for j in jobs])
-                for job, part in zip(jobs, split_output(output, [j.size for j in jobs]), strict=True):
+                await self._score_jobs(jobs)
+            finally:  # (also when the batcher is cancelled at shutdown)
+                for job in jobs:
+                    job.finish()
+
+    async def _score_jobs(self, jobs: list[_Job]) -> None:
+        """Score ``jobs`` in one reward call and set each one's future (if still wanted)."""
+        loop = asyncio.get_running_loop()
+        try:
+            output = await loop.run_in_executor(self._executor, self._score, [j.batch for j in jobs])
+            for job, part in zip(jobs, split_output(output, [j.size for j in jobs]), strict=True):
+                if not job.future.done():
+                    job.future.set_result(part)
+        except Exception as error:
+            if len(jobs) == 1:
+                if not jobs[0].future.done():
+                    jobs[0].future.set_exception(error)
+                return
+            # isolate the failing request: score each alone
+            for job in jobs:
+                try:
+                    part = await loop.run_in_executor(self._executor, self._score, [job.batch])
                     if not job.future.done():
                         job.future.set_result(part)
-            except Exception as error:
-                if len(jobs) == 1:
-                    if not jobs[0].future.done():
-                        jobs[0].future.set_exception(error)
-                    continue
-                # isolate the failing request: score each alone
-                for job in jobs:
-                    try:
-                        part = await loop.run_in_executor(self._executor, self._score, [job.batch])
-                        if not job.future.done():
-                            job.future.set_result(part)
-                    except Exception as single_error:
-                        if not job.future.done():
-                            job.future.set_exception(single_error)
+                except Exception as single_error:
+                    if not job.future.done():
+                        job.future.set_exception(single_error)
 
 
 def _one_line(message: str, limit: int = 500) -> str:
@@ -634,9 +694,9 @@ class RewardServer:
         if not self._reserve(0, pixels):
             return _busy("decoded pixels")
         held.pixels = pixels
-        return await self._decode_and_submit(payload)
+        return await self._decode_and_submit(payload, held)
 
-    async def _decode_and_submit(self, payload: dict[str, Any]) -> web.Response:
+    async def _decode_and_submit(self, payload: dict[str, Any], held: _Held) -> web.Response:
         assert self.batcher is not None
         loop = asyncio.get_running_loop()
         try:
@@ -644,8 +704,14 @@ class RewardServer:
         except WireError as error:
             self.stats.errors += 1
             return _error(400, f"malformed request: {error}")
+        # The decoded images now live as long as the batcher holds them, which a timed-out request (504) does
+        # not end: a queued job is dropped at its turn, a running model call runs on. So the batcher gives their
+        # pixels back, when it is through with them; this handler no longer does.
+        pixels, held.pixels = held.pixels, 0
+        future = self.batcher.enqueue(batch, functools.partial(self._release, 0, pixels))
         try:
-            output = await asyncio.wait_for(self.batcher.submit(batch), self.config.request_timeout_s)
+            # on timeout (or the client leaving) wait_for cancels the future: the batcher drops the job
+            output = await asyncio.wait_for(future, self.config.request_timeout_s)
         except asyncio.TimeoutError:
             self.stats.errors += 1
             return _error(504, f"not scored within request_timeout_s={self.config.request_timeout_s}")
@@ -681,7 +747,7 @@ class RewardServer:
             lambda: _Connection(self), self.config.host, self.config.port, reuse_address=True, backlog=1024
         )
         self.port = self.site.sockets[0].getsockname()[1]
-        logger.info("serving reward %r on http://%s:%d", self.config.reward, self.config.host, self.port)
+        logger.info("serving reward %r on %s", self.config.reward, http_url(self.config.host, self.port))
         return self.port
 
     async def stop(self) -> None:
@@ -743,7 +809,8 @@ class ServerThread:
 
     @property
     def url(self) -> str:
-        return f"http://{self.server.config.host}:{self.server.port}"
+        assert self.server.port is not None, "the server is not started"
+        return http_url(self.server.config.host, self.server.port)
 
     def start(self) -> ServerThread:
         self.thread.start()
@@ -781,13 +848,13 @@ def build_reward(config: ServerConfig) -> Reward:
 async def serve(config: ServerConfig, reward: Reward | None = None) -> None:
     """Serve until SIGINT / SIGTERM."""
     server = RewardServer(reward or build_reward(config), config)
-    await server.start()
+    port = await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     # machine-readable line for scripts that start the server and wait for it
-    print(f"reward server ready on http://{config.host}:{server.port}", flush=True)
+    print(f"reward server ready on {http_url(config.host, port)}", flush=True)
     try:
         await stop.wait()
     finally:

@@ -224,6 +224,15 @@ _ONE_LETTER = re.compile(r"\(?([A-Za-z])\)?[.:)]?", flags=re.IGNORECASE)
 _LETTER_LIST = re.compile(r"\(?[A-Z]\)?(?:\s*(?:,|;|/|&|and)?\s*\(?[A-Z]\)?)+\.?")
 # an answer that starts with an option and explains it: "B. the red one", "(B) red"
 _LEADING_LETTER = re.compile(r"\(?([A-Z])\)?[.:)]?\s")
+# an option letter standing alone in free text: "B", "(B)", but not the B of "Bob"
+_STANDALONE = re.compile(r"(?<![A-Za-z])\(?([A-Z])\)?(?![A-Za-z])")
+# "I" and "A" opening an answer bare (no parentheses, no ".", ":" or ")") before a lower-case word are English
+# words, the pronoun ("I think B") and the article ("A red one, so B"), unless that word makes the letter the
+# subject of the answer ("I is correct", "A is better than B", "A because ...")
+_A_SUBJECT = (
+    "is|was|seems|looks|matches|fits|has|shows|wins|because|since|and|or|than|would|should|could|must"
+)
+_LEADING_WORD = re.compile(rf"(?:I\s+(?!is\b)|A\s+(?!(?:{_A_SUBJECT})\b))[a-z]")
 # a ground truth that is option letters alone, separated: "B", "(b)", "A,C", "A and C"
 _TRUTH_LETTERS = re.compile(r"\(?[A-Za-z]\)?[.:]?(?:(?:\s*(?:,|;|/|&|\band\b)\s*|\s+)\(?[A-Za-z]\)?[.:]?)*")
 # a ground truth that is an option with its text: "(B) red", "B) red", "B. red", "B: red"
@@ -235,7 +244,8 @@ class MultipleChoice(TextVerifier):
     """1 if the chosen option letter(s) equal the ground truth letter(s), else 0.
 
     The choice is read from the answer span, or from the completion's last "answer is X" / "Answer: X" when
-    there is no span. Accepted forms: ``B``, ``(B)``, ``B.``, ``B) text``; a multi-answer ground truth such as
+    there is no span. Accepted forms: ``B``, ``(B)``, ``B.``, ``B) text``; an answer opening with the pronoun
+    "I" or the article "A" reads it as that word ("I think B" chooses B); a multi-answer ground truth such as
     ``"A,C"`` or ``["A", "C"]`` needs exactly that set (``"A, C"``, ``"(A) and (C)"``). Several different
     letters for a single-answer question score 0 ("ambiguous"), so listing every option is never rewarded.
 
@@ -262,14 +272,15 @@ class MultipleChoice(TextVerifier):
                 r"answer\s*(?:is|:)\s*\(?([A-Za-z])\)?(?![A-Za-z])", text, flags=re.IGNORECASE
             )
             return {stated[-1].upper()} if stated else set()
-        standalone = set(re.findall(r"(?<![A-Za-z])\(?([A-Z])\)?(?![A-Za-z])", text))
         if _LETTER_LIST.fullmatch(text):
-            return standalone
+            return set(_STANDALONE.findall(text))
+        if _LEADING_WORD.match(text):  # the word is no choice: the rest of the answer names it (or nothing)
+            return set(_STANDALONE.findall(text, 1))
         match = _LEADING_LETTER.match(text)
         if match:
             return {match.group(1)}
         # free text in the span: every letter that stands alone counts (several = ambiguous)
-        return standalone
+        return set(_STANDALONE.findall(text))
 
     @staticmethod
     def truth_letters(ground_truth: Any) -> set[str] | None:
@@ -325,7 +336,8 @@ _NUMBER = r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+]?\.\d
 
 _NUMBER_WORD = re.compile(r"\b(?:" + "|".join(NUMBER_WORDS) + r")\b", flags=re.IGNORECASE)
 
-_FRACTION = rf"\(?\s*({_NUMBER})\s*\)?\s*/\s*\(?\s*({_NUMBER})\s*\)?"
+# an optional sign before the fraction negates it: "-(3/4)", and "-\frac{3}{4}" once rewritten as "-(3)/(4)"
+_FRACTION = rf"([-+]?)\(?\s*({_NUMBER})\s*\)?\s*/\s*\(?\s*({_NUMBER})\s*\)?"
 
 
 def _latex_to_plain(text: str) -> str:
@@ -341,8 +353,9 @@ def _latex_to_plain(text: str) -> str:
 
 def parse_number(text: str) -> float | None:
     """The value of the last number in ``text``: integers, decimals, thousands separators, scientific
-    notation (``1.5e3``, ``1.5 \\times 10^{3}``), fractions ``a/b`` and ``\\frac{a}{b}``, ``\\boxed{}``; units
-    and ``%`` are ignored (``"12 cm"`` -> 12, ``"50%"`` -> 50). ``None`` when there is no number."""
+    notation (``1.5e3``, ``1.5 \\times 10^{3}``), fractions ``a/b`` and ``\\frac{a}{b}`` (a sign before a
+    fraction negates all of it: ``-\\frac{1}{2}`` and ``-(1/2)`` are -0.5), ``\\boxed{}``; units and ``%`` are
+    ignored (``"12 cm"`` -> 12, ``"50%"`` -> 50). ``None`` when there is no number."""
     plain = _latex_to_plain(text)
     numbers = list(re.finditer(_NUMBER, plain))
     if not numbers:
@@ -350,8 +363,11 @@ def parse_number(text: str) -> float | None:
     fractions = list(re.finditer(_FRACTION, plain))
     # the last number is a denominator: the answer is the whole fraction
     if fractions and fractions[-1].end() >= numbers[-1].end():
-        numerator, denominator = (float(g.replace(",", "")) for g in fractions[-1].groups())
-        return numerator / denominator if denominator != 0 else None
+        sign, *parts = fractions[-1].groups()
+        numerator, denominator = (float(g.replace(",", "")) for g in parts)
+        if denominator == 0:
+            return None
+        return -numerator / denominator if sign == "-" else numerator / denominator
     return float(numbers[-1].group().replace(",", ""))
 
 

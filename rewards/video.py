@@ -25,7 +25,9 @@ def video_list(videos: VideoBatch, stride: int = 1) -> list[ImageBatch]:
     if isinstance(videos, torch.Tensor):
         if videos.ndim != 5:
             raise ValueError(f"videos must be a [B, T, 3, H, W] tensor, got shape {tuple(videos.shape)}")
-        out: list[ImageBatch] = [check_image_tensor(v, "videos[i]") for v in videos.unbind(0)]
+        out: list[ImageBatch] = [
+            check_image_tensor(v, f"videos[{i}]") for i, v in enumerate(videos.unbind(0))
+        ]
     elif isinstance(videos, Sequence) and not isinstance(videos, str):
         out = [v if isinstance(v, torch.Tensor) else list(v) for v in videos]
     else:
@@ -77,16 +79,22 @@ class FrameAggregate(Reward):
         if frame_stride < 1:
             raise ValueError(f"frame_stride must be >= 1, got {frame_stride}")
         self.reward = build(reward, **(reward_options or {})) if isinstance(reward, str) else reward
+        self.batch_dependent = (
+            self.reward.batch_dependent
+        )  # the frames of the batch are the image reward's batch
         self.aggregate = aggregate
         self.frame_stride = frame_stride
 
     def score(self, *, videos: VideoBatch, prompts: Sequence[str] | None = None, **_: Any) -> RewardOutput:
         clips = video_list(videos, self.frame_stride)
+        prompt_list = None if prompts is None else check_prompts(prompts, len(clips), self.name)
+        if not clips:  # an empty batch scores nothing (and torch.stack refuses an empty list)
+            empty = torch.zeros(0)
+            return RewardOutput(scores=empty, components={"frame_mean": empty, "frame_min": empty})
         lengths = [len(c) for c in clips]
         # 1. all frames in one image batch, each frame with its video's prompt
         batch: dict[str, Any] = {"images": all_frames(clips)}
-        if prompts is not None:
-            prompt_list = check_prompts(prompts, len(clips), self.name)
+        if prompt_list is not None:
             batch["prompts"] = [p for p, n in zip(prompt_list, lengths, strict=True) for _ in range(n)]
         # 2. score every frame at once, 3. aggregate per video
         output = self.reward.score(**batch)
@@ -148,6 +156,8 @@ class TemporalConsistency(OpenClipReward):
                 raise ValueError(
                     f"temporal_consistency needs >= 2 frames per video; videos[{i}] has {len(clip)}"
                 )
+        if not clips:  # an empty batch scores nothing (and torch.cat refuses an empty list)
+            return self.finish(RewardOutput(scores=torch.zeros(0), components={"min_pair": torch.zeros(0)}))
         lengths = [len(c) for c in clips]
         frames = all_frames(clips)
         with self.grad_mode():

@@ -10,7 +10,7 @@ one common length ``B``::
      "completions": ["<think>..</think><answer>3</answer>", ...],   # text verifiers
      "ground_truths": ["3", ...],                      # str, number or list of acceptable answers
      "references": ["red 1. red 2", ...],              # reference solutions (reasoning_steps), str or null
-     "metadata": [{...}, ...]}
+     "metadata": [{...}, ...]}                         # one object (or null) per sample
 
 Response (200)::
 
@@ -42,7 +42,7 @@ import torch
 from PIL import Image
 
 from rewards.base import RewardOutput
-from rewards.images import ImageBatch, images_to_uint8
+from rewards.images import ImageBatch, images_to_uint8, pil_to_rgb
 
 #: the per-sample fields a request may carry; everything else except "id" is rejected
 FIELDS: tuple[str, ...] = (
@@ -131,7 +131,8 @@ def decoded_pixels(payload: Any) -> int:
 
 
 def decode_png(data: Any, where: str) -> Image.Image:
-    """A base64 PNG -> RGB PIL image (callers bound its size first with :func:`decoded_pixels`).
+    """A base64 PNG -> 8-bit RGB PIL image (16-bit grey scaled, :func:`rewards.images.pil_to_rgb`; callers bound
+    its size first with :func:`decoded_pixels`).
 
     Raises:
         WireError: not a base64-encoded PNG.
@@ -145,7 +146,10 @@ def decode_png(data: Any, where: str) -> Image.Image:
         raise
     except (binascii.Error, ValueError, OSError, Image.DecompressionBombError) as error:
         raise WireError(f"{where}: not a base64-encoded PNG ({error})") from error
-    return image.convert("RGB")
+    try:
+        return pil_to_rgb(image, where)  # a 16-bit grey PNG is scaled to 8 bits, not clipped to white
+    except ValueError as error:
+        raise WireError(str(error)) from None
 
 
 def encode_batch(batch: dict[str, Any], request_id: str | None = None) -> dict[str, Any]:
@@ -206,6 +210,14 @@ def decode_batch(payload: Any) -> tuple[str | None, dict[str, Any]]:
             raise WireError("every prompt must be a string")
         elif key == "references" and not all(r is None or isinstance(r, str) for r in value):
             raise WireError("every reference must be a string or null")
+        elif key == "metadata":
+            for index, meta in enumerate(value):
+                # rewards read metadata[i].get(...), after checking for null: anything else fails there, a 500
+                if meta is not None and not isinstance(meta, dict):
+                    raise WireError(
+                        f"metadata[{index}]: expected a JSON object or null (one per sample), got "
+                        f"{json.dumps(meta)[:80]}"
+                    )
         elif key == "ground_truths":
             for index, truth in enumerate(value):
                 if not _is_answer(truth):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import sys
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -192,6 +194,46 @@ def test_half_precision_open_clip(open_clip_name, open_clip_weights, images, pro
         )
 
 
+def test_half_precision_input_is_preprocessed_in_float32(images):
+    """bf16/fp16 model input is the float32 transform cast after: antialiased bicubic has no half CPU kernel."""
+    from rewards.images import prepare_pixels
+
+    odd = torch.rand(2, 3, 48, 64, generator=torch.Generator().manual_seed(6))
+    geometry = ((32, 32), (0.5, 0.4, 0.3), (0.2, 0.25, 0.3))
+    full = prepare_pixels(odd, *geometry, "cpu")
+    for dtype in (torch.bfloat16, torch.float16):
+        for batch in (odd, to_pil(odd)):
+            half = prepare_pixels(batch, *geometry, "cpu", dtype)
+            expected = full if isinstance(batch, torch.Tensor) else prepare_pixels(batch, *geometry, "cpu")
+            assert half.dtype == dtype and half.shape == (2, 3, 32, 32)
+            torch.testing.assert_close(half, expected.to(dtype), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("name", "half"),
+    [
+        ("clip_score", {"precision": "bf16"}),
+        ("hpsv2", {"precision": "fp16"}),
+        ("pickscore", {"dtype": "float16"}),
+    ],
+)
+def test_half_precision_rewards_score_images_that_need_a_resize(name, half, request, prompts):
+    if name == "pickscore":
+        path = str(request.getfixturevalue("hf_clip_dir"))
+        options = {"model_id": path, "processor_id": path}
+    else:
+        options = {"model_name": request.getfixturevalue("open_clip_name")}
+        if name == "hpsv2":
+            options["checkpoint"] = str(request.getfixturevalue("hps_checkpoint"))
+        else:
+            options["pretrained"] = str(request.getfixturevalue("open_clip_weights"))
+    odd = torch.rand(4, 3, 48, 64, generator=torch.Generator().manual_seed(7))  # not the model's 32 x 32
+    out = rewards.build(name, **options, **half).score(images=odd, prompts=prompts)
+    full = rewards.build(name, **options).score(images=odd, prompts=prompts)
+    cosine = out.components.get("cosine", out.scores)  # (pickscore's score is logit_scale * cosine)
+    torch.testing.assert_close(cosine, full.components.get("cosine", full.scores), atol=0.05, rtol=0)
+
+
 @pytest.mark.parametrize("name", ["clip_score", "hpsv2", "pickscore", "aesthetic"])
 def test_every_learned_reward_is_differentiable_on_request(name, request, images, prompts):
     if name == "pickscore":
@@ -215,3 +257,94 @@ def test_every_learned_reward_is_differentiable_on_request(name, request, images
     # the differentiable path computes the same scores as the default one
     plain = rewards.build(name, **options)
     torch.testing.assert_close(scores.detach(), plain(images=images, prompts=prompts), rtol=1e-5, atol=1e-5)
+
+
+def test_16_bit_and_float_pil_images_are_scaled_to_8_bits_not_clipped():
+    from rewards.images import images_to_uint8, pil_to_rgb
+
+    # 16 bits: v8 = round(v * 255 / 65535): 32768 -> 127.502 -> 128, 65535 -> 255, 257 -> 1
+    grey16 = Image.fromarray(np.array([[0, 257, 32768, 65535]], dtype=np.uint16))
+    assert grey16.mode == "I;16"
+    as_int32 = Image.fromarray(
+        np.array([[0, 257, 32768, 65535]], dtype=np.int32)
+    )  # mode I, as older PNGs open
+    # float: v8 = round(v * 255), the [0, 1] range float tensors have: 0.5 -> 127.5 -> 128 (half to even)
+    float01 = Image.fromarray(np.array([[0.0, 1 / 255, 0.5, 1.0]], dtype=np.float32))
+    for image in (grey16, as_int32, float01):
+        assert np.asarray(pil_to_rgb(image))[0].tolist() == [[0] * 3, [1] * 3, [128] * 3, [255] * 3]
+    assert images_to_uint8([grey16])[0][0, 2].tolist() == [128, 128, 128]
+    torch.testing.assert_close(pil_to_tensor(grey16)[:, 0, 2], torch.full((3,), 128 / 255))
+    with pytest.raises(
+        ValueError, match=r"images\[0\]: a float \(mode F\) image must hold values in \[0, 1\], got"
+    ):
+        images_to_uint8([Image.fromarray(np.array([[0.0, 255.0]], dtype=np.float32))])
+    with pytest.raises(ValueError, match=r"holds values in \[-1, 70000\]"):
+        pil_to_rgb(Image.fromarray(np.array([[-1, 70000]], dtype=np.int32)))
+
+
+def test_16_bit_png_over_the_wire_decodes_scaled():
+    import base64
+    import io
+
+    from rewards.wire import decode_batch
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.full((8, 8), 32768, dtype=np.uint16)).save(buffer, format="PNG")
+    _, batch = decode_batch({"images": [base64.b64encode(buffer.getvalue()).decode()]})
+    assert batch["images"][0].mode == "RGB" and batch["images"][0].getpixel((3, 3)) == (128, 128, 128)
+
+
+def _dark_to_light() -> torch.Tensor:
+    """``[2, 3, 2, 2]`` images in [0, 1], each with both ends, 0 and 1."""
+    image = torch.full((2, 3, 2, 2), 0.5)
+    image[:, 0, 0, 0], image[:, 2, 1, 1] = 0.0, 1.0
+    return image
+
+
+def _with(value: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    def put(images: torch.Tensor) -> torch.Tensor:
+        images[1, 1, 0, 0] = value
+        return images
+
+    return put
+
+
+@pytest.mark.parametrize(
+    ("make", "found"),
+    [
+        (lambda x: x * 255, "must be float in [0, 1] (or uint8), got values in [0, 255]"),
+        (lambda x: x * 2 - 1, "must be float in [0, 1] (or uint8), got values in [-1, 1]"),
+        (lambda x: x * 1.01, "must be float in [0, 1] (or uint8), got values in [0, 1.01]"),
+        (_with(float("nan")), "holds NaN or infinite values (range [nan, nan])"),
+        (_with(float("-inf")), "holds NaN or infinite values (range [-inf, 1.0])"),
+    ],
+)
+def test_float_images_outside_0_1_are_refused_naming_the_range(make, found):
+    jpeg = rewards.build("jpeg_incompressibility")
+    with pytest.raises(ValueError, match=re.escape(f"images {found}")):
+        jpeg(images=make(_dark_to_light()))
+    first_bad = 1 if "NaN" in found else 0  # (_with puts its value in the second image)
+    with pytest.raises(ValueError, match=re.escape(f"images[{first_bad}] {found}")):
+        jpeg(images=list(make(_dark_to_light())))  # an image of a list is named by its index
+
+
+def test_a_refused_float_image_says_how_to_map_it():
+    with pytest.raises(ValueError) as error:
+        rewards.build("jpeg_incompressibility")(images=_dark_to_light() * 255)
+    assert str(error.value) == (
+        "images must be float in [0, 1] (or uint8), got values in [0, 255]: map [-1, 1] images with (x + 1) / 2 "
+        "and [0, 255] ones with x / 255"
+    )
+
+
+def test_float_images_within_the_tolerance_are_accepted(images):
+    from rewards.images import RANGE_TOLERANCE, check_image_tensor
+
+    assert RANGE_TOLERANCE == 1e-3
+    edge = images.clone()
+    edge[0, 0, 0, :2] = torch.tensor([-0.0009, 1.0009])  # a decoder's rounding
+    assert check_image_tensor(edge) is edge
+    edge[0, 0, 0, 0] = -0.0011
+    with pytest.raises(ValueError, match=r"got values in \[-0\.0011, 1\.001\]"):
+        check_image_tensor(edge)
+    assert check_image_tensor(torch.zeros(0, 3, 4, 4)).shape == (0, 3, 4, 4)  # an empty batch has no range

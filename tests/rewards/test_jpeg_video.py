@@ -112,3 +112,13 @@ def test_temporal_consistency(open_clip_name, open_clip_weights) -> None:
     assert cos_ab < 0.999  # different frames are told apart
     with pytest.raises(ValueError, match=">= 2 frames"):
         reward(videos=static[None, :1])
+
+
+def test_video_rewards_score_an_empty_batch_as_empty(open_clip_name, open_clip_weights) -> None:
+    """As image rewards do (``jpeg(images=[])`` is an empty tensor), not a torch.stack error."""
+    frames = rewards.build("video_frames", reward="jpeg_incompressibility").score(videos=[], prompts=[])
+    assert frames.scores.shape == (0,) and frames.components["frame_min"].shape == (0,)
+    temporal = rewards.build(
+        "temporal_consistency", model_name=open_clip_name, pretrained=str(open_clip_weights)
+    ).score(videos=torch.zeros(0, 2, 3, 32, 32))
+    assert temporal.scores.shape == (0,) and temporal.components["min_pair"].shape == (0,)

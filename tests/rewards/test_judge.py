@@ -84,7 +84,20 @@ def test_choice_probability_reads_the_answer_position() -> None:
 
 @pytest.mark.parametrize(
     ("text", "points"),
-    [("A", 1.0), ("(B)", 0.0), ("<answer>A</answer>", 1.0), ("Image B is better.", 0.0), ("both", None)],
+    [
+        ("A", 1.0),
+        ("(B)", 0.0),
+        ("<answer>A</answer>", 1.0),
+        ("Image B is better.", 0.0),
+        ("both", None),
+        # a lower-case "a" is the article unless it is the whole answer
+        ("a close call, but B is better", 0.0),
+        ("a close call, but image B wins", 0.0),
+        ("a tie", None),
+        ("b", 0.0),
+        ("(a).", 1.0),
+        ("<answer>a</answer>", 1.0),
+    ],
 )
 def test_parse_pair_choice_from_text(text: str, points: float | None) -> None:
     assert parse_pair_choice(JudgeAnswer(text), prob=False) == points
@@ -125,6 +138,31 @@ def test_pairwise_win_rates_by_hand() -> None:
     # metadata groups override the prompt
     grouped = reward.score(images=images[:2], prompts=["x", "y"], metadata=[{"group": 1}, {"group": 1}])
     torch.testing.assert_close(grouped.scores, torch.tensor([1.0, 0.0]))
+
+
+class Echo:
+    """A judge that answers with the question it was asked, to see the text a template builds."""
+
+    def answer(self, requests: list[JudgeRequest], logprobs: bool) -> list[JudgeAnswer]:
+        return [JudgeAnswer(request.text) for request in requests]
+
+
+def test_a_template_with_literal_braces_keeps_them() -> None:
+    """Only ``{prompt}`` is substituted: a JSON example in the template is sent as written, not a KeyError."""
+    template = 'Reply as JSON {"score": N}. Prompt: {prompt}. {0} {prompt}'
+    image = Image.new("RGB", (4, 4))
+    pointwise = rewards.build("vlm_judge", judge=Echo(), template=template).score(
+        images=[image], prompts=["a {cat}"]
+    )
+    assert pointwise.reasons == [
+        """unreadable answer, scored 0: judge answered 'Reply as JSON {"score": N}. Prompt: a {cat}. {0} a {cat}'"""
+    ]
+    pairwise = rewards.build("vlm_judge_pairwise", judge=Echo(), template=template).score(
+        images=[image, image], prompts=["p", "p"]
+    )
+    assert pairwise.reasons[0] == (
+        """A vs 1: 'Reply as JSON {"score": N}. Prompt: p. {0} p'; B vs 1: 'Reply as JSON {"score": N}. Prompt: p. {0} p'"""
+    )
 
 
 def test_bad_options_are_named() -> None:

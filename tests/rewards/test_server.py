@@ -114,6 +114,7 @@ def test_oversized_request_is_413_and_client_can_chunk(server) -> None:
         b'{"id": 5, "completions": ["a"]}',
         b"[" * 20_000 + b"]" * 20_000,  # nested past the JSON parser's recursion limit
         b"\xff\xfe not utf-8",
+        b'{"completions": ["a", "b"], "metadata": [{}, "g1"]}',  # metadata items are objects (or null)
     ],
 )
 def test_malformed_payload_is_400_and_server_stays_up(server, body: bytes) -> None:
@@ -133,6 +134,18 @@ def test_a_ground_truth_no_verifier_can_read_is_refused_by_name(truth) -> None:
         WireError, match=r"ground_truths\[1\]: expected a string, a finite number or a non-empty"
     ):
         decode_batch(json.loads(f'{{"completions": ["a", "b"], "ground_truths": ["4", {truth}]}}'))
+
+
+def test_metadata_that_is_not_an_object_is_refused_by_index() -> None:
+    """A string or a list would reach the reward's ``metadata[i].get(...)``: a 500 instead of a 400."""
+    from rewards.wire import WireError, decode_batch
+
+    with pytest.raises(
+        WireError, match=r'^metadata\[1\]: expected a JSON object or null \(one per sample\), got "g1"$'
+    ):
+        decode_batch({"completions": ["a", "b"], "metadata": [{"group": 1}, "g1"]})
+    _, batch = decode_batch({"completions": ["a", "b"], "metadata": [{"group": 1}, None]})
+    assert batch["metadata"] == [{"group": 1}, None]
 
 
 def test_ground_truths_of_every_accepted_form_decode() -> None:
@@ -186,6 +199,147 @@ def test_dynamic_batching_merges_concurrent_requests() -> None:
         torch.testing.assert_close(scores, JPEG(images=imgs), rtol=0, atol=0)
     assert stats["requests"] == 12 and stats["samples"] == 24
     assert stats["mean_batch_size"] > 2  # more than one request per reward call
+
+
+class MinusBatchMean(Reward):
+    """``score_i = x_i - mean(x)`` over the batch it is given: a stand-in for a reward whose scores depend on
+    the other samples (the pairwise judge's win rates)."""
+
+    def __init__(self, batch_dependent: bool):
+        self.batch_dependent = batch_dependent
+
+    def score(self, *, completions: list[str], **_: Any) -> RewardOutput:
+        values = torch.tensor([float(c) for c in completions])
+        return RewardOutput(scores=values - values.mean())
+
+
+@pytest.mark.parametrize(
+    ("batch_dependent", "expected"),
+    [
+        (True, [[-0.5, 0.5], [-5.0, 5.0]]),  # each request alone: means 1.5 and 15
+        (
+            False,
+            [[-7.25, -6.25], [1.75, 11.75]],
+        ),  # merged: one mean, 8.25 (what a batch-dependent reward must not get)
+    ],
+)
+def test_a_batch_dependent_reward_scores_each_request_alone(batch_dependent, expected) -> None:
+    reward = MinusBatchMean(batch_dependent)
+    # a batch closes when full (4 samples) or after 2 s: two concurrent requests of 2 would be merged
+    with ServerThread(reward, config(reward="minus_mean", max_batch_size=4, max_wait_ms=2000.0)) as running:
+        bodies = [b'{"completions": ["1", "2"]}', b'{"completions": ["10", "20"]}']
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(lambda body: post(running.url, body), bodies))
+        stats = health(running.url)
+    assert [status for status, _ in answers] == [200, 200]
+    assert [data["scores"] for _, data in answers] == expected
+    assert stats["batches"] == (2 if batch_dependent else 1)
+
+
+def test_the_pairwise_judge_and_its_video_form_are_batch_dependent() -> None:
+    judge = rewards.build("vlm_judge_pairwise", judge=object())
+    assert judge.batch_dependent and not rewards.build("vlm_judge", judge=object()).batch_dependent
+    assert rewards.build("video_frames", reward=judge).batch_dependent
+    assert not rewards.build("video_frames", reward="jpeg_incompressibility").batch_dependent
+
+
+class Miscount(Reward):
+    """Returns ``len(completions) + extra`` scores (or that many reasons, with ``in_reasons``): a broken reward."""
+
+    name = "miscount"
+
+    def __init__(self, extra: int, in_reasons: bool = False):
+        self.extra, self.in_reasons = extra, in_reasons
+
+    def score(self, *, completions: list[str], **_: Any) -> RewardOutput:
+        n = len(completions)
+        if self.in_reasons:
+            return RewardOutput(scores=torch.zeros(n), reasons=[None] * (n + self.extra))
+        return RewardOutput(scores=torch.arange(n + self.extra, dtype=torch.float32))
+
+
+@pytest.mark.parametrize(
+    ("extra", "in_reasons", "what"),
+    [(1, False, "4 scores"), (-1, False, "2 scores"), (-2, True, "1 reasons")],
+)
+def test_a_reward_returning_other_than_one_score_per_sample_fails_the_request(
+    extra, in_reasons, what
+) -> None:
+    with ServerThread(Miscount(extra, in_reasons), config(reward="miscount")) as running:
+        status, data = post(running.url, b'{"completions": ["a", "b", "c"]}')
+    assert status == 500
+    assert data["error"] == (
+        f"reward failed: RuntimeError: reward 'miscount' returned {what} for a batch of 3 samples; a reward must "
+        "return one per sample, in order"
+    )
+
+
+class SlowImages(Reward):
+    """Scores images after ``seconds``; ``done`` is set when the model call ends."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.done = threading.Event()
+
+    def score(self, *, images: list[Image.Image], **_: Any) -> RewardOutput:
+        time.sleep(self.seconds)
+        self.done.set()
+        return RewardOutput(scores=torch.zeros(len(images)))
+
+
+def test_a_timed_out_request_holds_its_pixels_until_its_scoring_ends() -> None:
+    """The 504 does not free the decoded images (the model call runs on): their pixels stay counted, so the
+    next request finds the budget full, until the batcher is through with them."""
+    reward = SlowImages(1.5)
+    pixels = 32 * 32
+    cfg = config(reward="slow", request_timeout_s=0.2, max_request_pixels=pixels, max_pixels_in_flight=pixels)
+    with ServerThread(reward, cfg) as running:
+        status, _ = post(running.url, valid_body(1))
+        assert status == 504 and not reward.done.is_set()
+        assert running.server.pixels_in_flight == pixels
+        assert post(running.url, valid_body(1))[0] == 503  # the budget is still full
+        assert reward.done.wait(timeout=10)
+        for _ in range(200):  # the batcher releases on the event loop, right after the call (bounded wait)
+            if running.server.pixels_in_flight == 0:
+                break
+            time.sleep(0.01)
+        assert running.server.pixels_in_flight == 0
+        reward.seconds = 0.0
+        assert post(running.url, valid_body(1))[0] == 200
+
+
+def test_a_request_dropped_while_queued_releases_its_pixels() -> None:
+    reward = SlowImages(1.0)
+    pixels = 32 * 32
+    cfg = config(
+        reward="slow",
+        request_timeout_s=0.3,
+        max_batch_size=1,
+        max_request_pixels=pixels,
+        max_pixels_in_flight=2 * pixels,
+    )
+    with ServerThread(reward, cfg) as running:
+        with ThreadPoolExecutor(2) as pool:  # one is scored, the other waits in the queue behind it
+            statuses = list(pool.map(lambda _: post(running.url, valid_body(1))[0], range(2)))
+        assert statuses == [504, 504]
+        assert running.server.pixels_in_flight == 2 * pixels  # one in the model call, one queued
+        for _ in range(300):  # bounded: the call ends after 1 s, then the queued job is dropped
+            if running.server.pixels_in_flight == 0:
+                break
+            time.sleep(0.01)
+        assert running.server.pixels_in_flight == 0
+        assert health(running.url)["batches"] == 1  # the queued request was dropped, not scored
+
+
+def test_an_ipv6_host_is_bracketed_in_urls() -> None:
+    from rewards.server import http_url
+
+    assert http_url("::1", 8765) == "http://[::1]:8765"
+    assert http_url("127.0.0.1", 8765) == "http://127.0.0.1:8765"
+    with ServerThread(rewards.build("exact_match"), config(reward="exact_match", host="::1")) as running:
+        assert running.url == f"http://[::1]:{running.server.port}"
+        client = rewards.build("remote", url=running.url, token=TOKEN, retries=0)
+        assert client(completions=["a", "b"], ground_truths=["a", "a"]).tolist() == [1.0, 0.0]
 
 
 class SlowReward(Reward):

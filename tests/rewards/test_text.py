@@ -250,6 +250,48 @@ def test_multiple_choice_reads_the_option_a_ground_truth_names() -> None:
     assert reward.ground_truth_problem("E") == "names options ['E'] that are not among choices 'ABCD'"
 
 
+def test_a_sign_before_a_fraction_negates_the_whole_fraction() -> None:
+    from rewards.text import parse_number
+
+    texts = [
+        r"-\frac{1}{2}",
+        "-(3/4)",
+        "\u2212\\frac{1}{2}",
+        r"\boxed{-\dfrac{3}{4}}",
+        "+(1/4)",
+        "-(-3/4)",
+        "3/4",
+    ]
+    assert [parse_number(t) for t in texts] == [-0.5, -0.75, -0.5, -0.75, 0.25, 0.75, 0.75]
+    out = rewards.build("numeric").score(
+        completions=[r"<answer>-\frac{1}{2}</answer>", r"<answer>-\frac{1}{2}</answer>"],
+        ground_truths=["-1/2", "1/2"],
+    )
+    assert out.scores.tolist() == [1.0, 0.0]
+    assert out.reasons[1] == "-0.5 is not within tolerance of '1/2'"
+
+
+def test_multiple_choice_reads_a_leading_pronoun_or_article_as_a_word() -> None:
+    """An answer opening with "I think" chooses the letter it names, not the option I; "A is better than B" still
+    chooses A (there A is the subject, not the article)."""
+    answers = {
+        "I think B": "B",
+        "I would pick (C)": "C",
+        "A red one, so D": "D",
+        "A is better than B": "A",
+        "I is correct": "I",
+        "B is correct": "B",
+        "I. a pronoun as an option": "I",
+    }
+    reward = rewards.build("multiple_choice")
+    out = reward.score(
+        completions=[f"<answer>{a}</answer>" for a in answers], ground_truths=list(answers.values())
+    )
+    assert out.scores.tolist() == [1.0] * len(answers), out.reasons
+    out = reward.score(completions=["<answer>I think so</answer>"], ground_truths=["I"])
+    assert out.scores.tolist() == [0.0] and out.reasons == ["no choice found"]
+
+
 def test_math_verify_refuses_a_ground_truth_that_does_not_parse() -> None:
     reward = rewards.build("math_verify")
     assert [reward.ground_truth_problem(t) for t in ("\\frac{1}{2}", ["2", "x = 3"])] == [None, None]
