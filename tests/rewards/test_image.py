@@ -209,6 +209,22 @@ def test_half_precision_input_is_preprocessed_in_float32(images):
             torch.testing.assert_close(half, expected.to(dtype), rtol=0, atol=0)
 
 
+def _learned_reward_options(name: str, request) -> dict[str, str]:
+    """The build options of a learned reward on this suite's tiny random models (conftest fixtures)."""
+    if name == "pickscore":
+        path = str(request.getfixturevalue("hf_clip_dir"))
+        return {"model_id": path, "processor_id": path}
+    if name == "aesthetic":
+        path, head = request.getfixturevalue("aesthetic_parts")
+        return {"clip_model_id": str(path), "head_path": str(head)}
+    options = {"model_name": request.getfixturevalue("open_clip_name")}
+    if name == "hpsv2":
+        options["checkpoint"] = str(request.getfixturevalue("hps_checkpoint"))
+    else:
+        options["pretrained"] = str(request.getfixturevalue("open_clip_weights"))
+    return options
+
+
 @pytest.mark.parametrize(
     ("name", "half"),
     [
@@ -218,15 +234,7 @@ def test_half_precision_input_is_preprocessed_in_float32(images):
     ],
 )
 def test_half_precision_rewards_score_images_that_need_a_resize(name, half, request, prompts):
-    if name == "pickscore":
-        path = str(request.getfixturevalue("hf_clip_dir"))
-        options = {"model_id": path, "processor_id": path}
-    else:
-        options = {"model_name": request.getfixturevalue("open_clip_name")}
-        if name == "hpsv2":
-            options["checkpoint"] = str(request.getfixturevalue("hps_checkpoint"))
-        else:
-            options["pretrained"] = str(request.getfixturevalue("open_clip_weights"))
+    options = _learned_reward_options(name, request)
     odd = torch.rand(4, 3, 48, 64, generator=torch.Generator().manual_seed(7))  # not the model's 32 x 32
     out = rewards.build(name, **options, **half).score(images=odd, prompts=prompts)
     full = rewards.build(name, **options).score(images=odd, prompts=prompts)
@@ -236,18 +244,7 @@ def test_half_precision_rewards_score_images_that_need_a_resize(name, half, requ
 
 @pytest.mark.parametrize("name", ["clip_score", "hpsv2", "pickscore", "aesthetic"])
 def test_every_learned_reward_is_differentiable_on_request(name, request, images, prompts):
-    if name == "pickscore":
-        path = str(request.getfixturevalue("hf_clip_dir"))
-        options = {"model_id": path, "processor_id": path}
-    elif name == "aesthetic":
-        path, head = request.getfixturevalue("aesthetic_parts")
-        options = {"clip_model_id": str(path), "head_path": str(head)}
-    else:
-        options = {"model_name": request.getfixturevalue("open_clip_name")}
-        if name == "hpsv2":
-            options["checkpoint"] = str(request.getfixturevalue("hps_checkpoint"))
-        else:
-            options["pretrained"] = str(request.getfixturevalue("open_clip_weights"))
+    options = _learned_reward_options(name, request)
     reward = rewards.build(name, differentiable=True, batch_size=3, **options)
     pixels = images.clone().requires_grad_(True)
     scores = reward(images=pixels, prompts=prompts)
