@@ -189,7 +189,8 @@ class ExactMatch(TextVerifier):
     """1 if the normalised answer equals a normalised ground truth (any of several), else 0.
 
     Normalisation: case-folded, whitespace collapsed, ``.,;:!?"'`*`` and spaces stripped at both ends
-    ("  The Red Circle. " == "the red circle").
+    ("  The Red Circle. " == "the red circle"); a whole-number float ground truth reads as its integer (2.0 is
+    "2"), any other as Python writes it (2.5 is "2.5").
 
     Args:
         answer_tag: read the answer from the last ``<answer_tag>...</answer_tag>`` span ("" to never look).
@@ -213,9 +214,17 @@ class ExactMatch(TextVerifier):
         got = self.normalize(answer)
         if not got:
             return 0.0, "empty answer"
-        if any(got == self.normalize(str(t)) for t in as_answers(ground_truth)):
+        if any(got == self.normalize(_truth_text(t)) for t in as_answers(ground_truth)):
             return 1.0, None
         return 0.0, f"answer {got!r} does not match"
+
+
+def _truth_text(truth: Any) -> str:
+    """A ground truth as text; a whole float is written as the integer it is (a table column of floats, a JSON
+    ``2.0``: the answer "2" matches it)."""
+    if isinstance(truth, float) and truth.is_integer():
+        return str(int(truth))
+    return str(truth)
 
 
 # the whole answer is one option: "B", "(b)", "B.", "B)"

@@ -197,6 +197,13 @@ def test_require_answer_tag_and_length_errors() -> None:
         strict(completions="a", ground_truths=["a"])
 
 
+def test_exact_match_reads_a_whole_float_ground_truth_as_its_integer() -> None:
+    exact = rewards.build("exact_match")
+    completions = ["<answer>2</answer>", "<answer>2.0</answer>", "<answer>2.5</answer>", "<answer>3</answer>"]
+    truths = [2.0, 2.0, 2.5, 3]
+    assert exact(completions=completions, ground_truths=truths).tolist() == [1.0, 0.0, 1.0, 1.0]
+
+
 def test_exact_match_number_words_only_when_asked() -> None:
     completions = [
         "<answer>two</answer>",
