@@ -329,20 +329,24 @@ def parse_rating(text: str, low: float, high: float) -> float | None:
     return None
 
 
-def _word(token: str) -> str:
-    """A token or answer reduced to its lower-case letters and digits ("<answer>Yes." -> "answeryes")."""
-    return "".join(c for c in token.lower() if c not in string.punctuation and not c.isspace())
+def _word(token: str, keep_case: bool = False) -> str:
+    """A token or answer reduced to its letters and digits, lower-cased unless ``keep_case``
+    ("<answer>Yes." -> "answeryes")."""
+    return "".join(
+        c for c in (token if keep_case else token.lower()) if c not in string.punctuation and not c.isspace()
+    )
 
 
-def choice_probability(answer: JudgeAnswer, first: str, second: str) -> float | None:
+def choice_probability(answer: JudgeAnswer, first: str, second: str, keep_case: bool = False) -> float | None:
     """``P(first) / (P(first) + P(second))`` at the answer's first token that reads as either word, summing
-    the alternatives there that read as each (case and punctuation ignored: "Yes", " yes", ">yes" all count
-    as yes). Tokens before it (``<answer>``, ``**``, "Answer:") are passed over; ``None`` when no token of
-    the answer reads as either word (or there are no log-probabilities)."""
+    the alternatives there that read as each (punctuation ignored, and case unless ``keep_case``: "Yes",
+    " yes", ">yes" all count as yes; with ``keep_case`` the option letters "A" / "B" count, not the article
+    "a"). Tokens before it (``<answer>``, ``**``, "Answer:") are passed over; ``None`` when no token of the
+    answer reads as either word (or there are no log-probabilities)."""
     for token, top in zip(answer.tokens, answer.top_logprobs, strict=True):
-        if _word(token) in (first, second):
-            p_first = sum(math.exp(v) for t, v in top.items() if _word(t) == first)
-            p_second = sum(math.exp(v) for t, v in top.items() if _word(t) == second)
+        if _word(token, keep_case) in (first, second):
+            p_first = sum(math.exp(v) for t, v in top.items() if _word(t, keep_case) == first)
+            p_second = sum(math.exp(v) for t, v in top.items() if _word(t, keep_case) == second)
             if p_first + p_second > 0.0:
                 return p_first / (p_first + p_second)
     return None
@@ -375,7 +379,7 @@ def parse_pair_choice(answer: JudgeAnswer, prob: bool) -> float | None:
     it opens with or names as "image B", "option A", else the only one of the two it names); ``None`` when none
     of these tells (a tie, or an answer naming both letters only in passing)."""
     if prob:
-        probability = choice_probability(answer, "a", "b")
+        probability = choice_probability(answer, "A", "B", keep_case=True)
         if probability is not None:
             return probability
     for pattern in _PAIR_PATTERNS:

@@ -103,6 +103,22 @@ def test_parse_pair_choice_from_text(text: str, points: float | None) -> None:
     assert parse_pair_choice(JudgeAnswer(text), prob=False) == points
 
 
+def test_pair_choice_probability_reads_the_option_letters_not_the_article() -> None:
+    # "a close call, B": the first token is the article "a"; the answer position is " B" (B 0.8, A 0.2)
+    answer = JudgeAnswer(
+        text="a close call, B",
+        tokens=["a", " close", " call", ",", " B"],
+        top_logprobs=[
+            {"a": math.log(0.9), "A": math.log(0.05), "B": math.log(0.05)},
+            {" close": 0.0},
+            {" call": 0.0},
+            {",": 0.0},
+            {" B": math.log(0.8), " A": math.log(0.2)},
+        ],
+    )
+    assert parse_pair_choice(answer, prob=True) == pytest.approx(0.2)
+
+
 # ---- a scripted judge: exact win rates ------------------------------------------------------------------------
 
 
