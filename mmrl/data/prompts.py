@@ -57,7 +57,7 @@ def load_prompts(source: str) -> list[str]:
 def _numbered_prompts(path: Path) -> list[tuple[int, str]]:
     """``(line number, prompt)`` of a prompt file, blank lines and ``#`` comments skipped, spaces collapsed."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()  # (a byte-order mark is no prompt text)
     except UnicodeDecodeError as err:
         raise ValueError(f"prompt file {path} is not UTF-8 text: {err}") from None
     return [

@@ -195,6 +195,32 @@ def _load_dataset(source: str, *args: Any, **kwargs: Any) -> Any:
         ) from None
 
 
+def hub_source(source: str, default_split: str) -> tuple[str, str]:
+    """``(dataset id, split)`` of a hub source: ``"org/name@test"`` names its split (EasyR1's form), a bare id
+    takes ``default_split`` (``data.split``)."""
+    hub_id, _, split = source.partition("@")
+    return hub_id, split or default_split
+
+
+def _decodes_images(feature: Any) -> bool:
+    """Whether a ``datasets`` feature (an Image, or a list / sequence of them) decodes its images itself."""
+    inner = getattr(feature, "feature", None)
+    if isinstance(feature, list) and feature:
+        inner = feature[0]
+    if inner is not None:
+        return _decodes_images(inner)
+    return type(feature).__name__ == "Image" and bool(getattr(feature, "decode", False))
+
+
+def _undecoded(feature: Any, datasets: Any) -> Any:
+    """The same feature with its images left as ``{bytes, path}``."""
+    if isinstance(feature, list):
+        return [_undecoded(feature[0], datasets)]
+    if hasattr(feature, "feature"):
+        return type(feature)(_undecoded(feature.feature, datasets))
+    return datasets.Image(decode=False)
+
+
 def load_vqa(
     source: str,
     *,
@@ -260,7 +286,8 @@ def load_vqa(
             f"VQA data file {path}: unsupported format; use {sorted(_LOCAL_FORMATS)} or shapes:train"
         )
     else:
-        ds = _load_dataset(source, source, split=split)
+        hub_id, hub_split = hub_source(source, split)
+        ds = _load_dataset(source, hub_id, split=hub_split)
         root = Path(image_root) if image_root else Path(".")
     needed = [c for c in (question_column, answer_column, image_column, id_column, reference_column) if c]
     missing = [c for c in needed if c not in ds.column_names]
@@ -268,6 +295,12 @@ def load_vqa(
         raise ValueError(f"{source}: missing column(s) {missing}; columns present: {ds.column_names}")
     if limit is not None:
         ds = ds.select(range(min(limit, len(ds))))
+    if image_column and _decodes_images(ds.features.get(image_column)):
+        import datasets
+
+        # read as {bytes, path}: _open_image then resolves paths against the file's folder and names the row
+        # of an image that does not open (datasets would decode while iterating, naming neither)
+        ds = ds.cast_column(image_column, _undecoded(ds.features[image_column], datasets))
     examples = []
     for i, row in enumerate(ds):
         where = f"{source} row {i}"
@@ -275,12 +308,17 @@ def load_vqa(
         if image_column:
             value = row[image_column]
             values: Sequence[Any] = value if isinstance(value, list) else [value]
-            images = [_open_image(v, root, where) for v in values if v is not None]
-            if not images:
+            if not values or all(v is None for v in values):
                 raise ValueError(
                     f"{where}: no image in column {image_column!r} (the value is {value!r}); every row of a VLM "
                     "question file needs one (set data.image_column to null for text-only questions)"
                 )
+            if any(v is None for v in values):
+                raise ValueError(
+                    f"{where}: image {[v is None for v in values].index(True)} of the list in column "
+                    f"{image_column!r} is null; a question shows every image its list names"
+                )
+            images = [_open_image(v, root, where) for v in values]
         for column in (question_column, answer_column):
             if row[column] is None or not str(row[column]).strip():
                 raise ValueError(

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import PositiveInt, field_validator, model_validator
 
 from mmrl.config import Config, Field, RunConfig
 from mmrl.core.estimators import check_estimator, get_estimator
-from mmrl.data.vqa import format_question
+from mmrl.data.vqa import format_question, hub_source
 from mmrl.device import DeviceName
 from mmrl.optim import OptimizerName, check_optimizer_dtype
 from mmrl.sections import (
@@ -115,7 +116,10 @@ class VLMDataConfig(Config):
         "shapes_count:train: 2000 beside 4000 shapes_math questions: a third one-step count questions).",
     )
     eval_limit: int | None = Field(200, ge=1, description="Eval examples kept.")
-    split: str = Field("train", description="Split of a hub dataset.")
+    split: str = Field(
+        "train",
+        description="Split of a hub dataset named without one; 'org/name@test' names its own (EasyR1's form).",
+    )
     question_column: str = Field("question", description="Column of the question text.")
     answer_column: str = Field("answer", description="Column of the ground truth the verifiers check.")
     image_column: str | None = Field(
@@ -549,6 +553,16 @@ class VLMRLVRConfig(Config):
         check_optimizer_dtype(self.trainer.optimizer, self.model.master_weight_dtype)
         self._check_dynamic_sampling()
         d = self.data
+        eval_hub, train_hub = (
+            None if ":" in source or Path(source).suffix else hub_source(source, d.split)
+            for source in (d.eval, d.train)
+        )
+        if eval_hub is not None and eval_hub == train_hub:
+            raise ValueError(
+                f"data.eval: {d.eval!r} reads split {eval_hub[1]!r} of {eval_hub[0]!r}, as data.train does, so "
+                f"held-out scores would be training scores; name the held-out split, e.g. "
+                f"data.eval={eval_hub[0]}@test"
+            )
         if d.min_pixels is not None and d.max_pixels is not None and d.min_pixels > d.max_pixels:
             raise ValueError(f"data.min_pixels ({d.min_pixels}) exceeds data.max_pixels ({d.max_pixels})")
         # a template that cannot be filled fails here, not when the data loads (after the model)

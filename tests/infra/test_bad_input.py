@@ -11,7 +11,7 @@ import torch
 
 import rewards
 from mmrl.cli import main as cli_main
-from mmrl.config import ConfigError, load_yaml
+from mmrl.config import ConfigError, load_config, load_yaml
 from mmrl.data.prompts import check_prompts, load_prompts
 from mmrl.data.vqa import check_answers, load_vqa
 from rewards.base import Reward, RewardCheckError, RewardOutput, checked_score
@@ -146,6 +146,67 @@ def test_vqa_row_without_an_image_is_named(tmp_path) -> None:
     assert len(load_vqa(source, limit=1)[0].images) == 1
 
 
+def test_a_null_inside_an_image_list_is_named_not_dropped(tmp_path) -> None:
+    from PIL import Image
+
+    for name in ("a.png", "b.png"):
+        Image.new("RGB", (8, 8)).save(tmp_path / name)
+    rows = [{"question": "q", "answer": "1", "image": ["a.png", None, "b.png"]}]
+    source = write_jsonl(tmp_path / "vqa.jsonl", rows)
+    with pytest.raises(ValueError, match=r"vqa\.jsonl row 0: image 1 of the list in column 'image' is null"):
+        load_vqa(source)
+
+
+def test_parquet_images_resolve_against_the_file_and_a_bad_one_names_its_row(tmp_path, monkeypatch) -> None:
+    import datasets
+    from PIL import Image
+
+    (tmp_path / "img").mkdir()
+    Image.new("RGB", (8, 8), (200, 10, 10)).save(tmp_path / "img/a.png")
+    features = datasets.Features(
+        {"question": datasets.Value("string"), "answer": datasets.Value("string"), "image": datasets.Image()}
+    )
+    rows = {"question": ["q0", "q1"], "answer": ["1", "2"], "image": ["img/a.png", "img/a.png"]}
+    monkeypatch.chdir(tmp_path)
+    datasets.Dataset.from_dict(rows, features=features).to_parquet(tmp_path / "vqa.parquet")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # the relative image paths are the file's, not the working directory's
+    examples = load_vqa(str(tmp_path / "vqa.parquet"))
+    assert [ex.images[0].getpixel((0, 0)) for ex in examples] == [(200, 10, 10)] * 2
+    broken = {
+        "question": ["q0", "q1"],
+        "answer": ["1", "2"],
+        "image": [{"bytes": b"not a png", "path": None}] * 2,
+    }
+    datasets.Dataset.from_dict(broken, features=features).to_parquet(tmp_path / "broken.parquet")
+    with pytest.raises(ValueError, match=r"broken\.parquet row 0: cannot read image"):
+        load_vqa(str(tmp_path / "broken.parquet"))
+
+
+def test_a_hub_source_names_its_split_and_eval_may_not_read_the_training_split(monkeypatch) -> None:
+    from mmrl.data.vqa import hub_source
+    from mmrl.vlm.config import VLMRLVRConfig
+
+    assert hub_source("org/geo@test", "train") == ("org/geo", "test")
+    assert hub_source("org/geo", "train") == ("org/geo", "train")
+    asked = []
+    monkeypatch.setattr(
+        "mmrl.data.vqa._load_dataset", lambda source, *args, **kw: asked.append((args, kw)) or 1 / 0
+    )
+    with pytest.raises(ZeroDivisionError):
+        load_vqa("org/geo@validation")
+    assert asked == [(("org/geo",), {"split": "validation"})]
+    for train, held_out in (
+        ("org/geo", "org/geo"),
+        ("org/geo", "org/geo@train"),
+        ("org/geo@test", "org/geo@test"),
+    ):
+        with pytest.raises(ValueError, match=r"data\.eval: .* as data\.train does"):
+            load_config(VLMRLVRConfig, None, [f"data.train={train}", f"data.eval={held_out}"])
+    load_config(VLMRLVRConfig, None, ["data.train=org/geo", "data.eval=org/geo@test"])
+
+
 def test_malformed_empty_and_unsupported_vqa_files_are_named(tmp_path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "q", "answer": "a"}\n{"question": "q2", "answer": \n')
@@ -181,6 +242,12 @@ def test_prompt_file_is_checked_against_the_grammar_with_its_line(tmp_path) -> N
         check_prompts(str(path), prompts, [ShapesReward()])
     check_prompts(str(path), prompts, [Reward()])  # a reward without a grammar accepts every prompt
     check_prompts("shapes:heldout", load_prompts("shapes:heldout"), [ShapesReward()])
+
+
+def test_a_byte_order_mark_is_not_read_as_prompt_text(tmp_path) -> None:
+    path = tmp_path / "prompts.txt"
+    path.write_text("# my prompts\na photo of a red circle\n", encoding="utf-8-sig")
+    assert load_prompts(str(path)) == ["a photo of a red circle"]
 
 
 def test_a_megabyte_prompt_line_is_refused_at_once(tmp_path) -> None:
