@@ -48,15 +48,19 @@ def merged_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tenso
             yield name, tensor.detach()
         return
 
+    # a modules_to_save wrapper holds the frozen original and a trained copy per adapter: export the one its
+    # forward runs now (peft: the first active adapter's copy, the original while adapters are disabled)
+    in_use = {name: _copy_in_use(module) for name, module in base.named_modules() if _saves_modules(module)}
     for name, tensor in base.state_dict().items():
-        if ".lora_" in name or ".original_module." in name:
-            # LoRA factors are folded into the base weight; original_module is the frozen twin of a
-            # modules_to_save copy, which is exported instead.
-            continue
-        if ".modules_to_save." in name:
-            # "<module>.modules_to_save.<adapter>.<param>" -> "<module>.<param>"
-            owner, rest = name.split(".modules_to_save.", 1)
-            yield f"{owner}.{rest.split('.', 1)[1]}", tensor.detach()
+        if ".lora_" in name:
+            continue  # LoRA factors are folded into the base weight below
+        marker = next((m for m in (".modules_to_save.", ".original_module.") if m in name), None)
+        if marker is not None:
+            # "<module>.modules_to_save.<adapter>.<param>" or "<module>.original_module.<param>" -> "<module>.<param>"
+            owner = name.partition(marker)[0]
+            prefix = f"{owner}.{in_use[owner]}."
+            if name.startswith(prefix):
+                yield f"{owner}.{name.removeprefix(prefix)}", tensor.detach()
             continue
         if ".base_layer." in name:
             owner, param = name.rsplit(".base_layer.", 1)
@@ -67,3 +71,17 @@ def merged_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tenso
             yield f"{owner}.{param}", tensor.detach()
             continue
         yield name, tensor.detach()
+
+
+def _saves_modules(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is peft's ``modules_to_save`` wrapper (a trained copy beside the frozen original)."""
+    return hasattr(module, "modules_to_save") and hasattr(module, "original_module")
+
+
+def _copy_in_use(wrapper: torch.nn.Module) -> str:
+    """The state-dict prefix, below ``wrapper``, of the copy its forward runs: ``modules_to_save.<adapter>`` of
+    the first active adapter, or ``original_module`` when adapters are disabled or that adapter has no copy."""
+    active = list(wrapper.active_adapters)
+    if getattr(wrapper, "disable_adapters", False) or not active or active[0] not in wrapper.modules_to_save:
+        return "original_module"
+    return f"modules_to_save.{active[0]}"

@@ -141,3 +141,6 @@ def test_weight_sync_payload_merges_lora_under_hf_names(tiny):
         base_payload["model.language_model.layers.0.self_attn.q_proj.weight"],
         model.model.language_model.layers[0].self_attn.q_proj.weight,
     )
+    # ... including the modules_to_save layer: its frozen original, not the trained copy (+1)
+    assert set(base_payload) == hf_names
+    torch.testing.assert_close(base_payload["lm_head.weight"], model.lm_head.weight)
