@@ -264,6 +264,8 @@ class VLLMBackend(GenerationBackend):
         weights = merged_state_dict(model)
         # apply_model runs the function on the engine's nn.Module (in-process, see __init__).
         self.llm.apply_model(lambda engine_model: engine_model.load_weights(weights))
+        # prefix-cached key/value states (prompt and image tokens) were computed with the old weights
+        self.llm.reset_prefix_cache()
         self._weights_valid = True
         if self._asleep:
             self.llm.wake_up(tags=["kv_cache"])

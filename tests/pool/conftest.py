@@ -154,7 +154,7 @@ class _FakeLLM:
     :class:`pipelines.vlm.vllm_backend.VLLMBackend` makes, answered on CPU with vLLM-shaped objects.
 
     ``apply_model`` hands the function an engine model whose ``load_weights`` records each pushed state dict in
-    ``loads``; ``generate`` tokenizes each prompt with the model's processor (image slots expanded, as vLLM does)
+    ``loads`` (``reset_prefix_cache`` counts its calls); ``generate`` tokenizes each prompt with the model's processor (image slots expanded, as vLLM does)
     and draws ``n`` completions of ``max_tokens`` ordinary tokens from ``seed``, each token with log-prob -1.5
     (not the policy's: the trainer's TIS then has a mismatch to weight).
     """
@@ -164,6 +164,7 @@ class _FakeLLM:
 
         self.kwargs = kwargs
         self.loads: list[dict[str, torch.Tensor]] = []
+        self.prefix_cache_resets = 0
         self.processor = AutoProcessor.from_pretrained(model)
         engines.append(self)
 
@@ -172,6 +173,10 @@ class _FakeLLM:
             self.loads.append({name: tensor.detach().clone() for name, tensor in weights})
 
         return [fn(SimpleNamespace(load_weights=load_weights))]
+
+    def reset_prefix_cache(self) -> bool:
+        self.prefix_cache_resets += 1
+        return True
 
     def generate(self, requests, sampling_params, use_tqdm=True):
         p = sampling_params

@@ -92,6 +92,7 @@ def test_lora_updates_reach_the_engine_merged(fake_vllm, vlm_dir, vlm_requests):
     _train(policy, 2)
     assert worker.load_weights(make_update(policy, version=3)) == 3
     assert len(engine.loads) == 2 and worker.backend.weight_version == 2  # one engine sync per update
+    assert engine.prefix_cache_resets == 2  # no cached prompt states of the old weights are reused
     _check_merged(engine.loads[1], policy)
     assert not torch.equal(engine.loads[1][Q_PROJ], pushed[Q_PROJ])
     with pytest.raises(ValueError, match="older"):
