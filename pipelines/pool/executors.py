@@ -230,6 +230,12 @@ class _Host:
         return getattr(self.member, method)(*args)
 
 
+#: Ray executors alive in this process, and whether one of them started the local Ray cluster: that cluster is
+#: shut down when the last of them closes (closing the one that started it first would kill the others' actors)
+_ray_executors_alive = 0
+_ray_started_here = False
+
+
 class RayExecutor(Executor):
     """Members as Ray actors (one per GPU, fractional GPUs, or CPU actors).
 
@@ -247,13 +253,16 @@ class RayExecutor(Executor):
     def __init__(
         self, factory: Callable[[], Any], num_members: int, options: RayOptions | None = None
     ) -> None:
+        global _ray_executors_alive, _ray_started_here
         self.ray = import_ray()
         self.options = options or RayOptions()
-        self.owns_ray = False
         if not self.ray.is_initialized():
             self.ray.init(address=self.options.address, include_dashboard=False)
-            # a cluster this executor started is stopped with it; a cluster the caller joined is left alone
-            self.owns_ray = self.options.address is None
+            # a local cluster an executor started is stopped with the last executor; a cluster the caller
+            # started or joined is left alone
+            _ray_started_here = self.options.address is None
+        _ray_executors_alive += 1
+        self._closed = False
         register_tensor_serializer(self.ray)
         self.factory = factory
         self.actor_class = self.ray.remote(_Host).options(
@@ -298,7 +307,13 @@ class RayExecutor(Executor):
         return error
 
     def shutdown(self) -> None:
+        global _ray_executors_alive, _ray_started_here
         for index in range(len(self.actors)):
             self.kill(index)
-        if self.owns_ray:
+        if self._closed:
+            return
+        self._closed = True
+        _ray_executors_alive -= 1
+        if _ray_executors_alive == 0 and _ray_started_here:
             self.ray.shutdown()
+            _ray_started_here = False

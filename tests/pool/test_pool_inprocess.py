@@ -417,3 +417,43 @@ def test_inprocess_shutdown_waits_for_running_calls_and_cancels_queued_ones():
     time.sleep(0.05)  # the first call is running, the second waits in the member's queue
     executor.shutdown()
     assert member.done == [1] and running.result() == 1 and queued.cancelled()
+
+
+class _FakeRay:
+    """What :class:`pipelines.pool.executors.RayExecutor` calls of ``ray`` when it starts and stops (no actor is
+    started here): whether a cluster runs, and how often it was started and shut down."""
+
+    def __init__(self) -> None:
+        self.running = False
+        self.starts = self.shutdowns = 0
+        self.util = type("util", (), {"register_serializer": staticmethod(lambda *a, **k: None)})
+
+    def is_initialized(self) -> bool:
+        return self.running
+
+    def init(self, **kwargs) -> None:
+        self.running, self.starts = True, self.starts + 1
+
+    def shutdown(self) -> None:
+        self.running, self.shutdowns = False, self.shutdowns + 1
+
+    def remote(self, cls):
+        return type("actor_class", (), {"options": lambda _self, **kwargs: _self})()
+
+
+def test_the_local_ray_cluster_stops_with_the_last_executor_whichever_closes_first(monkeypatch):
+    from pipelines.pool import executors
+
+    fake = _FakeRay()
+    monkeypatch.setattr(executors, "import_ray", lambda: fake)
+    first, second = executors.RayExecutor(lambda: None, 1), executors.RayExecutor(lambda: None, 1)
+    assert fake.starts == 1  # the first started the local cluster, the second joined it
+    first.shutdown()  # the one that started it closes first: the other's actors must keep their cluster
+    first.shutdown()  # (closing twice counts once)
+    assert fake.running and fake.shutdowns == 0
+    second.shutdown()
+    assert not fake.running and fake.shutdowns == 1
+    # a cluster the caller started is never shut down by an executor
+    fake.running = True
+    executors.RayExecutor(lambda: None, 1).shutdown()
+    assert fake.running and fake.shutdowns == 1
