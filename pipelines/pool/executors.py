@@ -198,7 +198,14 @@ def _tensor_from_numpy(packed: tuple[np.ndarray, str, str]) -> torch.Tensor:
     t = torch.from_numpy(np.array(array, copy=True))
     if dtype == "bfloat16":
         t = t.view(torch.bfloat16)
-    return t if device == "cpu" or not torch.cuda.is_available() else t.to(device)
+    return t if device == "cpu" or not torch.cuda.is_available() else t.to(_receiving_device(device))
+
+
+def _receiving_device(sent_from: str) -> str:
+    """Where a tensor sent from ``sent_from`` lands: the same kind of device, this process's current one
+    (``"cuda:1"`` -> ``"cuda"``). The sender's index names its own GPU: a trainer rank on ``cuda:1`` sends to
+    an actor that sees its one GPU as ``cuda:0``, and an actor's ``cuda:0`` is not that trainer rank's GPU."""
+    return sent_from.partition(":")[0]
 
 
 def register_tensor_serializer(ray: Any) -> None:

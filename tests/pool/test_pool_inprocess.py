@@ -457,3 +457,13 @@ def test_the_local_ray_cluster_stops_with_the_last_executor_whichever_closes_fir
     fake.running = True
     executors.RayExecutor(lambda: None, 1).shutdown()
     assert fake.running and fake.shutdowns == 1
+
+
+def test_a_tensor_sent_through_ray_lands_on_the_receivers_own_device():
+    from pipelines.pool.executors import _receiving_device, _tensor_from_numpy, _tensor_to_numpy
+
+    assert _receiving_device("cuda:1") == "cuda" and _receiving_device("cuda") == "cuda"
+    assert _receiving_device("cpu") == "cpu"
+    sent = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    received = _tensor_from_numpy(_tensor_to_numpy(sent))
+    assert received.dtype == torch.bfloat16 and torch.equal(received, sent)
