@@ -183,12 +183,18 @@ def import_ray() -> Any:
     return ray
 
 
+#: float dtypes numpy lacks, sent as the integer bits of their size (bfloat16 as int16, float8 as uint8)
+_BITS_OF = {1: torch.uint8, 2: torch.int16}
+_NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
+
+
 def _tensor_to_numpy(t: torch.Tensor) -> tuple[np.ndarray, str, str]:
-    """A tensor as a numpy array (bfloat16 as its int16 bits), with its dtype and device."""
+    """A tensor as a numpy array (a float dtype numpy lacks, bfloat16 or float8, as its integer bits), with its
+    dtype and device."""
     dtype = str(t.dtype).removeprefix("torch.")
     data = t.detach().contiguous().cpu()
-    if t.dtype == torch.bfloat16:
-        data = data.view(torch.int16)
+    if t.dtype.is_floating_point and t.dtype not in _NUMPY_FLOATS:
+        data = data.view(_BITS_OF[t.dtype.itemsize])
     return data.numpy(), dtype, str(t.device)
 
 
@@ -196,8 +202,8 @@ def _tensor_from_numpy(packed: tuple[np.ndarray, str, str]) -> torch.Tensor:
     array, dtype, device = packed
     # the object store hands out read-only buffers: copy (a memcpy) rather than share them with writers
     t = torch.from_numpy(np.array(array, copy=True))
-    if dtype == "bfloat16":
-        t = t.view(torch.bfloat16)
+    if str(t.dtype).removeprefix("torch.") != dtype:  # the integer bits of a float numpy lacks
+        t = t.view(getattr(torch, dtype))
     return t if device == "cpu" or not torch.cuda.is_available() else t.to(_receiving_device(device))
 
 

@@ -464,6 +464,8 @@ def test_a_tensor_sent_through_ray_lands_on_the_receivers_own_device():
 
     assert _receiving_device("cuda:1") == "cuda" and _receiving_device("cuda") == "cuda"
     assert _receiving_device("cpu") == "cpu"
-    sent = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
-    received = _tensor_from_numpy(_tensor_to_numpy(sent))
-    assert received.dtype == torch.bfloat16 and torch.equal(received, sent)
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.float16, torch.int64):
+        # float dtypes numpy lacks travel as their bits (an fp8 explorer's full weight update included)
+        sent = torch.arange(6, dtype=torch.float32).reshape(2, 3).to(dtype)
+        received = _tensor_from_numpy(_tensor_to_numpy(sent))
+        assert received.dtype == dtype and torch.equal(received.float(), sent.float()), dtype
