@@ -96,7 +96,7 @@ class DistState:
 
     def own(self, per_rank: list[Any] | None, fallback: Any) -> Any:
         """This rank's entry of a list :meth:`gather` made, when it was made by as many ranks as run now; else
-        ``fallback`` (a run resumed on another number of ranks continues from rank 0's state, not bit for bit)."""
+        ``fallback`` (a run resumed on another number of ranks: the caller reseeds what must differ per rank)."""
         return per_rank[self.rank] if per_rank is not None and len(per_rank) == self.world_size else fallback
 
     def max_over_ranks(self, value: int) -> int:
@@ -178,26 +178,36 @@ def all_reduce_grads(params: list[nn.Parameter], world_size: int) -> None:
     """Average the gradients of ``params`` over the ranks, in one flat all-reduce.
 
     A parameter without a gradient on this rank (it took no part in this rank's loss) contributes zeros, so
-    every rank reduces the same buffer whatever its batch held.
+    every rank reduces the same buffer whatever its batch held. A parameter no rank has a gradient for keeps
+    ``grad = None``, as in a single process (and torch DDP): the optimizer then skips it, where a zero gradient
+    would still move it by AdamW's momentum and weight decay (Wan2.2's expert that none of a step's timesteps
+    reached).
     """
     if world_size <= 1 or not params:
         return
     device = _collective_device()
+    has_grad = torch.tensor(
+        [p.grad is not None for p in params], dtype=torch.float32
+    )  # [P] 1 where this rank has one
     flat = torch.cat(
         [
-            (p.grad if p.grad is not None else torch.zeros_like(p))
-            .detach()
-            .reshape(-1)
-            .to(device, torch.float32)
-            for p in params
+            *(
+                (p.grad if p.grad is not None else torch.zeros_like(p))
+                .detach()
+                .reshape(-1)
+                .to(device, torch.float32)
+                for p in params
+            ),
+            has_grad.to(device),
         ]
     )
     torch.distributed.all_reduce(flat)
+    ranks_with_grad = flat[-len(params) :].cpu()  # [P] how many ranks had a gradient
     flat /= world_size
     offset = 0
-    for p in params:
+    for p, ranks in zip(params, ranks_with_grad.tolist(), strict=True):
         n = p.numel()
-        p.grad = flat[offset : offset + n].view_as(p).to(p.device, p.dtype)
+        p.grad = flat[offset : offset + n].view_as(p).to(p.device, p.dtype) if ranks > 0 else None
         offset += n
 
 
