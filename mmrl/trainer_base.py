@@ -26,7 +26,7 @@ from mmrl.loop import train_loop
 from mmrl.memory import GIB, MemoryEstimate, check_fits
 from mmrl.rollouts import RolloutSource
 from mmrl.run import MetricAccumulator, Run, resume_checkpoint
-from mmrl.seeding import get_rng_state, seed_everything, set_rng_state
+from mmrl.seeding import get_rng_state, request_seed, seed_everything, set_rng_state
 from pipelines.threads import set_cpu_threads, stop_adapting
 
 __all__ = ["TrainerBase"]
@@ -175,7 +175,21 @@ class TrainerBase:
         self.step = int(state["step"])
         if self.stats is not None:
             self.stats.load_state_dict(state["stats"])
-        set_rng_state(self.dist.own(state.get("rng_per_rank"), state["rng"]), {"train": self.generator})
+        per_rank = state.get("rng_per_rank")
+        set_rng_state(self.dist.own(per_rank, state["rng"]), {"train": self.generator})
+        if self.dist.world_size > 1 and (per_rank is None or len(per_rank) != self.dist.world_size):
+            # saved by another number of ranks: every rank holds rank 0's streams now, and would draw the same
+            # prompts and noise as every other; each continues from its own seed of (run seed, rank, step)
+            saved_by = 1 if per_rank is None else len(per_rank)
+            seed = request_seed(self.cfg.run.seed, self.dist.rank, self.step, -1)
+            self.generator.manual_seed(seed)
+            seed_everything(seed)
+            logger.warning(
+                "resumed on %d ranks from a checkpoint of %d: each rank's random streams are reseeded from "
+                "(run.seed, rank, step), so the run continues as a new draw, not bit for bit",
+                self.dist.world_size,
+                saved_by,
+            )
         if "prompt_passes" in state:  # checkpoints written before the shuffled selection have none
             passes = self.dist.own(state.get("prompt_passes_per_rank"), state["prompt_passes"])
             self.prompt_passes.load_state_dict(passes)

@@ -45,3 +45,24 @@ def test_nothing_is_written_without_a_run(tmp_path):
     assert not trainer.checkpoint_wanted()
     trainer.write_checkpoint({"step": 0})
     assert not any(tmp_path.iterdir())
+
+
+def test_a_run_resumed_on_another_number_of_ranks_draws_differently_on_each(tmp_path):
+    from mmrl.distributed import DistState
+
+    single = _base(tmp_path)
+    single.step = 5
+    state = single.base_state()  # a one-process checkpoint: no per-rank states
+    draws = []
+    for rank in (0, 1):
+        trainer = _base(tmp_path)
+        trainer.dist = DistState(rank=rank, world_size=2)
+        trainer.load_base_state(state)
+        draws.append(torch.randint(1000, (8,), generator=trainer.generator).tolist())
+        assert trainer.step == 5
+    # each rank reseeded from (run.seed, rank, step): different prompts and noise, and the same on a rerun
+    assert draws[0] != draws[1]
+    again = _base(tmp_path)
+    again.dist = DistState(rank=1, world_size=2)
+    again.load_base_state(state)
+    assert torch.randint(1000, (8,), generator=again.generator).tolist() == draws[1]
