@@ -324,7 +324,8 @@ class SupervisedSettings(Config):
     lr: float = Field(1e-3, gt=0, description="Peak learning rate of AdamW.")
     lr_schedule: LRSchedule = Field(
         "cosine",
-        description="After the warm-up: cosine (decay to final_lr_fraction * lr at the last step) or constant.",
+        description="After the warm-up: cosine (over steps 0..steps, from lr toward final_lr_fraction * lr, which "
+        "step = steps would take) or constant.",
     )
     final_lr_fraction: float = Field(0.0, ge=0, le=1, description="Where the cosine ends, as a share of lr.")
     warmup_steps: int = Field(50, ge=0, description="Linear warm-up steps.")
