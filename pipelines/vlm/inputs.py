@@ -72,7 +72,8 @@ class PreparedPrompt:
     Attributes:
         index: position of the prompt in the caller's list.
         prompt_id: the prompt's id, copied from :class:`VLMPrompt`.
-        text: the chat-templated prompt, image slots not yet expanded (what vLLM takes).
+        text: the chat-templated prompt, image slots not yet expanded (what vLLM takes): it tokenizes, with the
+            tokenizer's special tokens as vLLM adds them, to ``input_ids`` before image expansion.
         input_ids: token ids with every image slot expanded to its image tokens.
         features: the processor's tensors for this prompt alone (``input_ids`` ``[1, L]``, ``attention_mask``,
             ``mm_token_type_ids``, ``pixel_values``, ``image_grid_thw``, ... depending on the processor).
@@ -94,6 +95,12 @@ class SkippedPrompt:
     index: int
     prompt_id: str | None
     reason: str
+
+
+def _adds_bos(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` puts its BOS token before a text it encodes with special tokens (Gemma's does)."""
+    ids = tokenizer("x", add_special_tokens=True)["input_ids"]
+    return bool(ids) and ids[0] == tokenizer.bos_token_id
 
 
 def prepare_prompts(
@@ -133,13 +140,18 @@ def prepare_prompts(
         # A template that writes the tokenizer's BOS itself (Gemma's) must not get a second one from the
         # tokenizer; the rule of transformers' own tokenizing apply_chat_template.
         bos = processor.tokenizer.bos_token
+        template_wrote_bos = bos is not None and text.startswith(bos)
         features = processor(
             text=[text],
             images=list(prompt.images) or None,
             return_tensors="pt",
             padding=False,
-            add_special_tokens=not (bos is not None and text.startswith(bos)),
+            add_special_tokens=not template_wrote_bos,
         )
+        if template_wrote_bos and _adds_bos(processor.tokenizer):
+            # vLLM tokenizes a text prompt with the tokenizer's special tokens: without the written BOS, it
+            # gets exactly the one BOS the ids above hold (with it, two: a prompt the policy never scores)
+            text = text.removeprefix(bos)
         features = {key: value for key, value in features.items() if isinstance(value, torch.Tensor)}
         input_ids = features["input_ids"][0].tolist()
         length = len(input_ids)

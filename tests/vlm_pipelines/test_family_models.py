@@ -121,6 +121,10 @@ def test_prompt_layout_expands_one_image_region_per_image(saved, mixed_prompts):
     bos = processor.tokenizer.bos_token_id
     for prompt in prepared:  # a template that writes <bos> gets no second one from the tokenizer
         assert prompt.input_ids[:2].count(bos) <= 1 if bos is not None else True
+    # the text vLLM is given tokenizes, with the special tokens vLLM adds, to the ids the policy scores
+    for prompt in prepared:
+        as_vllm = processor(text=[prompt.text], images=prompt.images or None, padding=False)["input_ids"][0]
+        assert list(as_vllm) == prompt.input_ids
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0], ids=["t1", "t0.7", "greedy"])
