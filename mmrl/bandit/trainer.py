@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from typing import Any, Literal
 
 import torch
@@ -109,8 +110,8 @@ class BanditTrainer(TrainerBase):
             )
         self.policy = BanditPolicy(self.world, seed=cfg.world.seed, **cfg.policy.model_dump())
         self.reference = copy.deepcopy(self.policy).requires_grad_(False)
-        trainable = [p for p in self.policy.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.Adam(trainable, lr=cfg.trainer.lr)
+        self.trainable = [p for p in self.policy.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.Adam(self.trainable, lr=cfg.trainer.lr)
         self.stats = PromptStats(rho=cfg.allocation.rho, prior_strength=cfg.allocation.prior_strength)
         self.resume()
 
@@ -157,9 +158,9 @@ class BanditTrainer(TrainerBase):
                 kl = loss_lib.kl_estimate(logp, ref_logp, kind=t.kl_estimator)
                 loss = loss + t.beta * loss_lib.aggregate(kl.unsqueeze(1), mask)
                 self.metrics.add("policy/kl", kl.mean())
-            self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            self.optimizer.step()
+            # the shared step (rank averaging, train/grad_norm); the demo's recipe clips nothing
+            self.optimizer_step(self.optimizer, self.trainable, max_grad_norm=math.inf)
             self.metrics.add("loss", loss)
             self.metrics.add_dict(
                 loss_lib.clip_fractions(logp, batch["old_logp"], adv, t.epsilon_low, t.epsilon_high)
