@@ -79,9 +79,8 @@ class FrameAggregate(Reward):
         if frame_stride < 1:
             raise ValueError(f"frame_stride must be >= 1, got {frame_stride}")
         self.reward = build(reward, **(reward_options or {})) if isinstance(reward, str) else reward
-        self.batch_dependent = (
-            self.reward.batch_dependent
-        )  # the frames of the batch are the image reward's batch
+        # the frames of the whole batch are the image reward's batch
+        self.batch_dependent = self.reward.batch_dependent
         self.aggregate = aggregate
         self.frame_stride = frame_stride
 

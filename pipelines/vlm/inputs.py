@@ -129,6 +129,7 @@ def prepare_prompts(
     """
     prepared: list[PreparedPrompt] = []
     skipped: list[SkippedPrompt] = []
+    tokenizer_adds_bos = _adds_bos(processor.tokenizer)
     for index, prompt in enumerate(prompts):
         slots = prompt.num_image_slots()
         if slots != len(prompt.images):
@@ -148,7 +149,7 @@ def prepare_prompts(
             padding=False,
             add_special_tokens=not template_wrote_bos,
         )
-        if template_wrote_bos and _adds_bos(processor.tokenizer):
+        if template_wrote_bos and tokenizer_adds_bos:
             # vLLM tokenizes a text prompt with the tokenizer's special tokens: without the written BOS, it
             # gets exactly the one BOS the ids above hold (with it, two: a prompt the policy never scores)
             text = text.removeprefix(bos)
