@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from PIL import Image, UnidentifiedImageError
 
+from rewards.images import pil_to_rgb
+
 if TYPE_CHECKING:
     from mmrl.data.shapes_math import MathItem
 
@@ -127,19 +129,21 @@ def fit_pixels(
 
 
 def _open_image(value: Any, root: Path, where: str) -> Image.Image:
+    """One image cell (a PIL image, ``{bytes, path}``, bytes or a path relative to ``root``) as 8-bit RGB, 16-bit
+    and float images scaled as the rewards read them (:func:`rewards.images.pil_to_rgb`), not clipped."""
     try:
         if isinstance(value, Image.Image):
-            return value.convert("RGB")
+            return pil_to_rgb(value, where)
         if isinstance(value, dict) and ("bytes" in value or "path" in value):
             if value.get("bytes"):
-                return Image.open(io.BytesIO(value["bytes"])).convert("RGB")
+                return pil_to_rgb(Image.open(io.BytesIO(value["bytes"])), where)
             value = value["path"]
         if isinstance(value, bytes | bytearray):
-            return Image.open(io.BytesIO(value)).convert("RGB")
+            return pil_to_rgb(Image.open(io.BytesIO(value)), where)
         path = Path(str(value))
         path = path if path.is_absolute() else root / path
         with Image.open(path) as im:
-            return im.convert("RGB")
+            return pil_to_rgb(im, where)
     except (FileNotFoundError, UnidentifiedImageError, OSError) as err:
         raise ValueError(f"{where}: cannot read image {str(value)[:200]!r}: {err}") from None
 

@@ -146,6 +146,16 @@ def test_vqa_row_without_an_image_is_named(tmp_path) -> None:
     assert len(load_vqa(source, limit=1)[0].images) == 1
 
 
+def test_a_16_bit_image_in_vqa_data_is_scaled_not_clipped(tmp_path) -> None:
+    import numpy as np
+    from PIL import Image
+
+    Image.fromarray(np.full((8, 8), 32768, dtype=np.uint16)).save(tmp_path / "grey16.png")  # mid grey
+    source = write_jsonl(tmp_path / "vqa.jsonl", [{"question": "q", "answer": "1", "image": "grey16.png"}])
+    [example] = load_vqa(source)
+    assert example.images[0].getpixel((0, 0)) == (128, 128, 128)  # convert("RGB") alone gives white
+
+
 def test_a_null_inside_an_image_list_is_named_not_dropped(tmp_path) -> None:
     from PIL import Image
 
