@@ -47,8 +47,9 @@ class KahanAdamW(torch.optim.Optimizer):
     """AdamW with Kahan-compensated updates for low-precision parameters (see the module docstring).
 
     State per parameter ``p``: ``exp_avg`` and ``compensation`` in ``p.dtype``, ``exp_avg_sq`` in
-    ``variance_dtype``, ``step``. Each step makes one float32 temporary the size of the parameter (or of its shard
-    under FSDP) at a time.
+    ``variance_dtype``, ``step``. A step goes through each parameter (or its shard under FSDP) in chunks of
+    ``chunk_size`` values with two float32 scratch buffers of at most that size per device (32 MiB at the
+    default), so its temporary memory does not grow with the largest parameter.
 
     Args:
         params: parameters or parameter groups, as for ``torch.optim.AdamW``.
@@ -58,6 +59,7 @@ class KahanAdamW(torch.optim.Optimizer):
         weight_decay: decoupled weight decay (AdamW's), applied through the compensation.
         variance_dtype: dtype of the second moment; ``None`` keeps each parameter's dtype (EasyR1's
             ``adamw_bf16``).
+        chunk_size: values updated at a time (the results do not depend on it).
     """
 
     def __init__(
@@ -68,14 +70,23 @@ class KahanAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         variance_dtype: torch.dtype | None = torch.float32,
+        chunk_size: int = 1 << 22,
     ) -> None:
-        if lr <= 0 or eps <= 0 or weight_decay < 0 or not all(0 <= beta < 1 for beta in betas):
+        if (
+            lr <= 0
+            or eps <= 0
+            or weight_decay < 0
+            or not all(0 <= beta < 1 for beta in betas)
+            or chunk_size < 1
+        ):
             raise ValueError(
-                f"KahanAdamW: lr and eps must be > 0, weight_decay >= 0 and betas in [0, 1); got lr={lr}, "
-                f"eps={eps}, weight_decay={weight_decay}, betas={betas}"
+                f"KahanAdamW: lr and eps must be > 0, weight_decay >= 0, betas in [0, 1) and chunk_size >= 1; got "
+                f"lr={lr}, eps={eps}, weight_decay={weight_decay}, betas={betas}, chunk_size={chunk_size}"
             )
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.variance_dtype = variance_dtype
+        self.chunk_size = chunk_size
+        self._scratch_buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """``torch.optim.Optimizer.load_state_dict``, which casts every floating state to its parameter's
@@ -99,8 +110,6 @@ class KahanAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
             for param in group["params"]:
                 if param.grad is None:
                     continue
@@ -114,31 +123,66 @@ class KahanAdamW(torch.optim.Optimizer):
                     state["compensation"] = torch.zeros_like(param)
                 state["step"] += 1
                 step = state["step"].item()
-                grad = param.grad
-                exp_avg, exp_avg_sq, compensation = (
-                    state["exp_avg"],
-                    state["exp_avg_sq"],
-                    state["compensation"],
-                )
-                # in place, each computed in float32 inside the kernel and rounded once to the state's dtype
-                exp_avg.lerp_(grad.to(exp_avg.dtype), 1 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                # one float32 temporary per tensor (the steps below reuse it): y = u + c, with u the AdamW step
-                update = (
-                    exp_avg_sq.to(torch.float32, copy=True)
-                    .div_(1 - beta2**step)
-                    .sqrt_()
-                    .add_(eps)
-                    .reciprocal_()
-                )
-                update.mul_(exp_avg).mul_(-lr / (1 - beta1**step)).add_(compensation)
-                if weight_decay:
-                    update.add_(param, alpha=-lr * weight_decay)
-                exact = update.add_(param)  # w + y, exact in float32 to 2^-24 of it
-                param.copy_(exact)
-                # c' = (w + y) - w': what rounding the sum to the parameter's dtype dropped
-                compensation.copy_(exact.sub_(param))
+                tensors = (param, param.grad, state["exp_avg"], state["exp_avg_sq"], state["compensation"])
+                if not all(tensor.is_contiguous() for tensor in tensors):  # strided: the whole tensor at once
+                    scratch = [torch.empty_like(param, dtype=torch.float32) for _ in range(2)]
+                    self._update(*tensors, *scratch, group, step)
+                    continue
+                flat = [tensor.view(-1) for tensor in tensors]
+                for start in range(0, param.numel(), self.chunk_size):
+                    chunk = [view[start : start + self.chunk_size] for view in flat]
+                    scratch = self._scratch(param.device, chunk[0].numel())
+                    self._update(*chunk, *scratch, group, step)
+        self._scratch_buffers.clear()
         return loss
+
+    def _scratch(self, device: torch.device, size: int) -> list[torch.Tensor]:
+        """Two float32 buffers of ``size`` values on ``device``, kept for the step and grown when a larger chunk
+        comes (a fresh allocation per chunk costs page faults on CPUs)."""
+        buffers = self._scratch_buffers.get(device)
+        if buffers is None or buffers[0].numel() < size:
+            buffers = self._scratch_buffers[device] = tuple(
+                torch.empty(size, dtype=torch.float32, device=device) for _ in range(2)
+            )
+        return [buffer[:size] for buffer in buffers]
+
+    def _update(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        compensation: torch.Tensor,
+        as_float32: torch.Tensor,
+        update: torch.Tensor,
+        group: dict,
+        step: float,
+    ) -> None:
+        """One AdamW step with Kahan compensation on one chunk of a parameter (the module docstring's formulas).
+
+        Every tensor is brought to float32 in a scratch buffer before it meets a float32 one: mixed-dtype
+        in-place ops take an unvectorized casting path on CPUs, about 20x slower (``benchmarks.bf16_optimizers``).
+        The values are those of the same ops on mixed dtypes, which compute in float32 too.
+        """
+        beta1, beta2 = group["betas"]
+        lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
+        exp_avg.lerp_(grad.to(exp_avg.dtype), 1 - beta1)
+        if exp_avg_sq.dtype == torch.float32:
+            grad_float32 = as_float32.copy_(grad)
+            exp_avg_sq.mul_(beta2).addcmul_(grad_float32, grad_float32, value=1 - beta2)
+        else:
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        # y = u + c, with u the AdamW step
+        update.copy_(exp_avg_sq).div_(1 - beta2**step).sqrt_().add_(eps).reciprocal_()
+        update.mul_(as_float32.copy_(exp_avg)).mul_(-lr / (1 - beta1**step))
+        update.add_(as_float32.copy_(compensation))
+        weight = as_float32.copy_(param)
+        if weight_decay:
+            update.add_(weight, alpha=-lr * weight_decay)
+        exact = update.add_(weight)  # w + y, exact in float32 to 2^-24 of it
+        param.copy_(exact)
+        # c' = (w + y) - w': what rounding the sum to the parameter's dtype dropped
+        compensation.copy_(exact.sub_(as_float32.copy_(param)))
 
 
 def make_optimizer(
