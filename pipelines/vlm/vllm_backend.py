@@ -56,6 +56,39 @@ def import_vllm() -> Any:
     return vllm
 
 
+def check_in_process(engine_kwargs: dict[str, Any]) -> None:
+    """Refuse an engine whose model would live in other processes, where weight sync cannot reach it.
+
+    ``sync_weights`` hands ``load_weights`` a stream of the policy's tensors through ``LLM.apply_model``, which
+    runs in the engine's own process only with vLLM's uniprocess executor and engine core. Tensor or pipeline
+    parallelism, another executor backend, or ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` put the model in worker
+    processes, and vLLM would have to pickle the stream (a generator, which cannot be). One engine per GPU, as
+    many as the pool has members, is the supported layout.
+
+    Raises:
+        ValueError: naming the argument or the environment variable.
+    """
+    for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        if engine_kwargs.get(key, 1) != 1:
+            raise ValueError(
+                f"engine_kwargs {key}={engine_kwargs[key]!r}: weight sync writes into the engine's model in this "
+                "process, which an engine spread over several GPUs does not have; run one engine per GPU "
+                "(a rollout pool's members, pool.num_workers) instead"
+            )
+    backend = engine_kwargs.get("distributed_executor_backend")
+    if backend not in (None, "uni"):
+        raise ValueError(
+            f"engine_kwargs distributed_executor_backend={backend!r}: weight sync needs vLLM's uniprocess "
+            "executor ('uni'), the one that keeps the model in this process"
+        )
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+        raise ValueError(
+            f"VLLM_ENABLE_V1_MULTIPROCESSING={os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']!r} is set: it runs the "
+            "engine core, and the model that weight sync writes into, in another process; unset it (the backend "
+            "runs the engine in this process)"
+        )
+
+
 def build_requests(prepared: Sequence[PreparedPrompt]) -> list[dict[str, Any]]:
     """vLLM prompt dicts (``TextPrompt``): the chat-templated text and its images as multimodal data.
 
@@ -170,7 +203,8 @@ class VLLMBackend(GenerationBackend):
         family: the model's :class:`~pipelines.vlm.families.VLMFamily`; ``None`` detects it from the
             checkpoint's ``model_type``.
         seed: engine seed.
-        engine_kwargs: extra ``vllm.LLM`` arguments (``tensor_parallel_size``, ``enforce_eager``, ...).
+        engine_kwargs: extra ``vllm.LLM`` arguments (``enforce_eager``, ``max_num_seqs``, ...); an engine spread
+            over several GPUs is refused (:func:`check_in_process`).
     """
 
     def __init__(
@@ -214,8 +248,9 @@ class VLLMBackend(GenerationBackend):
         self.suppressed_token_ids: list[int] = (
             family.suppressed_token_ids(processor.tokenizer) if suppress_vision_tokens else []
         )
+        check_in_process(engine_kwargs or {})
         # Colocation: run the engine core in this process so load_weights reaches the model in memory.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.llm = self._vllm.LLM(
             model=model_path,
             dtype=dtype,

@@ -4,6 +4,8 @@ weight-sync payload, and the error without vLLM. The engine itself is replaced b
 from __future__ import annotations
 
 import copy
+import os
+import re
 import sys
 from types import SimpleNamespace
 
@@ -144,3 +146,32 @@ def test_weight_sync_payload_merges_lora_under_hf_names(tiny):
     # ... including the modules_to_save layer: its frozen original, not the trained copy (+1)
     assert set(base_payload) == hf_names
     torch.testing.assert_close(base_payload["lm_head.weight"], model.lm_head.weight)
+
+
+@pytest.mark.parametrize(
+    ("engine_kwargs", "environment", "named"),
+    [
+        ({"tensor_parallel_size": 2}, "0", "tensor_parallel_size=2"),
+        ({"pipeline_parallel_size": 2}, "0", "pipeline_parallel_size=2"),
+        ({"distributed_executor_backend": "mp"}, "0", "distributed_executor_backend='mp'"),
+        ({}, "1", "VLLM_ENABLE_V1_MULTIPROCESSING='1'"),
+    ],
+)
+def test_an_engine_outside_this_process_is_refused(engine_kwargs, environment, named, monkeypatch):
+    """Weight sync hands load_weights a generator through LLM.apply_model, which only an in-process engine
+    runs without pickling it: a multi-process engine is refused before it is built, naming what moved it."""
+    import pipelines.vlm.vllm_backend as backend_module
+
+    built = []
+    monkeypatch.setattr(
+        backend_module, "import_vllm", lambda: SimpleNamespace(LLM=lambda **kw: built.append(kw))
+    )
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", environment)
+    family = SimpleNamespace(suppressed_token_ids=lambda tokenizer: [])
+    processor = SimpleNamespace(tokenizer=None)
+    with pytest.raises(ValueError, match=re.escape(named)):
+        VLLMBackend("model", processor, family=family, engine_kwargs=engine_kwargs)
+    assert built == []
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
+    VLLMBackend("model", processor, family=family, engine_kwargs={"tensor_parallel_size": 1})
+    assert len(built) == 1 and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
