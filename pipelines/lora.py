@@ -11,7 +11,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["float32_params", "lora_delta_adapters", "merged_lora_params", "unwrap_peft"]
+__all__ = [
+    "check_ties_not_adapted",
+    "float32_params",
+    "lora_delta_adapters",
+    "merged_lora_params",
+    "unwrap_peft",
+]
 
 
 def unwrap_peft(module: nn.Module) -> tuple[nn.Module, bool]:
@@ -63,3 +69,29 @@ def merged_lora_params(layer: nn.Module, name: str = "") -> dict[str, torch.Tens
         if layer.lora_bias.get(adapter, False):
             params["bias"] += layer.lora_B[adapter].bias.detach().float() * layer.scaling[adapter]
     return params
+
+
+def check_ties_not_adapted(module: nn.Module) -> None:
+    """Refuse a model with a tied parameter (one tensor under two names: a language model's input embedding and
+    output head with ``tie_word_embeddings``) that an adapter wraps under one of its names.
+
+    The trained model then computes with two matrices, ``W`` under one name and ``W + s B A`` (LoRA) or a trained
+    ``modules_to_save`` copy under the other, while a copy built from its plain weights keeps the tie and holds
+    only one of them: a rollout worker given full weights, a quantized explorer, a vLLM engine (which skips
+    ``lm_head`` of a tied checkpoint). A LoRA-only update to a worker with the same adapter is unaffected.
+
+    Raises:
+        ValueError: naming the tied parameter's names.
+    """
+    base, _ = unwrap_peft(module)
+    names_by_tensor: dict[int, list[str]] = {}
+    for name, param in base.named_parameters(remove_duplicate=False):
+        names_by_tensor.setdefault(id(param), []).append(name)
+    for names in names_by_tensor.values():
+        adapted = [name for name in names if ".base_layer." in name or ".original_module." in name]
+        if len(names) > 1 and adapted:
+            raise ValueError(
+                f"the tied parameter {' = '.join(names)} is adapted under {', '.join(adapted)} only, so the "
+                "trained model's two uses of it differ, and a rollout copy that keeps the tie cannot hold both: "
+                "leave the tied module out of the LoRA target modules and modules_to_save"
+            )

@@ -42,7 +42,13 @@ from typing import Literal, get_args
 import torch
 from torch import nn
 
-from pipelines.lora import float32_params, lora_delta_adapters, merged_lora_params, unwrap_peft
+from pipelines.lora import (
+    check_ties_not_adapted,
+    float32_params,
+    lora_delta_adapters,
+    merged_lora_params,
+    unwrap_peft,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -575,10 +581,12 @@ def quantize_copy(
 
     Raises:
         ValueError: unknown scheme, unsupported hardware (fp8: sm90+, nvfp4: sm100+), a training module whose
-            Linear weights are already quantized, or an unsupported peft wrapper.
+            Linear weights are already quantized, an unsupported peft wrapper, or a tied parameter adapted
+            under one of its names only (:func:`pipelines.lora.check_ties_not_adapted`).
         ImportError: torchao scheme without torchao.
     """
     base, skip = _base_and_patterns(module, skip)
+    check_ties_not_adapted(base)
     reference = _first_float_param(base)
     check_scheme(scheme, reference.device)
     for name, sub in base.named_modules():
@@ -738,8 +746,8 @@ def quantized_bytes(
     * ``fp8_weight_only`` / ``fp8``: ``n`` float8 values + one fp32 scale per row (torchao, row-wise);
     * ``nvfp4``: ``ceil(n / 2)`` packed e2m1 bytes + one e4m3 scale per 16 values + one fp32 scale per tensor.
 
-    Every other parameter counts in ``compute_dtype`` (floats) or its own dtype, tied parameters once, LoRA
-    factors not at all (they are folded into the copy's weights). The bitsandbytes counts equal
+    Every other parameter counts in ``compute_dtype`` (floats) or its own dtype, tied parameters once (a quantized
+    layer's own, since quantizing one side breaks the tie), LoRA factors not at all (they are folded into the copy's weights). The bitsandbytes counts equal
     :func:`weight_bytes` of a real copy exactly (tests/quant); the torchao ones follow its tensor layouts.
     """
     stored_bytes = scheme_spec(scheme).stored_bytes
@@ -752,11 +760,16 @@ def quantized_bytes(
     seen: set[int] = set()
     for name, sub in copied.named_modules():
         for param_name, param in sub._parameters.items():
-            if param is None or id(param) in seen:
+            if param is None:
                 continue
-            seen.add(id(param))
-            if name in quantized and param_name == "weight" and stored_bytes is not None:
-                total += stored_bytes(*param.shape, options)
-            else:
+            if name in quantized:  # rebuilt as a layer of its own: a tie to another module is broken
+                quantized_weight = param_name == "weight" and stored_bytes is not None
+                total += (
+                    stored_bytes(*param.shape, options)
+                    if quantized_weight
+                    else param.numel() * param.element_size()
+                )
+            elif id(param) not in seen:
+                seen.add(id(param))
                 total += param.numel() * param.element_size()
     return total

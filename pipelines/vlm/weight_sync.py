@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import torch
 
-from pipelines.lora import merged_lora_params, unwrap_peft
+from pipelines.lora import check_ties_not_adapted, merged_lora_params, unwrap_peft
 
 
 def merged_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -36,7 +36,11 @@ def merged_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tenso
 
     Yields:
         ``(name, tensor)``: detached tensors on the model's device, in the model's dtype.
+
+    Raises:
+        ValueError: a tied parameter adapted under one of its names only (:func:`check_ties_not_adapted`).
     """
+    check_ties_not_adapted(model)
     base, is_peft = unwrap_peft(model)
     lora_layers = {
         name: module

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -316,6 +317,43 @@ def test_tied_weights_stay_tied():
     explorer = quantize_copy(model, "nf4").module
     assert explorer.lm_head.weight is explorer.model.embed_tokens.weight
     assert weight_bytes(explorer) < weight_bytes(model)
+
+
+@pytest.mark.parametrize("scheme", CPU_SCHEMES)
+def test_quantizing_one_side_of_a_tie_counts_both(scheme):
+    """With the default skip list a tied lm_head stays with its embedding; quantized (no skip), it becomes a
+    layer of its own beside the full-precision embedding, and the estimate counts both, as the copy holds them."""
+    needs(scheme)
+    model, _ = make_lm(tie=True)
+    copied = quantize_copy(model, scheme, skip=()).module
+    assert copied.lm_head.weight is not copied.model.embed_tokens.weight
+    assert quantized_bytes(model, scheme, skip=()) == weight_bytes(copied)
+
+
+@pytest.mark.parametrize(
+    ("lora", "adapted"),
+    [
+        ({"target_modules": ["lm_head"]}, "lm_head.base_layer.weight"),
+        ({"target_modules": ["embed_tokens"]}, "model.embed_tokens.base_layer.weight"),
+        ({"target_modules": ["q_proj"], "modules_to_save": ["lm_head"]}, "lm_head.original_module.weight"),
+    ],
+)
+def test_a_tie_adapted_on_one_side_is_refused(lora, adapted):
+    """Tied embeddings with an adapter on one side: the trained model computes with ``W`` under one name and an
+    adapted matrix under the other, which a copy that keeps the tie cannot hold (before, the head's merged weight
+    was written into the shared tensor, and the copy's embeddings were the head's). Refused, naming the names;
+    the same adapter away from the tie is fine."""
+    from pipelines.vlm.weight_sync import merged_state_dict
+
+    model, _ = make_lm(tie=True)
+    trained = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, **lora))
+    with pytest.raises(ValueError, match=re.escape(adapted)):
+        quantize_copy(trained, "none")
+    with pytest.raises(ValueError, match=re.escape(adapted)):
+        next(merged_state_dict(trained))
+    untied, _ = make_lm(tie=False)
+    assert "lm_head.weight" in dict(merged_state_dict(get_peft_model(untied, LoraConfig(r=4, **lora))))
+    quantize_copy(get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj"])), "none")
 
 
 # ---------------------------------------------------------------------------------------------------------------
