@@ -101,12 +101,12 @@ def apply_update(module: torch.nn.Module, update: WeightUpdate) -> None:
                 f"unexpected {list(result.unexpected_keys)[:5]}"
             )
         return
-    names = dict(merged_state_dict(module)).keys()
+    if has_lora(module):
+        raise ValueError("a full-weight payload cannot be loaded into a model with a LoRA adapter; send LoRA")
+    names = module.state_dict().keys()
     if names != update.state.keys():
         raise ValueError(
             "full-weight payload does not match the worker's model: missing "
             f"{sorted(names - update.state.keys())[:5]}, unexpected {sorted(update.state.keys() - names)[:5]}"
         )
-    if has_lora(module):
-        raise ValueError("a full-weight payload cannot be loaded into a model with a LoRA adapter; send LoRA")
     module.load_state_dict(update.state, strict=True)
