@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable
 from typing import Literal
 
 import torch
+from torch.distributed.tensor import DTensor
 
 __all__ = ["KahanAdamW", "OptimizerName", "check_optimizer_dtype", "make_optimizer"]
 
@@ -123,15 +124,17 @@ class KahanAdamW(torch.optim.Optimizer):
                     state["compensation"] = torch.zeros_like(param)
                 state["step"] += 1
                 step = state["step"].item()
-                tensors = (param, param.grad, state["exp_avg"], state["exp_avg_sq"], state["compensation"])
+                held = (param, param.grad, state["exp_avg"], state["exp_avg_sq"], state["compensation"])
+                # under FSDP these are DTensors: the update is elementwise, so it runs on this rank's shards
+                tensors = [_local(tensor) for tensor in held]
                 if not all(tensor.is_contiguous() for tensor in tensors):  # strided: the whole tensor at once
-                    scratch = [torch.empty_like(param, dtype=torch.float32) for _ in range(2)]
+                    scratch = [torch.empty_like(tensors[0], dtype=torch.float32) for _ in range(2)]
                     self._update(*tensors, *scratch, group, step)
                     continue
                 flat = [tensor.view(-1) for tensor in tensors]
-                for start in range(0, param.numel(), self.chunk_size):
+                for start in range(0, tensors[0].numel(), self.chunk_size):
                     chunk = [view[start : start + self.chunk_size] for view in flat]
-                    scratch = self._scratch(param.device, chunk[0].numel())
+                    scratch = self._scratch(tensors[0].device, chunk[0].numel())
                     self._update(*chunk, *scratch, group, step)
         self._scratch_buffers.clear()
         return loss
@@ -183,6 +186,11 @@ class KahanAdamW(torch.optim.Optimizer):
         param.copy_(exact)
         # c' = (w + y) - w': what rounding the sum to the parameter's dtype dropped
         compensation.copy_(exact.sub_(as_float32.copy_(param)))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The shard of a ``DTensor`` held by this rank (a view of its storage), or ``tensor`` itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def make_optimizer(
