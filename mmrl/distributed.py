@@ -21,7 +21,8 @@ Two ways to hold the model, picked by the accelerate config the run was launched
 A rank ends with :func:`end_launched_process` (``mmrl``'s command line calls it), not the interpreter's teardown.
 
 Collectives that every rank must enter together: :meth:`DistState.barrier`, :meth:`DistState.max_over_ranks`,
-:func:`all_reduce_grads`, :func:`full_state_dict` and ``mmrl.checkpoint.load_trainable`` on a sharded model.
+:meth:`DistState.sum_over_ranks`, :func:`all_reduce_sum`, :func:`all_reduce_grads`, :func:`full_state_dict` and
+``mmrl.checkpoint.load_trainable`` on a sharded model.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from torch import nn
 __all__ = [
     "DistState",
     "all_reduce_grads",
+    "all_reduce_sum",
     "broadcast_params",
     "end_launched_process",
     "full_state_dict",
@@ -108,6 +110,13 @@ class DistState:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         return int(t.item())
 
+    def sum_over_ranks(self, values: list[float]) -> list[float]:
+        """``values`` summed element by element over the ranks (each passes as many): a step's counts over the
+        whole launch, e.g. the completion tokens its loss is normalised by (float64: counts stay exact)."""
+        if not self.active:
+            return values
+        return all_reduce_sum(torch.tensor(values, dtype=torch.float64)).tolist()
+
 
 #: non-empty while this process is in the process group :func:`init_distributed` made
 _JOINED: list[bool] = []
@@ -174,8 +183,21 @@ def _collective_device() -> torch.device:
     return torch.device("cpu")
 
 
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """``t`` summed over every rank (a collective every rank enters with the same shape and dtype), on ``t``'s
+    device; ``t`` itself is left as it is. The advantage estimators' batch statistics reduce through it
+    (``mmrl.core.estimators.RewardBatch.sum_over_ranks``), and :meth:`DistState.sum_over_ranks`."""
+    buffer = t.detach().to(_collective_device(), copy=True)
+    torch.distributed.all_reduce(buffer)
+    return buffer.to(t.device)
+
+
 def all_reduce_grads(params: list[nn.Parameter], world_size: int) -> None:
     """Average the gradients of ``params`` over the ranks, in one flat all-reduce.
+
+    The average of per-rank gradients is one update's over all ranks' samples only when each rank's loss is
+    normalised by the launch's count (tokens, rows) times ``world_size``, not by its own: a trainer all-reduces
+    its counts first (:meth:`DistState.sum_over_ranks`, the VLM trainer's ``update``).
 
     A parameter without a gradient on this rank (it took no part in this rank's loss) contributes zeros, so
     every rank reduces the same buffer whatever its batch held. A parameter no rank has a gradient for keeps

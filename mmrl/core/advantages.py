@@ -7,6 +7,7 @@ mismatches or empty input rather than dropping anything silently.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -15,6 +16,7 @@ from mmrl.core._checks import check_1d, check_finite, check_same_shape
 from mmrl.core.groups import Groups, groups_for, make_groups
 
 __all__ = [
+    "SumOverRanks",
     "clip_advantages",
     "decoupled_multi_reward",
     "entropy_shaped",
@@ -26,6 +28,10 @@ __all__ = [
     "tree_depthwise",
 ]
 
+#: Sums a tensor over every data-parallel rank (an all-reduce every rank enters, e.g.
+#: ``mmrl.distributed.all_reduce_sum``): a batch statistic is then taken over the batches of all ranks.
+SumOverRanks = Callable[[torch.Tensor], torch.Tensor]
+
 
 def _check_rewards(rewards: torch.Tensor, group_ids: torch.Tensor) -> Groups:
     check_1d("rewards", rewards)
@@ -35,9 +41,30 @@ def _check_rewards(rewards: torch.Tensor, group_ids: torch.Tensor) -> Groups:
 
 def _wide(x: torch.Tensor) -> torch.Tensor:
     """``x`` in float64: group statistics of float32 rewards (e.g. ``1.1 = 1 + 0.1``) round at ~1e-8, which
-    a std of similar size turns into visible advantages; float64 leaves ~1e-16. Results go back to ``x``'s
-    dtype."""
+    a std of similar size turns into visible advantages; float64 leaves ~1e-16. Results are returned in
+    :func:`_result_dtype`."""
     return x.to(torch.float64)
+
+
+def _result_dtype(rewards: torch.Tensor) -> torch.dtype:
+    """The dtype of the advantages of ``rewards``: their own floating dtype, float32 for integer or bool rewards
+    (0/1 verifier scores), whose advantages an integer dtype would truncate (0.71 to 0)."""
+    return rewards.dtype if rewards.is_floating_point() else torch.float32
+
+
+def _batch_mean_std(
+    x: torch.Tensor, sum_over_ranks: SumOverRanks | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, population std)`` of ``x [N]`` over the batch: this process's samples, or with
+    ``sum_over_ranks`` the samples of every data-parallel rank (as Flow-GRPO and verl take batch statistics
+    over the gathered batch). Two passes, the mean and then the squared deviations from it, as ``torch.std``:
+    a sum of squares minus the squared sum cancels for rewards far from 0 with a small spread."""
+    if sum_over_ranks is None:
+        return x.mean(), x.std(correction=0)
+    count, total = sum_over_ranks(torch.stack([x.new_tensor(x.numel()), x.sum()]))
+    mean = total / count
+    squares = sum_over_ranks(((x - mean) ** 2).sum().reshape(1))[0]
+    return mean, (squares / count).sqrt()
 
 
 def group_normalized(
@@ -46,13 +73,15 @@ def group_normalized(
     std: Literal["group", "global", "none"] = "group",
     center: Literal["mean", "median"] = "mean",
     eps: float = 1e-6,
+    sum_over_ranks: SumOverRanks | None = None,
 ) -> torch.Tensor:
     """Group-relative advantages (GRPO and its scale variants).
 
     ``A_i = (r_i - c_g(i)) / (s + eps)`` where ``c_g`` is the mean (or lower median) of sample i's group and
     ``s`` is the population std (ddof=0) of the group (``"group"``, GRPO, DeepSeekMath 2402.03300 eq. 3), of
     the raw rewards of the whole batch (``"global"``: group mean, batch std, as TRL's
-    ``scale_rewards="batch"`` and LitePPO 2508.08221; not REINFORCE++-baseline 2501.03262, which whitens the
+    ``scale_rewards="batch"``, LitePPO 2508.08221 and Flow-GRPO's ``global_std``; under data parallelism the
+    batch of every rank, with ``sum_over_ranks``; not REINFORCE++-baseline 2501.03262, which whitens the
     group-centred rewards ``r_i - c_g(i)`` over the batch), or 1 (``"none"``, Dr.GRPO 2503.20783 sec. 3.1).
 
     The population std follows Flow-GRPO's per-prompt stat tracker (``np.std``, ddof=0); verl and TRL divide
@@ -61,14 +90,16 @@ def group_normalized(
     rounding noise divided by ``eps``. Statistics are computed in float64.
 
     Args:
-        rewards: ``[N]`` float rewards.
+        rewards: ``[N]`` rewards (float, integer or bool).
         group_ids: ``[N]`` integer group id per sample (any values; groups may differ in size).
         std: which standard deviation divides the centred reward.
         center: ``"mean"`` or ``"median"`` (lower median for even-sized groups, as ``torch.median``).
         eps: added to the std so constant groups give 0, not NaN.
+        sum_over_ranks: with ``std="global"``, sums over the data-parallel ranks, so that the batch std is
+            the one of every rank's rewards; ``None``: this process holds the whole batch.
 
     Returns:
-        ``[N]`` advantages in the dtype of ``rewards``.
+        ``[N]`` advantages in the dtype of ``rewards`` (float32 for integer or bool rewards).
     """
     groups = _check_rewards(rewards, group_ids)
     r = _wide(rewards)
@@ -83,12 +114,12 @@ def group_normalized(
     if std == "group":
         scale = groups.std(r)[groups.index]
     elif std == "global":
-        scale = r.std(correction=0)
+        scale = _batch_mean_std(r, sum_over_ranks)[1]
     elif std == "none":
-        return centred.to(rewards.dtype)
+        return centred.to(_result_dtype(rewards))
     else:
         raise ValueError(f"std must be 'group', 'global' or 'none', got {std!r}")
-    return (centred / (scale + eps)).to(rewards.dtype)
+    return (centred / (scale + eps)).to(_result_dtype(rewards))
 
 
 def rloo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
@@ -108,7 +139,7 @@ def rloo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     r = _wide(rewards)
     sums = groups.sum(r)[groups.index]
     sizes = groups.sizes.to(r.dtype)[groups.index]
-    return torch.where(groups.varies(r), r - (sums - r) / (sizes - 1), 0.0).to(rewards.dtype)
+    return torch.where(groups.varies(r), r - (sums - r) / (sizes - 1), 0.0).to(_result_dtype(rewards))
 
 
 def median_centered(
@@ -143,7 +174,7 @@ def median_centered(
     adv = centred / (groups.std(r)[groups.index] + eps)
     pivot_mask = torch.zeros_like(rewards, dtype=torch.bool)
     pivot_mask[pivot] = True
-    return adv.masked_fill(pivot_mask, 0.0).to(rewards.dtype), pivot_mask
+    return adv.masked_fill(pivot_mask, 0.0).to(_result_dtype(rewards)), pivot_mask
 
 
 def decoupled_multi_reward(
@@ -151,11 +182,13 @@ def decoupled_multi_reward(
     group_ids: torch.Tensor,
     weights: torch.Tensor | None = None,
     eps: float = 1e-6,
+    sum_over_ranks: SumOverRanks | None = None,
 ) -> torch.Tensor:
     """GDPO: normalise each reward within its group, take the weighted sum, then whiten over the batch.
 
     ``a_ik = (r_ik - mean_g(r_k)) / (std_g(r_k) + eps)``, ``s_i = sum_k w_k a_ik``,
-    ``A_i = (s_i - mean(s)) / (std(s) + eps)`` (Liu et al., GDPO, 2601.05242). Normalising each reward on its
+    ``A_i = (s_i - mean(s)) / (std(s) + eps)`` (Liu et al., GDPO, 2601.05242), ``mean`` and population ``std``
+    over the batch (of every data-parallel rank, with ``sum_over_ranks``). Normalising each reward on its
     own keeps reward combinations that plain GRPO on the summed reward collapses to the same advantage. A
     reward that is equal across a group gives that group ``a_ik = 0`` exactly (:meth:`Groups.varies`); a
     group where no reward varies gets ``A_i = 0`` (every group's ``s`` sums to 0, so ``mean(s)`` is 0 up to
@@ -165,6 +198,11 @@ def decoupled_multi_reward(
         rewards: ``[N, K]`` K rewards per sample.
         group_ids: ``[N]``.
         weights: ``[K]`` reward weights (default all ones).
+        sum_over_ranks: sums over the data-parallel ranks, for the batch whitening over every rank's samples;
+            ``None``: this process holds the whole batch.
+
+    Returns:
+        ``[N]`` advantages in the dtype of ``rewards`` (float32 for integer or bool rewards).
     """
     if rewards.ndim != 2 or rewards.numel() == 0:
         raise ValueError(f"rewards must be a non-empty [N, K] tensor, got shape {tuple(rewards.shape)}")
@@ -184,9 +222,10 @@ def decoupled_multi_reward(
     centred = torch.where(varies, r - mean[groups.index], 0.0)  # [N, K]
     std = groups.std(r, mean)  # [G, K]
     summed = (centred / (std[groups.index] + eps)) @ _wide(weights)  # [N]
-    adv = (summed - summed.mean()) / (summed.std(correction=0) + eps)
+    mean, std = _batch_mean_std(summed, sum_over_ranks)
+    adv = (summed - mean) / (std + eps)
     # a group with no varying reward has s = 0; keep it at 0 rather than at -mean(s)'s rounding noise / std(s)
-    return torch.where(varies.any(dim=1), adv, 0.0).to(rewards.dtype)
+    return torch.where(varies.any(dim=1), adv, 0.0).to(_result_dtype(rewards))
 
 
 def tree_depthwise(
@@ -195,7 +234,8 @@ def tree_depthwise(
     tree_ids: torch.Tensor | None = None,
     fusion: Literal["mean", "path_prob"] = "mean",
     edge_logprob: torch.Tensor | None = None,
-    eps: float = 1e-6,
+    eps: float = 1e-8,
+    min_std: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """BranchGRPO tree advantages: fuse leaf rewards into every node, normalise among nodes of a depth.
 
@@ -203,12 +243,17 @@ def tree_depthwise(
     ``m`` (nodes listed parents first, as a rollout creates them). A node's reward is the mean of the rewards of
     the leaves below it (``fusion="mean"``) or their path-probability-weighted mean (``"path_prob"``: at each
     node the children are weighted by the softmax of their edge log-probs, so a leaf's weight is the product of
-    those along its path). The advantage of node ``m`` is its reward normalised among the nodes of the same depth
-    in the same tree: ``A_m = (R_m - mean_{d,t}) / (std_{d,t} + eps)`` (Li et al., BranchGRPO, 2509.06040,
-    "depth-wise advantage"). Every edge ``parent -> m`` trains with ``A_m``. Roots get 0 (they have no
-    edge), and so does every node of a (tree, depth) level whose node rewards are all equal. Computed in
-    float64: nodes whose rewards are equal in exact arithmetic but reached by different sums then differ by
-    ~1e-16, not ~1e-8.
+    those along its path). The advantage of node ``m`` is its reward normalised among the ``n`` nodes of the same
+    depth ``d`` in the same tree ``t`` (Li et al., BranchGRPO, 2509.06040, "depth-wise advantage"):
+
+        A_m = (R_m - mean_{d,t}) / (std_{d,t} + eps)    if std_{d,t} >= min_std, else 0
+        std_{d,t} = sqrt(sum_{k in (d,t)} (R_k - mean_{d,t})^2 / (n - 1))
+
+    the unbiased std (``torch.std``), the threshold ``min_std = 1e-6`` and ``eps = 1e-8`` of the BranchGRPO code
+    (``compute_hierarchical_advantages_by_depth``). Every edge ``parent -> m`` trains with ``A_m``. Roots get 0
+    (they have no edge), and so does every node of a (tree, depth) level of one node or of node rewards that are
+    all equal. Computed in float64: nodes whose rewards are equal in exact arithmetic but reached by different
+    sums then differ by ~1e-16, not ~1e-8.
 
     Args:
         leaf_rewards: ``[M]`` rewards at leaves; entries at internal nodes are ignored (may be NaN).
@@ -216,6 +261,8 @@ def tree_depthwise(
         tree_ids: ``[M]`` tree of each node (default: derived from the roots).
         fusion: ``"mean"`` or ``"path_prob"``.
         edge_logprob: ``[M]`` log-prob of the edge into each node (required for ``"path_prob"``).
+        eps: added to the level's std.
+        min_std: a level whose std is below this gets advantage 0.
 
     Returns:
         ``(adv [M], node_reward [M])``.
@@ -242,7 +289,7 @@ def tree_depthwise(
         ancestor = torch.where(has, parent[ancestor.clamp(min=0)], ancestor)
     tree = root_of if tree_ids is None else tree_ids
 
-    dtype = leaf_rewards.dtype if leaf_rewards.is_floating_point() else torch.float32  # of the results
+    dtype = _result_dtype(leaf_rewards)
     wide = torch.float64  # of the sums and statistics (see _wide)
     if fusion == "mean":
         edge_weight = torch.ones(m, dtype=wide, device=parent.device)
@@ -250,14 +297,16 @@ def tree_depthwise(
         if edge_logprob is None:
             raise ValueError("fusion='path_prob' needs edge_logprob, the log-prob of the edge into each node")
         check_same_shape(edge_logprob=edge_logprob, parent=parent)
-        # softmax over siblings: exp(l_c - max) / sum over siblings
-        sib = torch.where(parent >= 0, parent, ids)
+        # softmax over siblings: exp(l_c - max) / sum over siblings. The siblings' key is their parent; a root
+        # gets m + its id, which no parent id equals: keyed by its own id it would join its children's softmax
+        # (and its edge log-prob, far above theirs, would underflow their weights to 0: a NaN node reward)
+        sib = torch.where(parent >= 0, parent, m + ids)
         lp = edge_logprob.to(wide)
-        sib_max = torch.full((m,), -torch.inf, dtype=wide, device=parent.device).scatter_reduce(
+        sib_max = torch.full((2 * m,), -torch.inf, dtype=wide, device=parent.device).scatter_reduce(
             0, sib, lp, reduce="amax"
         )
         expd = (lp - sib_max[sib]).exp()
-        edge_weight = expd / torch.zeros(m, dtype=wide, device=parent.device).index_add(0, sib, expd)[sib]
+        edge_weight = expd / torch.zeros(2 * m, dtype=wide, device=parent.device).index_add(0, sib, expd)[sib]
     else:
         raise ValueError(f"fusion must be 'mean' or 'path_prob', got {fusion!r}")
 
@@ -273,9 +322,11 @@ def tree_depthwise(
     key = tree * (int(depth.max()) + 1) + depth
     level = make_groups(key)
     mean = level.mean(node_reward)[level.index]
-    std = level.std(node_reward)[level.index]
-    centred = torch.where(level.varies(node_reward), node_reward - mean, 0.0)  # equal rewards: exactly 0
-    adv = (centred / (std + eps)).masked_fill(parent < 0, 0.0)
+    size = level.sizes.to(wide)[level.index]
+    # population std times sqrt(n / (n - 1)): the unbiased std; a level of one node has std 0, so advantage 0
+    std = level.std(node_reward)[level.index] * (size / (size - 1).clamp(min=1)).sqrt()
+    # equal rewards (std ~1e-16 from rounding) fall under min_std: exactly 0
+    adv = torch.where(std >= min_std, (node_reward - mean) / (std + eps), 0.0).masked_fill(parent < 0, 0.0)
     return adv.to(dtype), node_reward.to(dtype)
 
 
@@ -328,7 +379,7 @@ def process_supervised(
     )
     if credit not in ("return", "step"):
         raise ValueError(f"credit must be 'return' or 'step', got {credit!r}")
-    dtype = step_rewards.dtype if step_rewards.is_floating_point() else torch.float32
+    dtype = _result_dtype(step_rewards)
     out = torch.zeros(num_rows, num_tokens, dtype=dtype, device=step_rewards.device)
     if step_rewards.numel() == 0:  # no completion stated a step
         return out
@@ -352,6 +403,7 @@ def single_rollout(
     scale: Literal["batch_std", "none"] = "batch_std",
     center: bool = False,
     eps: float = 1e-6,
+    sum_over_ranks: SumOverRanks | None = None,
 ) -> torch.Tensor:
     """Single-rollout advantages against a persistent per-prompt baseline (SPO 2509.13232; MSSR).
 
@@ -359,21 +411,23 @@ def single_rollout(
     divided by the batch std of ``A`` (``scale="batch_std"``) when that std exceeds ``eps``; a batch whose
     advantages are all equal (e.g. every reward 0 against one shared prior) keeps them unscaled, since dividing by
     ``eps`` would blow a -0.1 up to -1e5. Centring ``A`` on its batch mean is optional and off by default: with
-    one rollout per prompt it can turn a correct answer's advantage negative.
+    one rollout per prompt it can turn a correct answer's advantage negative. The batch mean and std are those
+    of every data-parallel rank's advantages with ``sum_over_ranks`` (all ranks then agree on whether to scale).
 
     Args:
-        rewards: ``[N]`` one reward per prompt.
+        rewards: ``[N]`` one reward per prompt (float, integer or bool; integer or bool give float32).
         baseline: ``[N]`` the prompt's value estimate, taken before this batch's update.
+        sum_over_ranks: sums over the data-parallel ranks; ``None``: this process holds the whole batch.
     """
     check_1d("rewards", rewards)
     check_finite("rewards", rewards)
     check_same_shape(rewards=rewards, baseline=baseline)
     check_finite("baseline", baseline)
-    adv = rewards - baseline
+    adv = rewards.to(_result_dtype(rewards)) - baseline
     if center:
-        adv = adv - adv.mean()
+        adv = adv - _batch_mean_std(adv, sum_over_ranks)[0]
     if scale == "batch_std":
-        std = adv.std(correction=0)
+        std = _batch_mean_std(adv, sum_over_ranks)[1]
         return adv / (std + eps) if std > eps else adv
     if scale == "none":
         return adv

@@ -48,6 +48,10 @@ class RewardBatch:
         weights: ``[K]`` the reward weights of ``raw``.
         baseline: ``[N]`` the statistics store's value of each sample's prompt, taken *before* this batch updated
             it; given only to estimators registered with ``needs_baseline=True``.
+        sum_over_ranks: under data parallelism, the all-reduce sum over the ranks
+            (``mmrl.distributed.all_reduce_sum``), which every rank's estimator calls: an estimator's batch-level
+            statistics (``global_std``'s std, ``gdpo``'s whitening, ``single``'s scaling) are then those of every
+            rank's samples, as when one process holds them all. ``None``: this process holds the whole batch.
     """
 
     rewards: torch.Tensor
@@ -55,6 +59,7 @@ class RewardBatch:
     raw: torch.Tensor | None = None
     weights: torch.Tensor | None = None
     baseline: torch.Tensor | None = None
+    sum_over_ranks: adv_lib.SumOverRanks | None = None
 
 
 @dataclass
@@ -195,7 +200,11 @@ def dr_grpo(batch: RewardBatch) -> Advantages:
     "group mean / batch std of the rewards (TRL scale_rewards='batch'; LitePPO 2508.08221; not REINFORCE++)",
 )
 def global_std(batch: RewardBatch) -> Advantages:
-    return Advantages(adv_lib.group_normalized(batch.rewards, batch.group_ids, std="global"))
+    return Advantages(
+        adv_lib.group_normalized(
+            batch.rewards, batch.group_ids, std="global", sum_over_ranks=batch.sum_over_ranks
+        )
+    )
 
 
 @register_estimator("rloo", "leave-one-out baseline (RLOO 2402.14740)")
@@ -221,7 +230,11 @@ def mc_grpo(batch: RewardBatch) -> Advantages:
 )
 def gdpo(batch: RewardBatch) -> Advantages:
     raw = batch.raw if batch.raw is not None else batch.rewards.unsqueeze(1)
-    return Advantages(adv_lib.decoupled_multi_reward(raw, batch.group_ids, batch.weights))
+    return Advantages(
+        adv_lib.decoupled_multi_reward(
+            raw, batch.group_ids, batch.weights, sum_over_ranks=batch.sum_over_ranks
+        )
+    )
 
 
 @register_estimator(
@@ -236,4 +249,8 @@ def single(
     """``scale: none``: the raw ``r - V(x)``, not divided by the batch std."""
     if batch.baseline is None:
         raise ValueError("the single estimator needs batch.baseline (the store's value before the update)")
-    return Advantages(adv_lib.single_rollout(batch.rewards, batch.baseline, scale=scale, center=center))
+    return Advantages(
+        adv_lib.single_rollout(
+            batch.rewards, batch.baseline, scale=scale, center=center, sum_over_ranks=batch.sum_over_ranks
+        )
+    )

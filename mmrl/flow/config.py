@@ -99,7 +99,9 @@ class FlowSamplingConfig(Config):
     num_steps: int = Field(10, ge=1, description="Denoising steps of training rollouts (Flow-GRPO: 10).")
     eval_num_steps: int = Field(10, ge=1, description="ODE steps of evaluation samples.")
     guidance_scale: float = Field(1.0, ge=1.0, description="CFG scale (1: no CFG). SD3.5: 4.5.")
-    noise_level: float = Field(0.7, gt=0, description="SDE noise a (Flow-GRPO 0.7) or eta (DanceGRPO).")
+    noise_level: float = Field(
+        0.7, gt=0, description="SDE noise a (Flow-GRPO 0.7; at most 1 for sde_kind cps) or eta (DanceGRPO)."
+    )
     sde_kind: Literal["flow_grpo", "dance", "cps"] = Field("flow_grpo", description="SDE variant.")
     log_prob_form: Literal["gaussian", "squared_error"] | None = Field(
         None,
@@ -342,8 +344,10 @@ class FlowTrainerConfig(Config):
     epsilon_low: float = Field(
         1e-4,
         ge=0,
-        description="Lower clip of the ratio: Flow-GRPO's clip_range (1e-4; DanceGRPO 1e-4). Applies "
-        "to the log-probs of sampling.log_prob_form, Flow-GRPO's form for each sde_kind by default.",
+        lt=1,
+        description="Lower clip of the ratio: Flow-GRPO's clip_range (1e-4; DanceGRPO 1e-4); below 1, so that the "
+        "lower bound 1 - epsilon_low is positive. Applies to the log-probs of sampling.log_prob_form, Flow-GRPO's "
+        "form for each sde_kind by default.",
     )
     epsilon_high: float | None = Field(None, ge=0, description="Upper clip (default epsilon_low).")
     beta: float = Field(
@@ -351,7 +355,7 @@ class FlowTrainerConfig(Config):
         ge=0,
         description="KL coefficient to the reference: on SDE means (grpo, in the form kl_form names; "
         "Flow-GRPO: 0.04 for SD3.5-M GenEval/OCR, 0.01 PickScore; 0.004 Wan2.1 in the exact form), on the "
-        "velocity at the regressed points (nft, rwr, awm; AWM: 0.003 GenEval/OCR, 1e-4 PickScore). "
+        "velocity at the regressed points (nft, rwr, awm; AWM: 0.001 GenEval, 0.003 OCR, 1e-4 PickScore). "
         "DiffusionNFT multiplies its policy loss by adv_clip_max / nft_beta (5 at its defaults) and mmrl's nft "
         "does not: its train.beta times nft_beta / adv_clip_max is the same KL here (1e-4 there: 2e-5 here), and "
         "its max_grad_norm likewise.",
@@ -379,8 +383,9 @@ class FlowTrainerConfig(Config):
     )
     timestep_skip_last: bool = Field(
         False,
-        description="Never train the last SDE step; timestep_fraction counts the others (DanceGRPO's ignore_last: "
-        "0.6 of 12 steps trains 6 of the first 11).",
+        description="Never train the last SDE step; timestep_fraction counts the others (0.6 of 12 steps trains 6 "
+        "of the first 11). DanceGRPO's scripts pass --ignore_last, which its training code never reads: it draws "
+        "from all steps, as the default here.",
     )
     train_cfg: bool = Field(
         True,
@@ -539,6 +544,7 @@ class FlowGRPOConfig(Config):
         self._check_updates()
         self._check_estimator_and_budget()
         self._check_window()
+        self._check_noise_level()
         self._check_rollout_modes()
         self._check_objective()
         return self
@@ -670,6 +676,16 @@ class FlowGRPOConfig(Config):
         check_reward_inputs(self.eval_rewards or [], given, recipe, "eval_rewards")
         for name, extra in self.extra_eval.items():
             check_reward_inputs(extra.rewards, given, recipe, f"extra_eval.{name}.rewards")
+
+    def _check_noise_level(self) -> None:
+        """CPS's noise level ``a`` lies in (0, 1] (Flow-GRPO's range): its std ``s' sin(a pi / 2)`` falls back to 0
+        at ``a = 2`` and turns negative after it, where the flow_grpo and dance kinds take any ``a > 0``."""
+        s = self.sampling
+        if s.sde_kind == "cps" and s.noise_level > 1:
+            raise ValueError(
+                f"sampling.noise_level ({s.noise_level}) must be at most 1 with sampling.sde_kind cps: its std "
+                "s' sin(a pi / 2) peaks at a = 1 and is 0 at a = 2 (Flow-GRPO's CPS range is (0, 1])"
+            )
 
     def _check_window(self) -> None:
         """The SDE window fits the steps it may cover (:meth:`FlowSamplingConfig.window_bounds`), whatever the

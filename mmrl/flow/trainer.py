@@ -39,6 +39,7 @@ from mmrl.core.stats import PromptStats
 from mmrl.data.prompts import check_prompts, load_prompts
 from mmrl.device import DTYPES
 from mmrl.distributed import (
+    all_reduce_sum,
     broadcast_params,
     full_state_dict,
     load_optimizer_state,
@@ -402,13 +403,19 @@ class FlowGRPOTrainer(TrainerBase):
     def advantages(self, raw: torch.Tensor, group_index: torch.Tensor, prompts: list[str]) -> Advantages:
         """Step 4: the configured estimator's advantages of a scored batch, clipped; folds the rewards into the
         statistics store first (an estimator that needs the store's baseline gets it from before the update).
-        GDPO replaces the estimator when ``trainer.multi_reward=gdpo`` and there are several rewards."""
+        GDPO replaces the estimator when ``trainer.multi_reward=gdpo`` and there are several rewards. Under data
+        parallelism the estimator's batch statistics (``global_std``'s std, ``gdpo``'s whitening, ``single``'s
+        scale) are taken over every rank's rewards, as Flow-GRPO takes them over the gathered batch: a collective
+        every rank enters."""
         t = self.cfg.trainer
         estimator = get_estimator(self.cfg.estimator_name)
         total = self.combine(raw)
         baseline = self.stats.value(prompts).float() if estimator.needs_baseline else None
         self.stats.update_distributed(prompts, total, step=self.step)
-        batch = RewardBatch(total, group_index, raw, self.reward_weights, baseline)
+        sum_over_ranks = all_reduce_sum if self.dist.active else None
+        batch = RewardBatch(
+            total, group_index, raw, self.reward_weights, baseline, sum_over_ranks=sum_over_ranks
+        )
         result = estimator.fn(batch, **t.advantage_options)
         return Advantages(adv_lib.clip_advantages(result.adv, t.adv_clip_max), result.keep)
 

@@ -80,12 +80,21 @@ def sde_noise_scale(
         cps:        sigma_t = s' * sin(a * pi / 2)    (CPS's sigma_t is the transition std itself)
 
     The transition std is ``sigma_t * sqrt(-d)`` for flow_grpo and dance, ``sigma_t`` for cps. Flow-GRPO's KL
-    on SDE means divides by ``2 sigma_t^2`` (see ``mmrl.core.losses.gaussian_mean_kl``).
+    on SDE means divides by ``2 sigma_t^2`` (see ``mmrl.core.losses.gaussian_mean_kl``). The cps ``a`` lies in
+    ``[0, 1]`` (Flow-GRPO's range): ``sin(a pi / 2)`` rises to 1 there, and falls back to 0 at ``a = 2`` and
+    below 0 after it (a negative std).
 
     Args:
         sigma, sigma_next: float32 tensors broadcastable against each other (``[B, 1, ..., 1]`` or ``[B]``).
+
+    Raises:
+        ValueError: unknown ``kind``, or a cps ``noise_level`` outside ``[0, 1]``.
     """
     if kind == "cps":
+        if not 0 <= noise_level <= 1:
+            raise ValueError(
+                f"sde_kind cps needs noise_level in [0, 1] (its std is s' sin(a pi / 2)), got {noise_level}"
+            )
         return sigma_next * math.sin(noise_level * math.pi / 2)
     if kind == "flow_grpo":
         # At s = 1, s / (1 - s) is infinite; Flow-GRPO evaluates the ratio with the next sigma there.
@@ -128,7 +137,7 @@ def sde_mean_std(
     ``s' = 0`` (the last step is deterministic).
 
     Raises:
-        ValueError: unknown ``kind`` or negative ``noise_level``.
+        ValueError: unknown ``kind``, negative ``noise_level``, or a cps ``noise_level`` above 1.
     """
     if kind not in SDE_KINDS:
         raise ValueError(f"unknown SDE kind {kind!r}. Available: {list(SDE_KINDS)}")
@@ -220,7 +229,8 @@ def sde_step(
         x: ``[B, ...]`` latents at ``sigma`` (any float dtype; the step is computed in float32).
         v: ``[B, ...]`` velocity predicted at ``(x, sigma)`` (after CFG, if any).
         sigma, sigma_next: scalars or ``[B]`` tensors, ``sigma_next < sigma``.
-        noise_level: ``a`` of Flow-GRPO (paper: 0.7), ``eta`` of DanceGRPO (paper: 0.3), or CPS's ``a``.
+        noise_level: ``a`` of Flow-GRPO (paper: 0.7), ``eta`` of DanceGRPO (paper: 0.3), or CPS's ``a`` in
+            ``[0, 1]``.
         kind: ``"flow_grpo"``, ``"dance"`` or ``"cps"``.
         noise: ``[B, ...]`` standard normal draw; drawn with ``generator`` when ``None``.
         generator: RNG for the draw when ``noise`` is ``None``.
@@ -234,7 +244,8 @@ def sde_step(
         ``(prev_sample [B, ...], log_prob [B], mean [B, ...], std [B, 1, ..., 1])``, all float32.
 
     Raises:
-        ValueError: unknown ``kind``, negative ``noise_level``, or ``noise`` / ``prev_sample`` of the wrong shape.
+        ValueError: unknown ``kind``, negative ``noise_level`` (above 1 for cps), or ``noise`` / ``prev_sample`` of
+            the wrong shape.
     """
     mean, std = sde_mean_std(x, v, sigma, sigma_next, noise_level, kind)
     if prev_sample is None:

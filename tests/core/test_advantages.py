@@ -131,20 +131,55 @@ def test_tree_depthwise_hand_example():
     parent = torch.tensor([-1, 0, 0, 1, 1, 2, 2])
     adv, node = A.tree_depthwise(leaf, parent)
     torch.testing.assert_close(node, torch.tensor([0.75, 0.5, 1.0, 1.0, 0.0, 1.0, 1.0]))
-    # depth 1: rewards 0.5, 1.0 -> +-1; depth 2: 1, 0, 1, 1 -> mean .75, std sqrt(3)/4
-    s2 = math.sqrt(3) / 4
+    # unbiased std (BranchGRPO's torch .std()) + 1e-8. depth 1: rewards 0.5, 1.0 -> mean .75, std 0.25 sqrt(2);
+    # depth 2: 1, 0, 1, 1 -> mean .75, std sqrt((3 * 0.25^2 + 0.75^2) / 3) = 0.5
+    s1, s2 = 0.25 * math.sqrt(2), 0.5
     expected = torch.tensor(
         [
             0.0,
-            -0.25 / (0.25 + 1e-6),
-            0.25 / (0.25 + 1e-6),
-            0.25 / (s2 + 1e-6),
-            -0.75 / (s2 + 1e-6),
-            0.25 / (s2 + 1e-6),
-            0.25 / (s2 + 1e-6),
+            -0.25 / (s1 + 1e-8),
+            0.25 / (s1 + 1e-8),
+            0.25 / (s2 + 1e-8),
+            -0.75 / (s2 + 1e-8),
+            0.25 / (s2 + 1e-8),
+            0.25 / (s2 + 1e-8),
         ]
     )
     torch.testing.assert_close(adv, expected)
+
+
+def test_tree_depthwise_is_branchgrpos_unbiased_std_advantage():
+    """BranchGRPO's ``compute_hierarchical_advantages_by_depth``: ``(R - mean) / (R.std() + 1e-8)`` with torch's
+    unbiased std, 0 for a level whose std is below 1e-6."""
+    nan = float("nan")
+    parent = torch.tensor([-1, 0, 0, 1, 1, 2, 2])
+    adv, node = A.tree_depthwise(torch.tensor([nan, nan, nan, 1.0, 0.0, 0.0, 0.0]), parent)
+    torch.testing.assert_close(node, torch.tensor([0.25, 0.5, 0.0, 1.0, 0.0, 0.0, 0.0]))
+    # depth 1: 0.5, 0 -> +-1/sqrt(2) (the population std gave +-1); depth 2: 1, 0, 0, 0 -> mean 1/4, unbiased
+    # std sqrt((0.75^2 + 3 * 0.25^2) / 3) = 1/2 (the population std, sqrt(3)/4, gave 1.732, -0.577)
+    expected = torch.tensor([0.0, 0.7071068, -0.7071068, 1.5, -0.5, -0.5, -0.5])
+    torch.testing.assert_close(adv, expected, atol=1e-6, rtol=0)
+    # a level whose nodes differ by less than BranchGRPO's threshold gets 0 (with the std in the denominator,
+    # rewards 1 and 1 + 1.2e-7 would get +-0.7: their difference blown up to the size of a real one)
+    close = torch.tensor([nan, 1.0, 1.0 + 1.2e-7])
+    adv_close, _ = A.tree_depthwise(close, torch.tensor([-1, 0, 0]))
+    assert torch.equal(adv_close, torch.zeros(3))
+
+
+def test_tree_depthwise_path_prob_of_a_root_stays_out_of_its_childrens_softmax():
+    """A root's edge log-prob (here 0) far above its children's (-800, -801) used to join their softmax, which
+    underflowed their weights to 0 and made the root's reward 0 / 0 = NaN; the children's softmax alone weighs
+    the leaves 1 : e^-1."""
+    nan = float("nan")
+    parent = torch.tensor([-1, -1, 0, 0, 1, 1])
+    leaf = torch.tensor([nan, nan, 1.0, 0.0, 1.0, 1.0])
+    lp = torch.tensor([0.0, 0.0, -800.0, -801.0, -1.0, -1.0])
+    adv, node = A.tree_depthwise(leaf, parent, fusion="path_prob", edge_logprob=lp)
+    sigmoid_1 = 1 / (1 + math.exp(-1))  # leaf weights e^-800 : e^-801 = 1 : e^-1
+    torch.testing.assert_close(node, torch.tensor([sigmoid_1, 1.0, 1.0, 0.0, 1.0, 1.0]))
+    torch.testing.assert_close(
+        adv, torch.tensor([0.0, 0.0, 0.7071068, -0.7071068, 0.0, 0.0]), atol=1e-6, rtol=0
+    )
 
 
 def test_tree_depthwise_two_trees_normalised_separately_and_path_prob():
@@ -153,7 +188,9 @@ def test_tree_depthwise_two_trees_normalised_separately_and_path_prob():
     parent = torch.tensor([-1, 0, 0, -1, 3, 3])
     adv, node = A.tree_depthwise(leaf, parent)
     torch.testing.assert_close(node[[0, 3]], torch.tensor([0.5, 4.0]))
-    torch.testing.assert_close(adv[[1, 2, 4, 5]], torch.tensor([1.0, -1.0, 1.0, -1.0]), atol=1e-5, rtol=0)
+    # two nodes a level: +-(d / 2) / (d / sqrt(2)) = +-1/sqrt(2) with the unbiased std, whatever their spread d
+    half = 1 / math.sqrt(2)
+    torch.testing.assert_close(adv[[1, 2, 4, 5]], torch.tensor([half, -half, half, -half]), atol=1e-6, rtol=0)
     lp = torch.tensor([0.0, math.log(3.0), 0.0, 0.0, 0.0, 0.0])
     _, node_p = A.tree_depthwise(leaf, parent, fusion="path_prob", edge_logprob=lp)
     torch.testing.assert_close(node_p[0], torch.tensor(0.75))  # weights 3:1 on leaves 1:0
@@ -162,6 +199,43 @@ def test_tree_depthwise_two_trees_normalised_separately_and_path_prob():
 def test_tree_rejects_children_before_parents():
     with pytest.raises(ValueError, match="parent"):
         A.tree_depthwise(torch.tensor([1.0, 0.0]), torch.tensor([1, -1]))
+
+
+_INT_REWARDS = torch.tensor([1, 0, 0, 1, 1, 0])
+_INT_GROUPS = torch.tensor([0, 0, 0, 1, 1, 1])
+
+
+@pytest.mark.parametrize(
+    "advantages",
+    [
+        lambda r: A.group_normalized(r, _INT_GROUPS),
+        lambda r: A.group_normalized(r, _INT_GROUPS, std="global"),
+        lambda r: A.group_normalized(r, _INT_GROUPS, std="none"),
+        lambda r: A.rloo(r, _INT_GROUPS),
+        lambda r: A.median_centered(r, _INT_GROUPS)[0],
+        lambda r: A.decoupled_multi_reward(torch.stack([r, r.logical_not().to(r.dtype)], dim=1), _INT_GROUPS),
+        lambda r: A.single_rollout(r, torch.full((6,), 0.3)),
+    ],
+    ids=["grpo", "global_std", "dr_grpo", "rloo", "median_centered", "gdpo", "single"],
+)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool])
+def test_integer_and_bool_rewards_give_the_float32_advantages_of_their_values(advantages, dtype):
+    """0/1 verifier scores as int64 or bool: the advantages are those of the same rewards as floats, in float32;
+    cast back to int64 they were truncated ([1, 0, 0] -> 1, 0, 0 instead of 1.41, -0.71, -0.71)."""
+    adv = advantages(_INT_REWARDS.to(dtype))
+    assert adv.dtype == torch.float32
+    torch.testing.assert_close(adv, advantages(_INT_REWARDS.float()))
+
+
+def test_integer_rewards_hand_values():
+    # group [1, 0, 0]: mean 1/3, population std sqrt(2)/3 -> 2/3 / (sqrt(2)/3) = sqrt(2), -1/3 / (sqrt(2)/3)
+    s = math.sqrt(2) / 3 + 1e-6
+    expected = torch.tensor([2 / 3 / s, -1 / 3 / s, -1 / 3 / s, 1 / 3 / s, 1 / 3 / s, -2 / 3 / s])
+    torch.testing.assert_close(A.group_normalized(_INT_REWARDS, _INT_GROUPS), expected)
+    # leave-one-out: 1 - 0 = 1, 0 - 1/2 = -0.5
+    torch.testing.assert_close(
+        A.rloo(_INT_REWARDS, _INT_GROUPS), torch.tensor([1.0, -0.5, -0.5, 0.5, 0.5, -1.0])
+    )
 
 
 def test_single_rollout_formula_and_no_centering_by_default():

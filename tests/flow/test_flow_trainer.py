@@ -1207,6 +1207,18 @@ def test_sde_window_range_errors_name_the_keys(model_dir, tmp_path, overrides, m
         make_cfg(model_dir, tmp_path, "bad", *overrides)
 
 
+def test_cps_noise_level_above_one_is_refused_at_load(tmp_path):
+    """CPS's std ``s' sin(a pi / 2)`` is 0 at ``a = 2`` and negative above; Flow-GRPO's CPS range is (0, 1]."""
+    cps = make_cfg(tmp_path, tmp_path, "cps1", "sampling.sde_kind=cps", "sampling.noise_level=1")
+    assert cps.sampling.noise_level == 1
+    with pytest.raises(
+        ValueError, match=r"sampling\.noise_level \(2\.0\) must be at most 1 with sampling\.sde_kind cps"
+    ):
+        make_cfg(tmp_path, tmp_path, "cps2", "sampling.sde_kind=cps", "sampling.noise_level=2")
+    # Flow-GRPO's own SDE takes any a > 0
+    assert make_cfg(tmp_path, tmp_path, "sde2", "sampling.noise_level=2").sampling.noise_level == 2
+
+
 def test_sampling_shift_reaches_rollouts_evaluation_and_the_regressed_points(model_dir, tmp_path):
     """sampling.shift 1.5 on 4 steps (the model's scheduler shifts by 3): rollouts and evaluation get it, and NFT
     regresses at the shifted sigmas."""

@@ -242,3 +242,19 @@ def test_flow_grpo_kl_form_is_exact_kl_times_dt_on_a_shift3_schedule():
         ratios.append(float(exact / flow_grpo))
     assert 3.5 < min(ratios[:-1]) < 4.0 and 24.0 < max(ratios[:-1]) < 26.0
     assert 100 < ratios[-1] < 120
+
+
+def test_cps_noise_level_above_one_is_refused():
+    """CPS's std ``s' sin(a pi / 2)`` peaks at ``a = 1`` (std ``s'``), is ~5e-17 at ``a = 2`` and negative above
+    (Flow-GRPO's range is (0, 1]): such an ``a`` is refused, not sampled with a vanishing or negative std."""
+    x, v = _batch()
+    _, std = sde_mean_std(x, v, 0.6, 0.4, 1.0, "cps")
+    torch.testing.assert_close(std.flatten(), torch.full((3,), 0.4))
+    for a in (1.5, 2.0, 2.5):
+        with pytest.raises(ValueError, match=r"cps needs noise_level in \[0, 1\]"):
+            sde_step(x, v, 0.6, 0.4, a, "cps", generator=torch.Generator().manual_seed(0))
+        with pytest.raises(ValueError, match=r"cps needs noise_level in \[0, 1\]"):  # (the KL's scale)
+            sde_noise_scale(torch.tensor([0.6]), torch.tensor([0.4]), a, "cps")
+    # Flow-GRPO's a and DanceGRPO's eta have no such bound
+    _, std = sde_mean_std(x, v, 0.6, 0.4, 1.5, "dance")
+    torch.testing.assert_close(std.flatten(), torch.full((3,), 1.5 * math.sqrt(0.2)))
