@@ -174,7 +174,13 @@ class VLMRewardSpec(RewardSpec):
 
 class GenerationConfig(Config):
     backend: Literal["hf", "vllm"] = Field("hf", description="hf: transformers generate; vllm: GPU engine.")
-    temperature: float = Field(1.0, ge=0, description="Sampling temperature of rollouts.")
+    temperature: float = Field(
+        1.0,
+        gt=0,
+        description="Sampling temperature of rollouts (> 0: the policy gradient needs samples of the policy; a "
+        "greedy rollout is not one, and a group of greedy rollouts is one answer repeated). Held-out answers: "
+        "eval_temperature, greedy at 0.",
+    )
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus mass (1: full distribution, on-policy).")
     eval_temperature: float = Field(
         0.0,
@@ -341,7 +347,9 @@ class VLMTrainerConfig(Config):
     epsilon_low: float = Field(
         0.2,
         ge=0,
-        description="Lower clip range: TRL's epsilon, verl's clip_ratio_low (PPO/GRPO: 0.2).",
+        lt=1,
+        description="Lower clip range: TRL's epsilon, verl's clip_ratio_low (PPO/GRPO: 0.2); below 1, so that the "
+        "lower bound 1 - epsilon_low of the ratio is positive (at 1 or above no ratio is ever clipped low).",
     )
     epsilon_high: float = Field(
         0.28,
@@ -385,9 +393,14 @@ class VLMTrainerConfig(Config):
     tis: Literal["auto", "on", "off"] = Field(
         "auto",
         description="Truncated importance sampling vs the rollout engine (auto: on for vllm, or for any backend "
-        "when generation.top_p < 1: samples from the truncated nucleus).",
+        "when generation.top_p < 1: samples from the truncated nucleus). true / false are read as on / off.",
     )
-    tis_cap: float = Field(2.0, gt=0, description="TIS cap C.")
+    tis_cap: float = Field(
+        2.0,
+        ge=1.0,
+        description="TIS cap C of the weight min(pi_trainer / pi_engine, C); >= 1 so that a token the engine and "
+        "the trainer score alike keeps weight 1 (as pool.tis_cap).",
+    )
     tis_mode: Literal["token", "sequence"] = Field(
         "token",
         description="token: each token's own capped ratio; sequence: one ratio per completion, the product of "
@@ -411,6 +424,15 @@ class VLMTrainerConfig(Config):
     logprob_chunk_size: int = Field(128, ge=1, description="Positions per chunk of the head/softmax.")
     eval_every: int = Field(10, ge=1, description="Evaluate on the held-out questions every N steps.")
     sample_every: int = Field(10, ge=1, description="Write example completions every N steps.")
+
+    @field_validator("tis", mode="before")
+    @classmethod
+    def _tis_from_yaml_boolean(cls, value: Any) -> Any:
+        """YAML 1.1 reads an unquoted ``on`` / ``off`` (and ``yes`` / ``no``, ``true`` / ``false``) as a boolean,
+        so ``trainer.tis: off`` arrives as False: True -> ``"on"``, False -> ``"off"``."""
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return value
 
 
 class VLMPoolSettings(PoolSettings):
@@ -596,6 +618,12 @@ class VLMRLVRConfig(Config):
     def _check_dynamic_sampling(self) -> None:
         """DAPO's dynamic sampling settings apply to group mode with it on, and fit the rollout source."""
         t = self.trainer
+        if t.dynamic_sampling and t.mode != "group":
+            raise ValueError(
+                "trainer.dynamic_sampling=true drops the groups whose rewards are all equal; trainer.mode=single "
+                "rolls out once per prompt, so there is no group: set trainer.mode=group or "
+                "trainer.dynamic_sampling=false"
+            )
         if t.dynamic_sampling_rounds > 1 and not (t.mode == "group" and t.dynamic_sampling):
             raise ValueError(
                 f"trainer.dynamic_sampling_rounds={t.dynamic_sampling_rounds} refills DAPO's dynamic sampling: set "

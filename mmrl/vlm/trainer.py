@@ -52,6 +52,7 @@ from mmrl.core.stats import PromptStats
 from mmrl.data.vqa import VQAExample, check_answers, load_vqa
 from mmrl.device import DTYPES
 from mmrl.distributed import (
+    all_reduce_sum,
     broadcast_params,
     full_state_dict,
     load_optimizer_state,
@@ -443,7 +444,7 @@ class VLMRLVRTrainer(TrainerBase):
             return completion_token_stats(
                 model or self.model,
                 batch,
-                temperature=temperature or 1.0,
+                temperature=temperature,
                 chunk_size=chunk_size,
                 suppressed_token_ids=suppressed,
                 min_chunks=min_chunks,
@@ -555,9 +556,13 @@ class VLMRLVRTrainer(TrainerBase):
         estimator = get_estimator(self.cfg.estimator_name)
         baseline = self.stats.value(pids).float() if estimator.needs_baseline else None  # V(x) before
         self.stats.update_distributed(pids, total, step=self.step)
-        result = estimator.fn(
-            RewardBatch(total, group_ids, raw, self.reward_weights, baseline), **settings.advantage_options
+        # under data parallelism the batch statistics (global_std's std, gdpo's whitening, single's scale) are
+        # those of every rank's rewards: a collective, next to the store's
+        sum_over_ranks = all_reduce_sum if self.dist.active else None
+        batch = RewardBatch(
+            total, group_ids, raw, self.reward_weights, baseline, sum_over_ranks=sum_over_ranks
         )
+        result = estimator.fn(batch, **settings.advantage_options)
         adv, keep = result.adv, result.keep_mask()
         if baseline is not None:
             self.metrics.add("baseline/mean", baseline.mean())
@@ -690,8 +695,9 @@ class VLMRLVRTrainer(TrainerBase):
 
         The kept rows are split into ``trainer.updates_per_step`` parts, each trained for ``trainer.ppo_epochs``
         with its own optimizer step. A part's loss is ``L = sum_k w_k L_k`` over its minibatches, ``L_k`` the
-        minibatch's ``loss_agg`` aggregate and ``w_k`` its share of the part (:func:`_minibatch_shares`), so
-        ``L`` is the aggregate over the part's rows whatever ``trainer.minibatch_size`` cuts them into."""
+        minibatch's ``loss_agg`` aggregate and ``w_k`` its share of the part over every rank
+        (:func:`_minibatch_shares`), so that the ranks' averaged gradient is that of the aggregate over all their
+        part's rows, whatever ``trainer.minibatch_size`` cuts them into and however many rows each rank kept."""
         if lags is None:
             lags = torch.zeros(len(pairs), dtype=torch.long)
         settings = self.cfg.trainer
@@ -712,13 +718,17 @@ class VLMRLVRTrainer(TrainerBase):
             self.backend.sync_weights(self.model)  # (the weights are unchanged; a sleeping engine wakes)
             return
         paddings = self._padding_minibatches(parts)
+        lengths = torch.tensor([len(sample.completion_token_ids) for _, sample in pairs])
+        counts = [[_normalizer_count(lengths[idx], settings.loss_agg) for idx in part] for part in parts]
+        # part p of every rank ends in the same averaged optimizer step: its normaliser counts all ranks' rows, one
+        # collective per step (a rank's own count would weigh its rows by how many others it kept)
+        totals = self.dist.sum_over_ranks([sum(part_counts) for part_counts in counts])
         # Old-policy statistics (log-probs for the ratio, entropies for the shaping) are those of the first epoch's
         # gradient forward, detached: no optimizer step comes before it, so its weights are the old policy's
         # (TRL does the same at num_iterations=1). One forward per minibatch and epoch; the parts after the first
         # are trained after an update, so theirs come first, from a forward without gradients. With dropout on
         # (LoRA dropout > 0) the old statistics are a train-mode draw, as TRL's.
         self.model.train()
-        lengths = torch.tensor([len(sample.completion_token_ids) for _, sample in pairs])
         old_stats: list[list[TokenStats | None]] = [[None] * len(part) for part in parts]
         padding_rows = rows[:1] if rows.numel() else torch.zeros(1, dtype=torch.long)  # any sample will do
         with torch.no_grad():
@@ -727,8 +737,10 @@ class VLMRLVRTrainer(TrainerBase):
                 for _ in range(padding):
                     self.token_stats([pairs[i] for i in padding_rows.tolist()], temperature)
         for _ in range(settings.ppo_epochs):
-            for part, olds, padding in zip(parts, old_stats, paddings, strict=True):
-                shares = _minibatch_shares([lengths[idx] for idx in part], settings.loss_agg)
+            for part, olds, padding, part_counts, total in zip(
+                parts, old_stats, paddings, counts, totals, strict=True
+            ):
+                shares = _minibatch_shares(part_counts, total, self.dist.world_size)
                 for chunk, (idx, share) in enumerate(zip(part, shares, strict=True)):
                     olds[chunk] = self._train_minibatch(pairs, idx, adv, lags, olds[chunk], share)
                 with self.metrics.discarded():
@@ -771,9 +783,9 @@ class VLMRLVRTrainer(TrainerBase):
         mask = old.mask
         advantages = _token_width(adv[idx], mask.shape[1]).to(mask.device).float()
         shaping = settings.entropy_shaping
-        entropy = old.entropy if shaping.kind == "full" else old.sampled_entropy
         if shaping.enabled:
-            token_adv = adv_lib.entropy_shaped(advantages, entropy, shaping.alpha, shaping.kappa)
+            bonus_entropy = old.entropy if shaping.kind == "full" else old.sampled_entropy
+            token_adv = adv_lib.entropy_shaped(advantages, bonus_entropy, shaping.alpha, shaping.kappa)
         else:
             token_adv = (
                 advantages.unsqueeze(1).expand_as(old.logprobs) if advantages.ndim == 1 else advantages
@@ -797,9 +809,13 @@ class VLMRLVRTrainer(TrainerBase):
             per_token, mask, mode=settings.loss_agg, max_len=self.cfg.generation.max_new_tokens
         )
         (loss * share).backward()
-        # weighted by its share, the logged loss is the update's aggregate (per epoch and part)
+        # weighted by its share, the logged loss is the update's aggregate over every rank (per epoch and part)
         self.metrics.add("loss", loss, count=share)
-        self.metrics.add("entropy/mean", _masked_mean(entropy, mask))
+        # the policy's entropy whatever the shaping reads (the full one is computed in every forward); what
+        # sampled shaping reads, the sampled token's -p log p, is a different number (~0.01 where H is ~6)
+        self.metrics.add("entropy/mean", _masked_mean(old.entropy, mask))
+        if shaping.enabled and shaping.kind == "sampled":
+            self.metrics.add("entropy/sampled_term_mean", _masked_mean(old.sampled_entropy, mask))
         self.metrics.add(
             "policy/ratio_mean", _masked_mean(torch.exp(new.logprobs.detach() - old.logprobs), mask)
         )
@@ -1047,25 +1063,34 @@ def _token_width(adv: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(adv, (0, width - adv.shape[1]))
 
 
-def _minibatch_shares(lengths: list[torch.Tensor], loss_agg: str) -> list[float]:
-    """Each minibatch's weight ``w_k`` in an update's loss ``L = sum_k w_k L_k`` (``L_k``: its
-    :func:`mmrl.core.losses.aggregate`; ``lengths``: per minibatch, its rows' completion lengths), such that ``L``
-    is the aggregate over all the update's rows:
+def _normalizer_count(lengths: torch.Tensor, loss_agg: str) -> float:
+    """What :func:`mmrl.core.losses.aggregate` divides a minibatch's summed loss by under ``loss_agg``, up to a
+    constant, from its rows' completion ``lengths``: its tokens (``token_mean``), its rows with a token
+    (``seq_mean_token_mean``: ``aggregate`` leaves empty rows out of its mean) or its rows
+    (``seq_mean_token_sum_norm``, times ``max_len``)."""
+    if loss_agg == "token_mean":
+        return float(lengths.sum())
+    if loss_agg == "seq_mean_token_mean":
+        return float((lengths > 0).sum())
+    return float(lengths.numel())
 
-    - ``token_mean``: ``w_k = T_k / T``, tokens over the step's tokens (every token weighs the same);
-    - ``seq_mean_token_mean``: ``w_k = R_k / R``, rows with a token over the step's such rows (every sequence
-      weighs the same; ``aggregate`` leaves empty rows out of its mean);
-    - ``seq_mean_token_sum_norm``: ``w_k = B_k / B``, rows over the step's rows (the normaliser
-      ``B * max_len`` is the step's).
+
+def _minibatch_shares(counts: list[float], total: float, world_size: int) -> list[float]:
+    """Each minibatch's weight ``w_k = world_size * n_k / N`` in a part's loss ``L = sum_k w_k L_k`` (``L_k``: its
+    :func:`mmrl.core.losses.aggregate`; ``counts``: its :func:`_normalizer_count` ``n_k``; ``total``: ``N``, the
+    part's count summed over the ranks), such that the ranks' averaged gradient
+    (:func:`mmrl.distributed.all_reduce_grads`, FSDP's reduce-scatter: sum / ``world_size``) is the gradient of
+    the aggregate over every rank's rows, as TRL's ``dapo`` (``num_items_in_batch`` gathered across processes)
+    and verl's token-mean (``global_batch_tokens * dp_size``) normalise:
+
+    - ``token_mean``: every token of the launch's part weighs the same;
+    - ``seq_mean_token_mean``: every sequence with a token weighs the same;
+    - ``seq_mean_token_sum_norm``: the normaliser ``B * max_len`` counts every rank's rows ``B``.
+
+    One process: ``w_k = n_k / N``, the minibatches' shares of the part. A rank that kept no rows adds nothing to
+    ``N`` and so leaves the others' gradient as one process would compute it.
     """
-    count = {
-        "token_mean": lambda chunk: float(chunk.sum()),
-        "seq_mean_token_mean": lambda chunk: float((chunk > 0).sum()),
-        "seq_mean_token_sum_norm": lambda chunk: float(chunk.numel()),
-    }[loss_agg]
-    counts = [count(chunk) for chunk in lengths]
-    total = sum(counts)
-    return [value / total for value in counts]
+    return [world_size * count / total if total else 0.0 for count in counts]
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -3,32 +3,21 @@ GDPO's whitening and the single-rollout scaling are taken over every rank's rewa
 the gathered batch, so two ranks get the advantages one process gets on the two halves together."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 from mmrl.core.estimators import RewardBatch, estimate
 from tests.distributed.batch_stats_worker import BASELINE, GROUPS, RAW, WEIGHTS
+from tests.distributed.two_ranks import needs_gloo, run_two_ranks
 
-ROOT = Path(__file__).resolve().parents[2]
-
-pytestmark = pytest.mark.skipif(
-    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-    reason="needs torch.distributed with gloo",
-)
+pytestmark = needs_gloo
 
 
 def test_batch_statistics_span_every_rank(tmp_path):
     prefix = tmp_path / "stats"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    command += [str(Path(__file__).with_name("batch_stats_worker.py")), str(prefix), str(tmp_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
+    args = [str(prefix), str(tmp_path)]
+    run_two_ranks("batch_stats_worker.py", *args)
     ranks = [json.loads(Path(f"{prefix}.rank{rank}.json").read_text()) for rank in (0, 1)]
 
     # one process holding both halves (rank 1's prompts are groups 2 and 3)

@@ -889,6 +889,39 @@ def test_minibatches_give_the_gradient_of_one_full_batch(model_dir, tmp_path, lo
         torch.testing.assert_close(chunked_grad, full_grad, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["full", "sampled"])
+def test_entropy_mean_is_the_policys_entropy_whatever_the_shaping_reads(model_dir, tmp_path, kind):
+    """``entropy/mean`` is the full-vocabulary entropy of the old policy on the completion tokens under either
+    shaping kind (sampled shaping logged the sampled token's -p log p there: 0.013 where the entropy is 6.07);
+    what sampled shaping reads is logged as ``entropy/sampled_term_mean``."""
+    cfg = make_cfg(
+        model_dir,
+        tmp_path,
+        "entropy",
+        "trainer.mode=group",
+        "trainer.minibatch_size=64",  # one minibatch: its masked means are the batch's
+        f"trainer.entropy_shaping.kind={kind}",
+    )
+    trainer = VLMRLVRTrainer(cfg, None)
+    trainer.setup()
+    pairs, *_ = trainer.collect()
+    with torch.no_grad():
+        stats = trainer.token_stats(pairs, cfg.generation.temperature)
+    tokens = stats.mask.sum()
+    entropy = float((stats.entropy * stats.mask).sum() / tokens)
+    sampled = float((stats.sampled_entropy * stats.mask).sum() / tokens)
+    # random weights: the entropy is near log(vocabulary), and -p log p of a token of p ~ 1/V is tiny
+    assert entropy > 5.0 > 0.1 > sampled
+    adv = torch.randn(len(pairs), generator=torch.Generator().manual_seed(0))
+    trainer.update(pairs, adv, torch.ones(len(pairs), dtype=torch.bool))
+    metrics = trainer.metrics.reduce()
+    assert metrics["entropy/mean"] == pytest.approx(entropy, rel=1e-5)
+    if kind == "sampled":
+        assert metrics["entropy/sampled_term_mean"] == pytest.approx(sampled, rel=1e-5)
+    else:
+        assert "entropy/sampled_term_mean" not in metrics
+
+
 class RecordingBackend(GenerationBackend):
     """The trainer's transformers backend, recording the engine calls a vLLM engine would get."""
 
