@@ -62,7 +62,7 @@ from mmrl.seeding import EVAL_SEED
 from mmrl.trainer_base import TrainerBase
 from pipelines.flow.adapters import Conditioning, FlowAdapter, load_adapter
 from pipelines.flow.branch import TreeRollout, prune_transitions
-from pipelines.flow.explore import ExploreConfig, spearman
+from pipelines.flow.explore import ExploreConfig, spearman_within
 from pipelines.flow.rollout import Rollout, SamplingConfig, TransitionBatch, rescore, rollout, rollout_sigmas
 from pipelines.pool.protocol import WeightUpdate
 from pipelines.pool.weights import make_update
@@ -503,7 +503,9 @@ class FlowGRPOTrainer(TrainerBase):
         raw, components = self.score(ro.images, ro.prompts)
         total, adv, trans = self.score_flat(ro, raw, components)
         if samples.explored is not None:
-            self.metrics.add("explore/spearman", spearman(samples.explored.chosen_preview_rewards, total))
+            explored = samples.explored
+            rho = spearman_within(explored.chosen_preview_rewards, total, explored.chosen.shape[1])
+            self.metrics.add("explore/spearman", rho)
         return StepBatch(
             trans,
             adv[trans.sample_index],
@@ -581,7 +583,8 @@ class FlowGRPOTrainer(TrainerBase):
                 torch.zeros(len(samples.prompts)).index_add_(0, tr.leaf_tree, total)
                 / tr.tree.leaves_per_tree()
             )
-            self.metrics.add("explore/spearman", spearman(explored.chosen_preview_rewards, per_tree))
+            rho = spearman_within(explored.chosen_preview_rewards, per_tree, explored.chosen.shape[1])
+            self.metrics.add("explore/spearman", rho)
         # per-leaf advantages (for the NFT objective, which trains on final images); updates the store
         leaf_adv = self.advantages(raw, tr.leaf_tree, tr.leaf_prompts).adv
         self._log_rewards(total, raw, components, tr.leaf_tree)

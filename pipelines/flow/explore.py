@@ -9,7 +9,9 @@
    (a flat group or a tree per seed), and trains only on them.
 
 Because the ODE map from noise to image is deterministic, a seed's preview predicts its full-precision sample;
-:func:`spearman` measures how well (rank agreement of preview and full rewards), which the trainer logs.
+:func:`spearman_within` measures how well: the rank agreement of preview and full rewards among each prompt's seeds
+(the ranking the selection uses), which the trainer logs. A Spearman pooled over prompts would also credit the
+preview for telling easy prompts from hard ones.
 """
 
 from __future__ import annotations
@@ -25,7 +27,15 @@ import torch
 from pipelines.flow.adapters.base import FlowAdapter
 from pipelines.flow.rollout import SamplingConfig, rollout
 
-__all__ = ["ExploreConfig", "ExploreResult", "explore", "explorer_weights", "select_seeds", "spearman"]
+__all__ = [
+    "ExploreConfig",
+    "ExploreResult",
+    "explore",
+    "explorer_weights",
+    "select_seeds",
+    "spearman",
+    "spearman_within",
+]
 
 Selection = Literal["extremes", "random", "extremes_random"]
 
@@ -181,3 +191,19 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
     ra, rb = ra - ra.mean(), rb - rb.mean()
     denom = (ra.square().sum() * rb.square().sum()).sqrt()
     return float((ra * rb).sum() / denom) if denom > 0 else float("nan")
+
+
+def spearman_within(a: torch.Tensor, b: torch.Tensor, group_sizes: int | Sequence[int]) -> float:
+    """Mean over groups of the :func:`spearman` of ``a`` and ``b`` within each group: ``[N]`` vectors laid out
+    group by group, ``group_sizes`` the size of each (an int: every group that size). Groups where either side is
+    constant (no ranking) are left out; NaN if none is left."""
+    if a.shape != b.shape or a.ndim != 1:
+        raise ValueError(
+            f"spearman_within needs two equal 1-D tensors, got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
+    sizes = [group_sizes] * (a.numel() // group_sizes) if isinstance(group_sizes, int) else list(group_sizes)
+    if sum(sizes) != a.numel():
+        raise ValueError(f"group sizes {sizes} do not add up to the {a.numel()} values")
+    per_group = [spearman(x, y) for x, y in zip(a.split(sizes), b.split(sizes), strict=True)]
+    defined = [rho for rho in per_group if rho == rho]
+    return sum(defined) / len(defined) if defined else float("nan")

@@ -1,5 +1,7 @@
 """Two-stage explore/train: seed selection, same-noise regeneration, rank agreement, the trainer mode."""
 
+import math
+
 import pytest
 import torch
 
@@ -8,7 +10,7 @@ from mmrl.data.shapes import all_prompts
 from mmrl.flow.config import FlowGRPOConfig
 from mmrl.flow.trainer import FlowGRPOTrainer
 from pipelines.flow.adapters import load_adapter
-from pipelines.flow.explore import ExploreConfig, explore, select_seeds, spearman
+from pipelines.flow.explore import ExploreConfig, explore, select_seeds, spearman, spearman_within
 from pipelines.flow.rollout import SamplingConfig, rollout
 from pipelines.flow.tiny import build_shapes_pipeline
 from pipelines.quant import quantize_copy
@@ -42,6 +44,24 @@ def test_spearman():
     assert spearman(torch.tensor([1.0, 2, 3, 4]), torch.tensor([10.0, 20, 30, 40])) == pytest.approx(1.0)
     assert spearman(torch.tensor([1.0, 2, 3, 4]), torch.tensor([4.0, 3, 2, 1])) == pytest.approx(-1.0)
     assert spearman(torch.tensor([1.0, 1, 2]), torch.tensor([1.0, 2, 3])) == pytest.approx(0.8660254)
+
+
+def test_spearman_within_ranks_inside_each_prompt_only():
+    """Two prompts, an easy one (rewards near 1) and a hard one (near 0): a preview that orders the prompts right
+    but each prompt's seeds backwards scores 19/35 pooled (1 - 6 * 16 / 210) and -1 within; a prompt whose full
+    rewards tie is left out of the mean."""
+    preview = torch.tensor([0.9, 0.8, 0.7, 0.2, 0.1, 0.0])
+    full = torch.tensor([0.7, 0.8, 0.9, 0.0, 0.1, 0.2])
+    assert spearman(preview, full) == pytest.approx(19 / 35)
+    assert spearman_within(preview, full, 3) == pytest.approx(-1.0)
+    assert spearman_within(preview, full, [2, 4]) == pytest.approx(
+        (-1.0 + 0.2) / 2
+    )  # [0.7, .2, .1, 0] vs [.9, 0, .1, .2]
+    tied = torch.tensor([0.7, 0.8, 0.9, 0.5, 0.5, 0.5])
+    assert spearman_within(preview, tied, 3) == pytest.approx(-1.0)
+    assert math.isnan(spearman_within(preview, torch.ones(6), 3))
+    with pytest.raises(ValueError, match="add up"):
+        spearman_within(preview, full, [2, 2])
 
 
 def test_explorer_previews_predict_full_precision_and_leave_policy_untouched(model_dir):
