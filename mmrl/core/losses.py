@@ -155,20 +155,32 @@ def gspo_token_logp(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tens
 
 
 def kl_estimate(
-    logp: torch.Tensor, ref_logp: torch.Tensor, kind: Literal["k1", "k2", "k3"] = "k3"
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    kind: Literal["k1", "k2", "k3"] = "k3",
+    clamp: bool = False,
 ) -> torch.Tensor:
     """Per-element estimators of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL divergence").
 
     With ``d = ref_logp - logp``: ``k1 = -d``; ``k2 = d^2 / 2``; ``k3 = exp(d) - d - 1`` (unbiased, always >= 0,
-    low variance; the GRPO default, 2402.03300 eq. 4).
+    low variance; the GRPO default, 2402.03300 eq. 4; TRL's form).
+
+    ``clamp`` (k3 only) is verl's and EasyR1's ``low_var_kl``: ``d`` clamped to ``[-20, 20]`` and ``k3`` to at most
+    10, so a token the reference finds far likelier than the policy (``exp(d)`` large) adds at most 10 and no
+    gradient, where the plain form grows as ``exp(d)``.
     """
     check_same_shape(logp=logp, ref_logp=ref_logp)
     d = ref_logp - logp
+    if clamp and kind != "k3":
+        raise ValueError(f"clamp is verl's low_var_kl, a k3 estimator; got kind {kind!r}")
     if kind == "k1":
         return -d
     if kind == "k2":
         return 0.5 * d * d
     if kind == "k3":
+        if clamp:
+            d = d.clamp(-20.0, 20.0)
+            return (torch.exp(d) - d - 1.0).clamp(max=10.0)
         return torch.exp(d) - d - 1.0
     raise ValueError(f"kind must be 'k1', 'k2' or 'k3', got {kind!r}")
 

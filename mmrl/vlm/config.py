@@ -380,7 +380,13 @@ class VLMTrainerConfig(Config):
         ge=0,
         description="KL coefficient to the reference (adapter disabled): the k3 estimator per token, "
         "added to the per-token loss before aggregation, as TRL's beta (TRL's default 0.0; DeepSeekMath GRPO 0.04; "
-        "verl's kl_loss_coef with kl_loss_type low_var_kl).",
+        "verl's kl_loss_coef with kl_loss_type low_var_kl; with trainer.kl_clamp its clamps too).",
+    )
+    kl_clamp: bool = Field(
+        False,
+        description="Clamp the k3 estimator as verl's and EasyR1's low_var_kl: ref_logp - logp to [-20, 20] and "
+        "the KL to at most 10 (a token the reference finds far likelier adds at most 10 and no gradient). Off: "
+        "TRL's plain k3, which grows as exp(ref_logp - logp).",
     )
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = Field(
         "token_mean",

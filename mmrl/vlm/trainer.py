@@ -802,7 +802,7 @@ class VLMRLVRTrainer(TrainerBase):
         if settings.beta > 0:
             with torch.no_grad(), self.reference_context():
                 ref = self.token_stats(minibatch, temperature, model=self.reference)
-            kl = loss_lib.kl_estimate(new.logprobs, ref.logprobs, kind="k3")
+            kl = loss_lib.kl_estimate(new.logprobs, ref.logprobs, kind="k3", clamp=settings.kl_clamp)
             per_token = per_token + settings.beta * kl
             self.metrics.add("policy/kl", _masked_mean(kl.detach(), mask))
         loss = loss_lib.aggregate(

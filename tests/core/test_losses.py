@@ -67,6 +67,22 @@ def test_kl_estimators_hand_values():
     torch.testing.assert_close(L.kl_estimate(logp, ref, "k3"), torch.tensor([math.exp(-0.5) + 0.5 - 1, 0.0]))
 
 
+def test_clamped_k3_is_verls_low_var_kl():
+    """verl / EasyR1 low_var_kl: d = ref - logp clamped to [-20, 20], k3 clamped to at most 10. Inside the clamps
+    it is TRL's k3; a token the reference finds e^4 times likelier adds 10 (plain: e^4 - 5 = 49.6) and no
+    gradient; d = -30 (the policy far likelier) is read as -20, whose k3 (19 + e^-20) is capped at 10 too."""
+    logp = torch.tensor([0.0, -5.0, 0.0, -1.0], requires_grad=True)
+    ref = torch.tensor([-0.5, -1.0, -30.0, -1.0])
+    clamped = L.kl_estimate(logp, ref, "k3", clamp=True)
+    expected = torch.tensor([math.exp(-0.5) + 0.5 - 1, 10.0, 10.0, 0.0])
+    torch.testing.assert_close(clamped, expected)
+    assert float(L.kl_estimate(logp, ref, "k3")[1]) == pytest.approx(math.exp(4.0) - 5.0)
+    clamped.sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([1 - math.exp(-0.5), 0.0, 0.0, 0.0]))
+    with pytest.raises(ValueError, match="k3"):
+        L.kl_estimate(logp, ref, "k2", clamp=True)
+
+
 def test_k3_is_unbiased_for_kl():
     p = torch.distributions.Categorical(probs=torch.tensor([0.7, 0.2, 0.1]))
     q = torch.distributions.Categorical(probs=torch.tensor([0.4, 0.4, 0.2]))
