@@ -11,6 +11,7 @@ from mmrl.config import Config, Field, RunConfig
 from mmrl.core.estimators import check_estimator
 from mmrl.device import DeviceName
 from mmrl.flow.objectives import check_objective, list_objectives
+from mmrl.flow.objectives.awm import TimeType
 from mmrl.optim import OptimizerName, check_optimizer_dtype
 from mmrl.schedule import LRSchedule, learning_rate
 from mmrl.sections import (
@@ -220,6 +221,12 @@ class AWMSettings(Config):
         le=1,
         description="The strata cover sampler steps 1 .. floor(fraction * sampling.num_steps) - 1, at those steps' "
         "sigmas: the pure-noise first step and the last, nearly clean steps are never regressed (AWM: 0.9).",
+    )
+    time_type: TimeType = Field(
+        "discrete_wo_init",
+        description="Where the strata start (AWM's time_type): discrete_wo_init from step 1, never the pure-noise "
+        "step 0 (AWM's GenEval and OCR configs); discrete from step 0 (its PickScore configs); discrete_with_init "
+        "step 0 plus timesteps - 1 strata from step 1.",
     )
     weighting: Literal["uniform", "sigma", "sigma_squared", "huber", "ghuber"] = Field(
         "ghuber",

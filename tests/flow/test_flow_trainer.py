@@ -755,8 +755,20 @@ def test_awm_points_are_stratified_and_shared_within_a_prompt_group(model_dir, t
     strata = [{1}, {2}, {3, 4}, {5}, {6}, {7, 8}]
     assert steps.shape == (6, 500)
     assert all(set(steps[k].tolist()) == strata[k] for k in range(6))
-    with pytest.raises(ValueError, match=r"3 timesteps need as many sampler steps in 1 \.\. 2"):
+    with pytest.raises(
+        ValueError, match=r"3 timesteps \(discrete_wo_init\) need 3 sampler steps in 1 \.\. 2"
+    ):
         stratified_steps(1, 3, 4, 0.9, torch.Generator())
+    # AWM's other time_types, as its train_sd3_awm.py draws them: `discrete` from step 0 (steps 0..8 in 6 strata
+    # {0} {1, 2} {3} {4, 5} {6} {7, 8}, edges linspace(0, 9, 7)); `discrete_with_init` step 0, then 5 strata of 1..8
+    steps = stratified_steps(500, 6, 10, 0.9, torch.Generator().manual_seed(0), "discrete")
+    strata = [{0}, {1, 2}, {3}, {4, 5}, {6}, {7, 8}]
+    assert all(set(steps[k].tolist()) == strata[k] for k in range(6))
+    steps = stratified_steps(500, 6, 10, 0.9, torch.Generator().manual_seed(0), "discrete_with_init")
+    strata = [{0}, {1}, {2, 3}, {4}, {5, 6}, {7, 8}]
+    assert all(set(steps[k].tolist()) == strata[k] for k in range(6))
+    assert stratified_steps(3, 1, 10, 0.9, torch.Generator(), "discrete_with_init").tolist() == [[0, 0, 0]]
+    strata = [{1}, {2}, {3, 4}, {5}, {6}, {7, 8}]
     cfg = make_cfg(model_dir, tmp_path, "awmpts", "trainer.objective=awm", "sampling.num_steps=10")
     trainer = FlowGRPOTrainer(cfg, None)
     trainer.setup()
@@ -808,6 +820,14 @@ def test_awm_config_errors_name_the_key(model_dir, tmp_path):
     with pytest.raises(ValueError, match=r"trainer\.awm\.ghuber_power"):
         make_cfg(model_dir, tmp_path, "bad", *AWM, "trainer.awm.ghuber_power=0")
     make_cfg(model_dir, tmp_path, "fine", "trainer.awm.timesteps=6")  # only checked for objective=awm
+    # 10 steps at fraction 0.9: 8 steps from step 1, 9 from step 0 (`discrete`), 9 with step 0 added
+    nine = ("trainer.objective=awm", "sampling.num_steps=10", "trainer.awm.timesteps=9")
+    with pytest.raises(ValueError, match=r"timesteps \(9\) exceeds the 8 sampler steps .* discrete_wo_init"):
+        make_cfg(model_dir, tmp_path, "bad", *nine)
+    for time_type in ("discrete", "discrete_with_init"):
+        make_cfg(model_dir, tmp_path, "fine", *nine, f"trainer.awm.time_type={time_type}")
+    with pytest.raises(ValueError, match=r"trainer\.awm\.time_type"):
+        make_cfg(model_dir, tmp_path, "bad", *AWM, "trainer.awm.time_type=uniform")
 
 
 def test_regression_forwards_are_counted_twice_under_cfg(model_dir, tmp_path):

@@ -18,17 +18,17 @@ gradient is ``sum_ik A^_i grad w(l_ik, s_k)`` / N: pretraining's loss with each 
 so a better-than-its-group image is fitted more closely and a worse one pushed away, without an SDE, a
 log-density, or the noisy per-step targets of DDPO-style objectives (the paper's variance argument).
 
-Sampler steps (the paper's "discrete without init" rule): the steps ``1 .. floor(f * n) - 1`` of the ``n``-step
-sampling schedule (``f = timestep_fraction``) are cut into ``T`` equal strata and one step is drawn uniformly in
-each, so every update covers the noise range evenly and never regresses on pure noise (step 0) or on the last,
-nearly clean steps. The paper's code uses one draw for the whole batch; here each prompt group (with
+Sampler steps (the paper's "discrete without init" rule, ``trainer.awm.time_type``; its PickScore configs use
+``discrete``, which starts at step 0): the steps ``1 .. floor(f * n) - 1`` of the ``n``-step sampling schedule
+(``f = timestep_fraction``) are cut into ``T`` equal strata and one step is drawn uniformly in each, so every update
+covers the noise range evenly and never regresses on pure noise (step 0) or on the last, nearly clean steps. The paper's code uses one draw for the whole batch; here each prompt group (with
 ``trainer.shared_regression_noise``, else each image) draws its own, sharing sigma and noise within the group so
 the noise, common to the group, cancels in the advantage-weighted gradient.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -40,53 +40,74 @@ if TYPE_CHECKING:
     from mmrl.flow.config import FlowGRPOConfig
     from mmrl.flow.trainer import FlowGRPOTrainer
 
-__all__ = ["awm_update", "check_awm_config", "stratified_steps"]
+__all__ = ["TimeType", "awm_update", "check_awm_config", "stratified_steps"]
+
+
+#: AWM's ``time_type``: where the strata of regressed sampler steps start (:func:`stratified_steps`)
+TimeType = Literal["discrete_wo_init", "discrete", "discrete_with_init"]
 
 
 def stratified_steps(
-    n_owners: int, num_timesteps: int, num_steps: int, fraction: float, generator: torch.Generator
+    n_owners: int,
+    num_timesteps: int,
+    num_steps: int,
+    fraction: float,
+    generator: torch.Generator,
+    time_type: TimeType = "discrete_wo_init",
 ) -> torch.Tensor:
-    """``[T, n_owners]`` sampler step indices: for each owner one step drawn uniformly in each of ``T`` equal
-    strata of the steps ``1 .. floor(fraction * num_steps) - 1``.
+    """``[T, n_owners]`` sampler step indices: for each owner one step drawn uniformly in each of equal strata of
+    the steps ``first .. last - 1``, ``last = floor(fraction * num_steps)``, by AWM's ``time_type``:
 
-    Stratum ``k`` holds the steps ``e_k .. e_{k+1} - 1`` with ``e_k = floor(1 + k (last - 1) / T)`` and
-    ``last = floor(fraction * num_steps)``; the strata are disjoint and, when ``T <= last - 1``, none is empty, so
-    each owner's ``T`` steps are distinct and increasing in ``k``.
+    * ``discrete_wo_init`` (AWM's GenEval and OCR configs): ``T`` strata from ``first = 1``, never step 0;
+    * ``discrete`` (its PickScore configs): ``T`` strata from ``first = 0``;
+    * ``discrete_with_init``: step 0, then ``T - 1`` strata from ``first = 1``.
+
+    Stratum ``k`` of ``S`` holds the steps ``e_k .. e_{k+1} - 1`` with ``e_k = floor(first + k (last - first) /
+    S)``; the strata are disjoint and, when ``S <= last - first``, none is empty, so each owner's ``T`` steps are
+    distinct and increasing in ``k``.
 
     Raises:
-        ValueError: fewer than ``num_timesteps`` steps in the range.
+        ValueError: fewer steps in the range than strata, or an unknown ``time_type``.
     """
+    if time_type not in ("discrete_wo_init", "discrete", "discrete_with_init"):
+        raise ValueError(f"unknown time_type {time_type!r}: discrete_wo_init, discrete or discrete_with_init")
     last = int(fraction * num_steps)
-    if num_timesteps > last - 1:
+    first = 0 if time_type == "discrete" else 1
+    strata = num_timesteps - 1 if time_type == "discrete_with_init" else num_timesteps
+    if strata > last - first:
         raise ValueError(
-            f"{num_timesteps} timesteps need as many sampler steps in 1 .. {last - 1} "
+            f"{num_timesteps} timesteps ({time_type}) need {strata} sampler steps in {first} .. {last - 1} "
             f"(fraction {fraction} of {num_steps} steps)"
         )
-    edges = torch.floor(1 + torch.arange(num_timesteps + 1, dtype=torch.float64) * (last - 1) / num_timesteps)
+    init = torch.zeros(num_timesteps - strata, n_owners, dtype=torch.long)  # step 0 with discrete_with_init
+    if strata == 0:
+        return init
+    edges = torch.floor(first + torch.arange(strata + 1, dtype=torch.float64) * (last - first) / strata)
     edges = edges.long()
-    width = (edges[1:] - edges[:-1]).unsqueeze(1)  # [T, 1], each >= 1
-    offset = torch.floor(
-        torch.rand(num_timesteps, n_owners, generator=generator, dtype=torch.float64) * width
-    )
-    return edges[:-1].unsqueeze(1) + offset.long()
+    width = (edges[1:] - edges[:-1]).unsqueeze(1)  # [S, 1], each >= 1
+    offset = torch.floor(torch.rand(strata, n_owners, generator=generator, dtype=torch.float64) * width)
+    return torch.cat([init, edges[:-1].unsqueeze(1) + offset.long()])
 
 
 def check_awm_config(cfg: FlowGRPOConfig) -> None:
     """Config-time form of :func:`stratified_steps`'s requirement: ``trainer.awm.timesteps`` distinct sampler
-    steps must fit in ``1 .. floor(timestep_fraction * sampling.num_steps) - 1``.
+    steps must fit in the range ``trainer.awm.time_type`` draws from.
 
     Raises:
         ValueError: naming ``trainer.awm.timesteps`` and the steps available.
     """
     settings = cfg.trainer.awm
     num_steps = cfg.sampling.num_steps
-    available = int(settings.timestep_fraction * num_steps) - 1
+    first = 0 if settings.time_type == "discrete" else 1
+    last = int(settings.timestep_fraction * num_steps)
+    init = 1 if settings.time_type == "discrete_with_init" else 0
+    available = last - first + init
     if settings.timesteps > available:
         raise ValueError(
             f"trainer.awm.timesteps ({settings.timesteps}) exceeds the {max(available, 0)} sampler steps it draws "
-            f"from (steps 1 .. floor(trainer.awm.timestep_fraction * sampling.num_steps) - 1 with "
-            f"timestep_fraction={settings.timestep_fraction}, num_steps={num_steps}): lower timesteps or raise "
-            "num_steps / timestep_fraction"
+            f"from (time_type {settings.time_type}: steps {first} .. floor(trainer.awm.timestep_fraction * "
+            f"sampling.num_steps) - 1 with timestep_fraction={settings.timestep_fraction}, num_steps={num_steps}"
+            f"{', and step 0' if init else ''}): lower timesteps or raise num_steps / timestep_fraction"
         )
 
 
@@ -109,7 +130,12 @@ def awm_update(trainer: FlowGRPOTrainer, batch: StepBatch) -> None:
     # 1. regression points: T stratified sampler steps per owner (prompt group or image), shared noise
     def draw(n_owners: int) -> torch.Tensor:
         return stratified_steps(
-            n_owners, settings.timesteps, num_steps, settings.timestep_fraction, trainer.generator
+            n_owners,
+            settings.timesteps,
+            num_steps,
+            settings.timestep_fraction,
+            trainer.generator,
+            settings.time_type,
         )
 
     rows, sigma, x_t, target = trainer.regression_points(
