@@ -150,9 +150,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         else:
             ratio = "n/a"
         finals = [run[-1][1] for run in curves[name]]
-        spread = statistics.pstdev(finals) if len(finals) > 1 else 0.0
+        spread = statistics.stdev(finals) if len(finals) > 1 else 0.0  # the sample std (n - 1)
         print(
-            f"{name}: final {mean_curve[name][-1][1]:.3f} (std over seeds {spread:.3f}, start "
+            f"{name}: final {mean_curve[name][-1][1]:.3f} (sample std over seeds {spread:.3f}, start "
             f"{mean_curve[name][0][1]:.3f}); reaches group's final {target:.3f} after {got} rollouts ({ratio}); "
             f"final entropy {statistics.fmean(entropy[name]):.3f}, completion length "
             f"{statistics.fmean(length[name]):.1f} tokens"
