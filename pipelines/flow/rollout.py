@@ -68,6 +68,10 @@ class SamplingConfig:
             raise ValueError(f"unknown sde_kind {self.sde_kind!r}. Available: {list(SDE_KINDS)}")
         if self.noise_level < 0:
             raise ValueError(f"noise_level must be >= 0, got {self.noise_level}")
+        if self.sde_kind == "cps" and self.noise_level > 1:
+            raise ValueError(
+                f"sde_kind cps needs noise_level in [0, 1] (std s' sin(a pi / 2)), got {self.noise_level}"
+            )
         if self.sde_window is not None:
             start, stop = self.sde_window
             if not 0 <= start <= stop <= self.num_steps:

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmrl.core.losses import gaussian_mean_kl
+from pipelines.flow.rollout import SamplingConfig
 from pipelines.flow.sde import (
     PEER_LOG_PROB_FORM,
     SDE_KINDS,
@@ -255,6 +256,8 @@ def test_cps_noise_level_above_one_is_refused():
             sde_step(x, v, 0.6, 0.4, a, "cps", generator=torch.Generator().manual_seed(0))
         with pytest.raises(ValueError, match=r"cps needs noise_level in \[0, 1\]"):  # (the KL's scale)
             sde_noise_scale(torch.tensor([0.6]), torch.tensor([0.4]), a, "cps")
+        with pytest.raises(ValueError, match=r"cps needs noise_level in \[0, 1\]"):  # the pipeline's settings
+            SamplingConfig(sde_kind="cps", noise_level=a, sde_window=(0, 2))
     # Flow-GRPO's a and DanceGRPO's eta have no such bound
     _, std = sde_mean_std(x, v, 0.6, 0.4, 1.5, "dance")
     torch.testing.assert_close(std.flatten(), torch.full((3,), 1.5 * math.sqrt(0.2)))
