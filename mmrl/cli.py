@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mmrl.config import Config, ConfigError, apply_overrides, load_yaml, to_yaml, validate
+from mmrl.config import Config, ConfigError, apply_overrides, describe, load_yaml, to_yaml, validate
 from mmrl.quiet import quiet_libraries
 from mmrl.recipes import Recipe, get_recipe, list_recipes
 
@@ -83,14 +83,14 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     cfg = validate(recipe.load_config_class(), data)
     summary = recipe.load_evaluate()(cfg, args.prompts, out, checkpoint, args.images_per_prompt)
     print(json.dumps(summary, indent=2))
-    print(f"scores and grid written to {out}")
+    print(f"results written to {out} ({', '.join(sorted(path.name for path in out.iterdir()))})")
     return 0
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
     recipe, data = _recipe_of(args.config, args.overrides)
     cfg = validate(recipe.load_config_class(), data)
-    sys.stdout.write(to_yaml(cfg))
+    sys.stdout.write("\n".join(describe(cfg)) + "\n" if args.describe else to_yaml(cfg))
     return 0
 
 
@@ -144,7 +144,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def _cmd_serve_reward(args: argparse.Namespace) -> int:
     from rewards.server import main as serve
 
-    return int(serve(["--config", args.config, *args.extra], prog="mmrl serve-reward") or 0)
+    usage = "mmrl serve-reward CONFIG [--host HOST] [--port PORT]"
+    return int(serve(["--config", args.config, *args.extra], prog="mmrl serve-reward", usage=usage) or 0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="validate a config and print it resolved (all defaults filled in)")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
+    p.add_argument(
+        "--describe", action="store_true", help="every field with its description instead of the YAML"
+    )
     p.set_defaults(func=_cmd_config)
 
     p = sub.add_parser(

@@ -21,6 +21,7 @@ __all__ = [
     "Field",
     "RunConfig",
     "apply_overrides",
+    "describe",
     "load_config",
     "load_yaml",
     "to_yaml",
@@ -240,6 +241,23 @@ def load_config(schema: type[C], path: str | Path | None = None, overrides: list
     """Load ``path`` (YAML), apply ``overrides``, validate against ``schema``."""
     data = load_yaml(path) if path is not None else {}
     return validate(schema, apply_overrides(data, overrides or []))
+
+
+def describe(cfg: BaseModel, prefix: str = "") -> list[str]:
+    """One line per leaf field of ``cfg``: ``key.sub = value`` and, below it, the field's description (what it
+    means, its peers' names and how to convert them). Nested configs are walked in field order."""
+    lines = []
+    for name, field in type(cfg).model_fields.items():
+        value = getattr(cfg, name)
+        key = f"{prefix}{name}"
+        if isinstance(value, BaseModel):
+            lines += describe(value, f"{key}.")
+            continue
+        shown = yaml.safe_dump(cfg.model_dump(mode="json", include={name})[name], default_flow_style=True)
+        lines.append(f"{key} = {shown.strip().removesuffix('...').strip()}")
+        if field.description:
+            lines.append(f"    {field.description}")
+    return lines
 
 
 def to_yaml(cfg: BaseModel) -> str:

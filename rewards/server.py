@@ -861,10 +861,13 @@ async def serve(config: ServerConfig, reward: Reward | None = None) -> None:
         await server.stop()
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m rewards.server") -> int:
+def main(
+    argv: list[str] | None = None, prog: str = "python -m rewards.server", usage: str | None = None
+) -> int:
     """``python -m rewards.server --config FILE.yaml [--host H] [--port P]``; a config or start-up error is one
-    line on stderr naming the file or key (exit status 2); ``prog`` names the command in it."""
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    line on stderr naming the file or key (exit status 2); ``prog`` names the command in it, ``usage`` replaces
+    the usage line (``mmrl serve-reward`` takes the file positionally)."""
+    parser = argparse.ArgumentParser(prog=prog, usage=usage, description=__doc__.split("\n")[0])
     parser.add_argument(
         "--config", required=True, help="server YAML file (keys of rewards.server.ServerConfig)"
     )
@@ -875,7 +878,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m rewards.server") 
     try:
         config = load_config(args.config, **overrides)
         logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        reward = build_reward(config)
+        try:
+            reward = build_reward(config)
+        except ValueError as error:
+            raise ValueError(f"{args.config}: reward: {error}") from error
         asyncio.run(serve(config, reward))
     except (OSError, ValueError) as error:
         parser.error(_one_line(str(error), 2000))

@@ -120,3 +120,20 @@ def test_resolved_yaml_round_trips(tmp_path):
     cfg = load_config(Recipe, None, ["trainer.steps=3"])
     again = load_config(Recipe, write(tmp_path, to_yaml(cfg)))
     assert again == cfg
+
+
+def test_describe_lists_every_leaf_with_its_value_and_description(capsys):
+    """`mmrl config CONFIG --describe`: a line per leaf field, dotted key = value (overrides applied), and the
+    field's description under it; nested settings are walked, a null section is one leaf."""
+    from mmrl.cli import main as cli_main
+
+    assert (
+        cli_main(["config", "configs/demo/flow_shapes.yaml", "trainer.epsilon_low=0.001", "--describe"]) == 0
+    )
+    lines = capsys.readouterr().out.splitlines()
+    at = lines.index("trainer.epsilon_low = 0.001")
+    assert lines[at + 1].startswith("    Lower clip of the ratio: Flow-GRPO's clip_range")
+    assert "model.lora = null" in lines and "sampling.noise_level = 0.7" in lines
+    keys = [line.split(" = ")[0] for line in lines if not line.startswith("    ")]
+    assert len(keys) == len(set(keys)) > 100
+    assert "trainer.awm.time_type = discrete_wo_init" in lines

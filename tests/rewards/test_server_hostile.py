@@ -270,7 +270,11 @@ def test_start_up_config_errors_name_the_key(tmp_path, capsys) -> None:
         cli_main(["serve-reward", str(path)])
     assert error.value.code == 2
     err = capsys.readouterr().err
-    assert "mmrl serve-reward: error: cannot build reward 'jpeg_incompressibility' with options" in err
+    assert (
+        f"mmrl serve-reward: error: {path}: reward: cannot build reward 'jpeg_incompressibility' with options"
+        in err
+    )
+    assert "usage: mmrl serve-reward CONFIG [--host HOST] [--port PORT]" in err
     assert "qualty" in err and "Traceback" not in err
 
 
