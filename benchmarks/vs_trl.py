@@ -478,7 +478,9 @@ def eval_worker(
 
 
 def _spawn(args: list[str], threads: int) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    # the Rust tokenizers keep a thread pool of their own, which OMP_NUM_THREADS does not cap: off on both sides,
+    # so the process CPU seconds count the threads the comparison names
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.vs_trl", *args], env=env, capture_output=True, text=True
     )
