@@ -139,7 +139,8 @@ def part_c(adapter: ShapesAdapter, prompts: int, candidates: int, guidance: floa
         out[f"{scheme}_{preview_steps}steps_spearman_pooled"] = pooled
         print(
             f"    {scheme} preview ({preview_steps} steps) vs full precision (10 steps), {prompts} prompts x "
-            f"{candidates} seeds: Spearman within a prompt {rho:.3f} (goal >= 0.8), pooled over prompts {pooled:.3f}"
+            f"{candidates} seeds: Spearman within a prompt {rho:.3f} (goal >= 0.8), "
+            f"pooled over prompts {pooled:.3f}"
         )
     return out
 

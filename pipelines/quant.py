@@ -747,8 +747,9 @@ def quantized_bytes(
     * ``nvfp4``: ``ceil(n / 2)`` packed e2m1 bytes + one e4m3 scale per 16 values + one fp32 scale per tensor.
 
     Every other parameter counts in ``compute_dtype`` (floats) or its own dtype, tied parameters once (a quantized
-    layer's own, since quantizing one side breaks the tie), LoRA factors not at all (they are folded into the copy's weights). The bitsandbytes counts equal
-    :func:`weight_bytes` of a real copy exactly (tests/quant); the torchao ones follow its tensor layouts.
+    layer's own, since quantizing one side breaks the tie), LoRA factors not at all (they are folded into the
+    copy's weights). The bitsandbytes counts equal :func:`weight_bytes` of a real copy exactly (tests/quant); the
+    torchao ones follow its tensor layouts.
     """
     stored_bytes = scheme_spec(scheme).stored_bytes
     options = _Options(blocksize, double_quant)

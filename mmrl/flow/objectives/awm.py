@@ -20,8 +20,9 @@ log-density, or the noisy per-step targets of DDPO-style objectives (the paper's
 
 Sampler steps (the paper's "discrete without init" rule, ``trainer.awm.time_type``; its PickScore configs use
 ``discrete``, which starts at step 0): the steps ``1 .. floor(f * n) - 1`` of the ``n``-step sampling schedule
-(``f = timestep_fraction``) are cut into ``T`` equal strata and one step is drawn uniformly in each, so every update
-covers the noise range evenly and never regresses on pure noise (step 0) or on the last, nearly clean steps. The paper's code uses one draw for the whole batch; here each prompt group (with
+(``f = timestep_fraction``) are cut into ``T`` equal strata and one step is drawn uniformly in each, so every
+update covers the noise range evenly and never regresses on pure noise (step 0) or on the last, nearly clean
+steps. The paper's code uses one draw for the whole batch; here each prompt group (with
 ``trainer.shared_regression_noise``, else each image) draws its own, sharing sigma and noise within the group so
 the noise, common to the group, cancels in the advantage-weighted gradient.
 """
