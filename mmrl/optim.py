@@ -87,7 +87,6 @@ class KahanAdamW(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.variance_dtype = variance_dtype
         self.chunk_size = chunk_size
-        self._scratch_buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """``torch.optim.Optimizer.load_state_dict``, which casts every floating state to its parameter's
@@ -110,6 +109,7 @@ class KahanAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        scratch_buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # kept for this step
         for group in self.param_groups:
             for param in group["params"]:
                 if param.grad is None:
@@ -134,20 +134,9 @@ class KahanAdamW(torch.optim.Optimizer):
                 flat = [tensor.view(-1) for tensor in tensors]
                 for start in range(0, tensors[0].numel(), self.chunk_size):
                     chunk = [view[start : start + self.chunk_size] for view in flat]
-                    scratch = self._scratch(tensors[0].device, chunk[0].numel())
+                    scratch = _scratch(scratch_buffers, tensors[0].device, chunk[0].numel())
                     self._update(*chunk, *scratch, group, step)
-        self._scratch_buffers.clear()
         return loss
-
-    def _scratch(self, device: torch.device, size: int) -> list[torch.Tensor]:
-        """Two float32 buffers of ``size`` values on ``device``, kept for the step and grown when a larger chunk
-        comes (a fresh allocation per chunk costs page faults on CPUs)."""
-        buffers = self._scratch_buffers.get(device)
-        if buffers is None or buffers[0].numel() < size:
-            buffers = self._scratch_buffers[device] = tuple(
-                torch.empty(size, dtype=torch.float32, device=device) for _ in range(2)
-            )
-        return [buffer[:size] for buffer in buffers]
 
     def _update(
         self,
@@ -186,6 +175,19 @@ class KahanAdamW(torch.optim.Optimizer):
         param.copy_(exact)
         # c' = (w + y) - w': what rounding the sum to the parameter's dtype dropped
         compensation.copy_(exact.sub_(as_float32.copy_(param)))
+
+
+def _scratch(
+    buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]], device: torch.device, size: int
+) -> list[torch.Tensor]:
+    """Two float32 buffers of ``size`` values on ``device`` from ``buffers`` (a step's), made or grown when a
+    larger chunk comes: a fresh allocation per chunk costs page faults on CPUs."""
+    if device not in buffers or buffers[device][0].numel() < size:
+        buffers[device] = (
+            torch.empty(size, dtype=torch.float32, device=device),
+            torch.empty(size, dtype=torch.float32, device=device),
+        )
+    return [buffer[:size] for buffer in buffers[device]]
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

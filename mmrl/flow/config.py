@@ -26,6 +26,7 @@ from mmrl.sections import (
 )
 from pipelines.flow.branch import TreeConfig
 from pipelines.flow.rollout import SamplingConfig
+from pipelines.flow.sde import check_noise_level
 from pipelines.quant import Scheme
 
 __all__ = [
@@ -688,11 +689,13 @@ class FlowGRPOConfig(Config):
         """CPS's noise level ``a`` lies in (0, 1] (Flow-GRPO's range): its std ``s' sin(a pi / 2)`` falls back to 0
         at ``a = 2`` and turns negative after it, where the flow_grpo and dance kinds take any ``a > 0``."""
         s = self.sampling
-        if s.sde_kind == "cps" and s.noise_level > 1:
+        try:
+            check_noise_level(s.noise_level, s.sde_kind)  # the SDE's own rule, here naming the keys
+        except ValueError as error:
             raise ValueError(
                 f"sampling.noise_level ({s.noise_level}) must be at most 1 with sampling.sde_kind cps: its std "
                 "s' sin(a pi / 2) peaks at a = 1 and is 0 at a = 2 (Flow-GRPO's CPS range is (0, 1])"
-            )
+            ) from error
 
     def _check_window(self) -> None:
         """The SDE window fits the steps it may cover (:meth:`FlowSamplingConfig.window_bounds`), whatever the

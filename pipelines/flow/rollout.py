@@ -18,7 +18,15 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from pipelines.flow.adapters.base import Conditioning, FlowAdapter, flow_match_sigmas
-from pipelines.flow.sde import LOG_PROB_FORMS, SDE_KINDS, LogProbForm, SDEKind, ode_step, sde_step
+from pipelines.flow.sde import (
+    LOG_PROB_FORMS,
+    SDE_KINDS,
+    LogProbForm,
+    SDEKind,
+    check_noise_level,
+    ode_step,
+    sde_step,
+)
 
 
 @dataclass
@@ -66,12 +74,7 @@ class SamplingConfig:
             raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
         if self.sde_kind not in SDE_KINDS:
             raise ValueError(f"unknown sde_kind {self.sde_kind!r}. Available: {list(SDE_KINDS)}")
-        if self.noise_level < 0:
-            raise ValueError(f"noise_level must be >= 0, got {self.noise_level}")
-        if self.sde_kind == "cps" and self.noise_level > 1:
-            raise ValueError(
-                f"sde_kind cps needs noise_level in [0, 1] (std s' sin(a pi / 2)), got {self.noise_level}"
-            )
+        check_noise_level(self.noise_level, self.sde_kind)
         if self.sde_window is not None:
             start, stop = self.sde_window
             if not 0 <= start <= stop <= self.num_steps:

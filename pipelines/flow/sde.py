@@ -70,6 +70,21 @@ def ode_step(
     return x32 + v.float() * (s_next - s)
 
 
+def check_noise_level(noise_level: float, kind: SDEKind) -> None:
+    """The noise levels an SDE kind takes: ``a >= 0``, and for cps ``a <= 1`` (Flow-GRPO's range): its std
+    ``s' sin(a pi / 2)`` rises to ``s'`` at ``a = 1``, falls back to 0 at ``a = 2`` and below 0 after it.
+
+    Raises:
+        ValueError: a level outside that range.
+    """
+    if noise_level < 0:
+        raise ValueError(f"noise_level must be >= 0, got {noise_level}")
+    if kind == "cps" and noise_level > 1:
+        raise ValueError(
+            f"sde_kind cps needs noise_level in [0, 1] (its std is s' sin(a pi / 2)), got {noise_level}"
+        )
+
+
 def sde_noise_scale(
     sigma: torch.Tensor, sigma_next: torch.Tensor, noise_level: float, kind: SDEKind
 ) -> torch.Tensor:
@@ -81,8 +96,7 @@ def sde_noise_scale(
 
     The transition std is ``sigma_t * sqrt(-d)`` for flow_grpo and dance, ``sigma_t`` for cps. Flow-GRPO's KL
     on SDE means divides by ``2 sigma_t^2`` (see ``mmrl.core.losses.gaussian_mean_kl``). The cps ``a`` lies in
-    ``[0, 1]`` (Flow-GRPO's range): ``sin(a pi / 2)`` rises to 1 there, and falls back to 0 at ``a = 2`` and
-    below 0 after it (a negative std).
+    ``[0, 1]`` (:func:`check_noise_level`).
 
     Args:
         sigma, sigma_next: float32 tensors broadcastable against each other (``[B, 1, ..., 1]`` or ``[B]``).
@@ -91,10 +105,7 @@ def sde_noise_scale(
         ValueError: unknown ``kind``, or a cps ``noise_level`` outside ``[0, 1]``.
     """
     if kind == "cps":
-        if not 0 <= noise_level <= 1:
-            raise ValueError(
-                f"sde_kind cps needs noise_level in [0, 1] (its std is s' sin(a pi / 2)), got {noise_level}"
-            )
+        check_noise_level(noise_level, kind)
         return sigma_next * math.sin(noise_level * math.pi / 2)
     if kind == "flow_grpo":
         # At s = 1, s / (1 - s) is infinite; Flow-GRPO evaluates the ratio with the next sigma there.
@@ -141,8 +152,7 @@ def sde_mean_std(
     """
     if kind not in SDE_KINDS:
         raise ValueError(f"unknown SDE kind {kind!r}. Available: {list(SDE_KINDS)}")
-    if noise_level < 0:
-        raise ValueError(f"noise_level must be >= 0, got {noise_level}")
+    check_noise_level(noise_level, kind)
     x32, v32 = x.float(), v.float()
     s = _per_sample(sigma, x32)
     s_next = _per_sample(sigma_next, x32)

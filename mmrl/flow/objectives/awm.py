@@ -48,6 +48,19 @@ __all__ = ["TimeType", "awm_update", "check_awm_config", "stratified_steps"]
 TimeType = Literal["discrete_wo_init", "discrete", "discrete_with_init"]
 
 
+def _step_range(time_type: TimeType, num_steps: int, fraction: float) -> tuple[int, int, int]:
+    """``(first, last, init)`` of ``time_type``: strata over the steps ``first .. last - 1``, ``last = floor(fraction
+    * num_steps)``, after ``init`` fixed step-0 points (1 for ``discrete_with_init``, else 0).
+
+    Raises:
+        ValueError: an unknown ``time_type``.
+    """
+    if time_type not in ("discrete_wo_init", "discrete", "discrete_with_init"):
+        raise ValueError(f"unknown time_type {time_type!r}: discrete_wo_init, discrete or discrete_with_init")
+    first = 0 if time_type == "discrete" else 1
+    return first, int(fraction * num_steps), int(time_type == "discrete_with_init")
+
+
 def stratified_steps(
     n_owners: int,
     num_timesteps: int,
@@ -70,24 +83,21 @@ def stratified_steps(
     Raises:
         ValueError: fewer steps in the range than strata, or an unknown ``time_type``.
     """
-    if time_type not in ("discrete_wo_init", "discrete", "discrete_with_init"):
-        raise ValueError(f"unknown time_type {time_type!r}: discrete_wo_init, discrete or discrete_with_init")
-    last = int(fraction * num_steps)
-    first = 0 if time_type == "discrete" else 1
-    strata = num_timesteps - 1 if time_type == "discrete_with_init" else num_timesteps
+    first, last, init = _step_range(time_type, num_steps, fraction)
+    strata = num_timesteps - init
     if strata > last - first:
         raise ValueError(
             f"{num_timesteps} timesteps ({time_type}) need {strata} sampler steps in {first} .. {last - 1} "
             f"(fraction {fraction} of {num_steps} steps)"
         )
-    init = torch.zeros(num_timesteps - strata, n_owners, dtype=torch.long)  # step 0 with discrete_with_init
+    step_zero = torch.zeros(init, n_owners, dtype=torch.long)  # discrete_with_init's fixed point
     if strata == 0:
-        return init
+        return step_zero
     edges = torch.floor(first + torch.arange(strata + 1, dtype=torch.float64) * (last - first) / strata)
     edges = edges.long()
     width = (edges[1:] - edges[:-1]).unsqueeze(1)  # [S, 1], each >= 1
     offset = torch.floor(torch.rand(strata, n_owners, generator=generator, dtype=torch.float64) * width)
-    return torch.cat([init, edges[:-1].unsqueeze(1) + offset.long()])
+    return torch.cat([step_zero, edges[:-1].unsqueeze(1) + offset.long()])
 
 
 def check_awm_config(cfg: FlowGRPOConfig) -> None:
@@ -99,9 +109,7 @@ def check_awm_config(cfg: FlowGRPOConfig) -> None:
     """
     settings = cfg.trainer.awm
     num_steps = cfg.sampling.num_steps
-    first = 0 if settings.time_type == "discrete" else 1
-    last = int(settings.timestep_fraction * num_steps)
-    init = 1 if settings.time_type == "discrete_with_init" else 0
+    first, last, init = _step_range(settings.time_type, num_steps, settings.timestep_fraction)
     available = last - first + init
     if settings.timesteps > available:
         raise ValueError(
