@@ -115,7 +115,7 @@ TINY_LOAD_KWARGS: dict[str, dict] = {
     "flux": {"max_sequence_length": 8},
     "sana": {"max_sequence_length": 8, "complex_human_instruction": None},
     "wan": {"max_sequence_length": 8},
-    # the low-noise expert denoises steps 1 and 2 of a 3-step schedule: every tiny test setting reaches it
+    # the low-noise expert denoises step 2 of a 3-step schedule (2 and 3 of 4): every tiny test setting reaches it
     "wan22": {"max_sequence_length": 8, "trained_expert": "low"},
     "qwen_image": {"max_sequence_length": 16},
     "z_image": {"max_sequence_length": 16},
@@ -535,7 +535,7 @@ def build_tiny_wan(
 
 def build_tiny_wan22(corpus: Sequence[str] = DEFAULT_CORPUS) -> WanPipeline:
     """Wan2.2 A14B layout: two Wan2.1 experts switched at ``boundary_ratio`` 0.8 (the real one is 0.875; 0.8 gives
-    each expert an SDE step of a 3-step schedule: sigma 1.0 is the high expert's, 0.75 the low one's)."""
+    each expert an SDE step of a 3-step schedule: sigmas 1.0 and 0.86 are the high expert's, 0.60 the low one's)."""
     return build_tiny_wan(corpus, boundary_ratio=0.8)
 
 

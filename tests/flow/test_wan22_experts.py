@@ -1,6 +1,6 @@
 """Wan2.2 with both experts trained (``model.options.trained_expert: both``) on a tiny random two-expert
-``WanPipeline`` (boundary 0.8; of 3 sampler steps, step 0 at sigma 1.0 is the high-noise expert's, steps 1 and 2
-at sigmas 0.75 and 0.009 the low-noise expert's): gradients reach each expert only through the rows its sigma
+``WanPipeline`` (boundary 0.8; of 3 sampler steps on UniPC's flow sigmas, steps 0 and 1 at sigmas 1.0 and 0.86
+are the high-noise expert's, step 2 at sigma 0.60 the low-noise expert's): gradients reach each expert only through the rows its sigma
 routes to it, GRPO and DiffusionNFT move both, resume is exact, and the saved LoRA files load into the
 pipeline's two experts through ``load_lora_weights`` with the trained outputs."""
 
@@ -101,7 +101,7 @@ def test_each_row_backpropagates_into_the_expert_its_sigma_selects(model_dir):
 
 # per objective, settings under which its training points reach both experts: GRPO's SDE window covers the 3
 # steps, NFT draws 3 points per image over them; AWM regresses steps 1 .. floor(f n) - 1, one per stratum, so with
-# 5 steps (sigmas 1.0, 0.90 | 0.75, 0.50, 0.009) its 4 strata are steps 1 (high expert) to 4
+# 5 steps (sigmas 1.0, 0.92, 0.82 | 0.67, 0.43) its 4 strata are steps 1 and 2 (high expert), 3 and 4 (low)
 REACHES_BOTH = {
     "grpo": ("trainer.beta=0.01",),  # (the reference: both experts' adapters switched off)
     "nft": ("trainer.nft_timesteps=3", "trainer.beta=0.01"),

@@ -41,18 +41,26 @@ def test_registry_lists_every_family():
 def test_ode_rollout_equals_the_diffusers_pipeline(family, load_tiny):
     """With an empty SDE window the adapter reproduces the pipeline's own Euler sampling loop.
 
-    SANA and Wan ship multistep solvers; their pipelines are given the Euler scheduler with the same flow shift,
-    which is the schedule the adapter steps, so the comparison checks encoding, timestep scaling and layout.
+    SANA and Wan ship multistep solvers, which integrate differently from the Euler step; their pipelines are
+    given an Euler scheduler that steps the solver's own sigmas (the schedule the adapter steps, checked against
+    the solver by ``test_sigmas_equal_the_pipeline_schedule``), so the comparison checks encoding, timestep
+    scaling and layout.
     """
     adapter = load_tiny(family)
     pipe = adapter.pipe
-    if not isinstance(pipe.scheduler, FlowMatchEulerDiscreteScheduler):
-        pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=pipe.scheduler.config.flow_shift)
     sizes = SIZES[family]
     config = _config(family, sde_window=(0, 0))
     noise = torch.randn((1, *adapter.latent_shape(**sizes)), generator=torch.Generator().manual_seed(0))
     ours = rollout(adapter, PROMPTS[:1], 1, config, noise=noise)
     assert ours.sde_steps.sum() == 0 and torch.isnan(ours.log_probs).all()
+    if not isinstance(pipe.scheduler, FlowMatchEulerDiscreteScheduler):
+        solver_sigmas = ours.sigmas[:-1].tolist()
+        euler = FlowMatchEulerDiscreteScheduler(shift=1.0)
+        set_timesteps = euler.set_timesteps
+        euler.set_timesteps = lambda *args, **kwargs: set_timesteps(
+            sigmas=solver_sigmas, device=kwargs.get("device")
+        )
+        pipe.scheduler = euler
 
     call = {"num_inference_steps": config.num_steps, "output_type": "latent", **sizes}
     if family == "flux":
@@ -282,9 +290,10 @@ def test_z_image_guidance_scale_is_the_pipeline_scale_plus_one(load_tiny):
     torch.testing.assert_close(ours.latents[:, -1], out.images.float(), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux", "qwen_image", "z_image", "flux2_klein", "flux2"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_sigmas_equal_the_pipeline_schedule(family, load_tiny):
-    """The schedule the adapter steps is the one the diffusers pipeline sets on its scheduler."""
+    """The schedule the adapter steps is the one the diffusers pipeline sets on its scheduler (for SANA's
+    DPM-Solver and Wan's UniPC: the solver's flow sigmas, not the Euler scheduler's at the same shift)."""
     adapter = load_tiny(family)
     seen = {}
 
@@ -293,17 +302,22 @@ def test_sigmas_equal_the_pipeline_schedule(family, load_tiny):
         return kwargs
 
     extra = {"text_encoder_out_layers": (1, 2, 3)} if family.startswith("flux2") else {}
+    if family == "sana":
+        extra["complex_human_instruction"] = None
     adapter.pipe(
         prompt=PROMPTS[0],
         num_inference_steps=6,
-        height=32,
-        width=32,
         output_type="latent",
         max_sequence_length=8,
         callback_on_step_end=grab,
+        **SIZES[family],
         **extra,
     )
-    torch.testing.assert_close(adapter.sigmas(6, 32, 32), seen["sigmas"].float())
+    pipeline_sigmas = seen["sigmas"].float()
+    pipeline_sigmas[-1] = (
+        0.0  # a solver may be configured to stop at sigma_min; the adapter ends at a clean sample
+    )
+    torch.testing.assert_close(adapter.sigmas(6, **SIZES[family]), pipeline_sigmas)
 
 
 def test_a_static_shift_replaces_the_family_schedule_as_dancegrpo_samples_flux(load_tiny):
@@ -363,3 +377,68 @@ def test_missing_model_names_the_folder_and_the_hub(tmp_path, monkeypatch):
         OSError, match=r"'checkpoints/shapes_flow': there is no such folder under .*Hub could not"
     ):
         load_adapter("shapes", "checkpoints/shapes_flow")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bfloat16_model_sees_the_pipelines_timestep(family, load_tiny):
+    """In bfloat16 the transformer gets the timestep in the form its pipeline gives it: float32 (SD3, Z-Image) or
+    integer (SANA, Wan) ones in float32, not rounded to bfloat16 (which moves t = 777.7 to 776); FLUX's,
+    Qwen-Image's and FLUX.2's pipelines round ``1000 sigma`` to the model's dtype, and so does the adapter."""
+    adapter = load_tiny(family)
+    adapter.pipe.to(torch.bfloat16)
+    denoiser = adapter.pipe.transformer
+    seen = []
+    hook = denoiser.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["timestep"] if "timestep" in kwargs else args[1]),
+        with_kwargs=True,
+    )
+    sizes = SIZES[family]
+    call = {"max_sequence_length": 16 if family in ("qwen_image", "z_image", "flux2_klein", "flux2") else 8}
+    call.update({"text_encoder_out_layers": (1, 2, 3)} if family.startswith("flux2") else {})
+    call.update({"complex_human_instruction": None} if family == "sana" else {})
+    call.update({"guidance_scale": 0.0} if family == "z_image" else {"guidance_scale": 1.0})
+    call.update({"true_cfg_scale": 1.0} if family == "qwen_image" else {})
+    with torch.no_grad():
+        adapter.pipe(prompt=PROMPTS[0], num_inference_steps=6, output_type="latent", **call, **sizes)
+        theirs = seen[:2]
+        seen.clear()
+        sigmas = adapter.sigmas(6, **sizes)
+        noise = torch.randn((1, *adapter.latent_shape(**sizes)))
+        cond = adapter.encode(PROMPTS[:1])
+        for sigma in sigmas[:2]:
+            adapter.velocity(noise, sigma.reshape(1), cond)
+    hook.remove()
+    for ours, pipeline in zip(seen, theirs, strict=True):
+        assert ours.dtype == (pipeline.dtype if pipeline.is_floating_point() else torch.float32)
+        # SANA's and Wan's solvers hand the model whole timesteps (999, 963...): the adapter's are exact
+        tolerance = 1.0 if family in ("sana", "wan", "wan22") else 1e-4 * float(pipeline.abs().max())
+        torch.testing.assert_close(ours.double(), pipeline.double(), rtol=0, atol=tolerance)
+
+
+def test_wan22_second_guidance_scale_guides_the_low_noise_experts_steps_as_the_pipeline(saved_pipelines):
+    """``model.options.guidance_scale_2`` is ``WanPipeline``'s: guidance 2.0 on the high-noise expert's steps, 1.5
+    on the low-noise expert's, the ODE rollout equal to the pipeline's; without it the scale is 2.0 throughout."""
+    options = {**LOAD_KWARGS["wan22"], "guidance_scale_2": 1.5}
+    adapter = get_adapter("wan22").from_pretrained(str(saved_pipelines["wan22"]), **options)
+    sizes = SIZES["wan22"]
+    config = _config("wan22", sde_window=(0, 0), guidance_scale=2.0)
+    noise = torch.randn((1, *adapter.latent_shape(**sizes)), generator=torch.Generator().manual_seed(0))
+    ours = rollout(adapter, PROMPTS[:1], 1, config, noise=noise)
+    assert adapter.guidance_at(ours.sigmas[:-1], 2.0).tolist() == [2.0, 2.0, 1.5, 1.5]  # boundary 0.8
+
+    solver_sigmas = ours.sigmas[:-1].tolist()
+    euler = FlowMatchEulerDiscreteScheduler(shift=1.0)
+    set_timesteps = euler.set_timesteps
+    euler.set_timesteps = lambda *args, **kwargs: set_timesteps(
+        sigmas=solver_sigmas, device=kwargs.get("device")
+    )
+    adapter.pipe.scheduler = euler
+    call = {"prompt": PROMPTS[0], "num_inference_steps": 4, "output_type": "latent", "max_sequence_length": 8}
+    theirs = adapter.pipe(latents=noise, guidance_scale=2.0, guidance_scale_2=1.5, **call, **sizes).frames
+    torch.testing.assert_close(ours.latents[:, -1], theirs.float(), rtol=1e-4, atol=1e-4)
+    one_scale = adapter.pipe(latents=noise, guidance_scale=2.0, **call, **sizes).frames
+    assert (theirs - one_scale).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="guidance_scale_2 must be >= 1"):
+        get_adapter("wan22").from_pretrained(
+            str(saved_pipelines["wan22"]), **{**options, "guidance_scale_2": 0.5}
+        )

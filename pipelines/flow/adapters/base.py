@@ -131,15 +131,19 @@ def flow_match_sigmas(
     explicit_linspace: bool = False,
     mu: float | None = None,
 ) -> torch.Tensor:
-    """The Euler sigma schedule ``[S+1]`` (last entry 0) of a pipeline's flow scheduler, computed by diffusers.
+    """The sigma schedule ``[S+1]`` (last entry 0) of a pipeline's flow scheduler, computed by diffusers.
 
     Static shift (SD3, SANA, Wan): ``sigma = shift t / (1 + (shift - 1) t)``. Dynamic shift (FLUX, SD3.5 option):
     ``mu`` from the image token count by diffusers' ``calculate_shift`` (linear between ``base_shift`` at
     ``base_image_seq_len`` and ``max_shift`` at ``max_image_seq_len``), then ``sigma = e^mu / (e^mu + 1/t - 1)``.
     A ``FlowMatchEulerDiscreteScheduler`` is copied from its config (so every option it carries applies and the
     pipeline's own scheduler state is untouched). Multistep flow solvers (SANA's DPM-Solver, Wan's UniPC, both
-    with ``use_flow_sigmas``) carry ``flow_shift``; their sigmas are those of the Euler scheduler with
-    ``shift = flow_shift`` and the same dynamic-shifting options.
+    with ``use_flow_sigmas``) are copied the same way and asked for their own sigmas,
+    ``shift(linspace(1, 1/1000, S + 1)[:-1])`` with ``shift = flow_shift``: the steps their pipelines sample on,
+    so a policy is trained on the noise levels it is used at (and Wan2.2's experts on the steps the pipeline
+    gives them). Their Euler counterpart would space the steps down to an already shifted ``sigma_min`` (at
+    shift 3 and 10 steps its last step sits at 0.009 where the solver's is at 0.252). The last sigma is 0 (a
+    solver configured with ``final_sigmas_type: sigma_min`` would stop just short of a clean sample).
 
     Args:
         scheduler: the pipeline's scheduler.
@@ -155,33 +159,31 @@ def flow_match_sigmas(
     """
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-    config = dict(scheduler.config)
-    if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
-        euler = FlowMatchEulerDiscreteScheduler.from_config(config)
-    else:
-        keys = ("use_dynamic_shifting", "time_shift_type", "shift_terminal")
-        euler = FlowMatchEulerDiscreteScheduler(
-            shift=config.get("flow_shift", 1.0), **{k: config[k] for k in keys if config.get(k) is not None}
-        )
+    solver = type(scheduler).from_config(scheduler.config)
+    euler = isinstance(solver, FlowMatchEulerDiscreteScheduler)
+    if not euler and not solver.config.get("use_flow_sigmas", False):
+        raise ValueError(f"{type(scheduler).__name__} is not a flow-matching scheduler (no use_flow_sigmas)")
     kwargs: dict = {}
-    if euler.config.use_dynamic_shifting and mu is not None:
+    if solver.config.get("use_dynamic_shifting", False) and mu is not None:
         kwargs["mu"] = mu
-    elif euler.config.use_dynamic_shifting:
+    elif solver.config.get("use_dynamic_shifting", False):
         if image_seq_len is None:
             raise ValueError("this scheduler uses dynamic shifting: pass image_seq_len")
         kwargs["mu"] = calculate_shift(
             image_seq_len,
-            euler.config.base_image_seq_len,
-            euler.config.max_image_seq_len,
-            euler.config.base_shift,
-            euler.config.max_shift,
+            solver.config.get("base_image_seq_len", 256),
+            solver.config.get("max_image_seq_len", 4096),
+            solver.config.get("base_shift", 0.5),
+            solver.config.get("max_shift", 1.15),
         )
     if explicit_linspace:
         kwargs["sigmas"] = np.linspace(1.0, 1 / num_steps, num_steps)
-        euler.set_timesteps(device="cpu", **kwargs)
+        solver.set_timesteps(device="cpu", **kwargs)
     else:
-        euler.set_timesteps(num_steps, device="cpu", **kwargs)
-    return euler.sigmas.float()
+        solver.set_timesteps(num_steps, device="cpu", **kwargs)
+    sigmas = solver.sigmas.float().clone()
+    sigmas[-1] = 0.0
+    return sigmas
 
 
 class FlowAdapter(ABC):
@@ -397,7 +399,9 @@ class FlowAdapter(ABC):
         if not self.uses_cfg(guidance_scale):
             with autocast:
                 return self._forward(x, sigma_b, cond.cond, guidance_scale).float()
-        return self.guide(*self.cfg_halves(x, sigma_b, cond, guidance_scale), guidance_scale)
+        return self.guide(
+            *self.cfg_halves(x, sigma_b, cond, guidance_scale), self.guidance_at(sigma_b, guidance_scale)
+        )
 
     def cfg_halves(
         self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance_scale: float
@@ -415,10 +419,20 @@ class FlowAdapter(ABC):
         v_uncond, v_cond = v.float().chunk(2)
         return v_uncond, v_cond
 
-    def guide(self, v_uncond: torch.Tensor, v_cond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
-        """Combine the two halves of a CFG forward ``[B, ...]`` each: ``v_uncond + w (v_cond - v_uncond)``.
+    def guidance_at(self, sigma: torch.Tensor, guidance_scale: float) -> float | torch.Tensor:
+        """The guidance scale ``w`` of rows at ``sigma [B]``: ``guidance_scale`` itself, except for a family whose
+        pipeline guides some steps with another scale (Wan2.2's low-noise expert), which returns ``[B]``."""
+        return guidance_scale
+
+    def guide(
+        self, v_uncond: torch.Tensor, v_cond: torch.Tensor, guidance_scale: float | torch.Tensor
+    ) -> torch.Tensor:
+        """Combine the two halves of a CFG forward ``[B, ...]`` each: ``v_uncond + w (v_cond - v_uncond)``, ``w``
+        a number or one per row ``[B]`` (:meth:`guidance_at`).
 
         Families whose pipeline guides differently (Qwen-Image rescales the result to the conditional norm)
         override this, so that RL samples and scores exactly what the pipeline generates.
         """
+        if isinstance(guidance_scale, torch.Tensor):
+            guidance_scale = guidance_scale.to(v_cond).reshape(-1, *([1] * (v_cond.dim() - 1)))
         return v_uncond + guidance_scale * (v_cond - v_uncond)

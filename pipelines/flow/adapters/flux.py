@@ -80,7 +80,8 @@ class FluxAdapter(FlowAdapter):
             guidance = torch.full((batch,), guidance_scale, device=x.device, dtype=torch.float32)
         out = self.transformer(
             hidden_states=packed,
-            timestep=sigma.to(dtype),
+            # the pipeline rounds t = 1000 sigma to the model's dtype, then divides by 1000
+            timestep=(sigma * 1000).to(dtype) / 1000,
             guidance=guidance,
             pooled_projections=cond["pooled_projections"].to(dtype),
             encoder_hidden_states=cond["encoder_hidden_states"].to(dtype),

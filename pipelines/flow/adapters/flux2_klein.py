@@ -85,7 +85,8 @@ class Flux2KleinAdapter(FlowAdapter):
         tokens = x.to(dtype).reshape(batch, channels, h * w).transpose(1, 2)  # row-major h, w: the ids' order
         out = self.transformer(
             hidden_states=tokens,
-            timestep=sigma.to(dtype),
+            # the pipeline rounds t = 1000 sigma to the model's dtype, then divides by 1000
+            timestep=(sigma * 1000).to(dtype) / 1000,
             guidance=self._guidance_input(batch, guidance_scale, x.device),
             encoder_hidden_states=embeds,
             txt_ids=self.pipe._prepare_text_ids(embeds).to(x.device),

@@ -81,7 +81,9 @@ class QwenImageAdapter(FlowAdapter):
             self.pipe.scheduler, num_steps, image_seq_len=(h // 2) * (w // 2), explicit_linspace=True
         )
 
-    def guide(self, v_uncond: torch.Tensor, v_cond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+    def guide(
+        self, v_uncond: torch.Tensor, v_cond: torch.Tensor, guidance_scale: float | torch.Tensor
+    ) -> torch.Tensor:
         combined = super().guide(v_uncond, v_cond, guidance_scale)
         h, w = combined.shape[-2:]
         packed, packed_cond = pack_2x2(combined), pack_2x2(v_cond)
@@ -95,7 +97,8 @@ class QwenImageAdapter(FlowAdapter):
         batch, _, h, w = x.shape
         out = self.transformer(
             hidden_states=pack_2x2(x.to(dtype)),
-            timestep=sigma.to(dtype),
+            # the pipeline rounds t = 1000 sigma to the model's dtype, then divides by 1000
+            timestep=(sigma * 1000).to(dtype) / 1000,
             encoder_hidden_states=cond["encoder_hidden_states"].to(dtype),
             encoder_hidden_states_mask=cond["encoder_hidden_states_mask"],
             img_shapes=[[(1, h // 2, w // 2)]] * batch,

@@ -82,7 +82,9 @@ class SanaAdapter(FlowAdapter):
             x.to(dtype),
             encoder_hidden_states=cond["encoder_hidden_states"].to(dtype),
             encoder_attention_mask=cond["encoder_attention_mask"],
-            timestep=(sigma * 1000 * self.transformer.config.timestep_scale).to(dtype),
+            timestep=sigma
+            * 1000
+            * self.transformer.config.timestep_scale,  # float32, as the pipeline gives it
             return_dict=False,
         )[0]
         # checkpoints with a learned variance output 2C channels; the velocity is the first half

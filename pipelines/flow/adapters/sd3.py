@@ -82,8 +82,9 @@ class SD3Adapter(FlowAdapter):
         dtype = self.transformer.dtype
         return self.transformer(
             hidden_states=x.to(dtype),
-            # SD3 was trained on timesteps t = 1000 * sigma (diffusers' scheduler.timesteps)
-            timestep=(sigma * 1000).to(dtype),
+            # SD3 was trained on timesteps t = 1000 * sigma (diffusers' scheduler.timesteps), given in float32
+            # as the pipeline gives them: bfloat16 would round t by up to 2 near 1000
+            timestep=sigma * 1000,
             encoder_hidden_states=cond["encoder_hidden_states"].to(dtype),
             pooled_projections=cond["pooled_projections"].to(dtype),
             return_dict=False,

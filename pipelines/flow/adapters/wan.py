@@ -90,7 +90,7 @@ class WanAdapter(FlowAdapter):
         dtype = model.dtype
         return model(
             hidden_states=x.to(dtype),
-            timestep=(sigma * 1000).to(dtype),
+            timestep=sigma * 1000,  # float32, as the pipeline gives it
             encoder_hidden_states=embeds.to(dtype),
             return_dict=False,
         )[0]

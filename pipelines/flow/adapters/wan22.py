@@ -17,7 +17,9 @@ expert's steps (the high expert's sigmas are the first ones).
 LoRA files load with diffusers' own API: the high expert's (``pytorch_lora_weights.safetensors``) with
 ``pipe.load_lora_weights(DIR)``, the low expert's (:data:`LOW_EXPERT_WEIGHT_NAME`) with
 ``pipe.load_lora_weights(DIR, load_into_transformer_2=True)``, adding ``weight_name=LOW_EXPERT_WEIGHT_NAME``
-when the folder holds both. One guidance scale serves both experts (the pipeline's ``guidance_scale_2`` is not modelled).
+when the folder holds both. ``model.options.guidance_scale_2`` is the pipeline's ``guidance_scale_2``: the scale
+of the low-noise expert's steps (the model card samples at 4.0 and 3.0); unset, ``sampling.guidance_scale``
+guides both, as in the pipeline. As there, whether CFG runs at all follows ``sampling.guidance_scale``.
 """
 
 from __future__ import annotations
@@ -130,9 +132,12 @@ class Wan22Adapter(WanAdapter):
         max_sequence_length: UMT5 tokens (pipeline default 226).
         trained_expert: ``"high"`` (``transformer``), ``"low"`` (``transformer_2``) or ``"both"``; with one
             expert trained the other one is frozen.
+        guidance_scale_2: CFG scale of the low-noise expert's steps (``sigma < boundary``); ``None`` uses the
+            sampling's guidance scale there too.
 
     Raises:
-        ValueError: the pipeline has one expert, or ``trained_expert`` is not one of the three.
+        ValueError: the pipeline has one expert, ``trained_expert`` is not one of the three, or
+            ``guidance_scale_2`` is below 1.
     """
 
     two_experts = True
@@ -142,6 +147,7 @@ class Wan22Adapter(WanAdapter):
         pipe: WanPipeline,
         max_sequence_length: int = 226,
         trained_expert: Literal["high", "low", "both"] = "high",
+        guidance_scale_2: float | None = None,
     ) -> None:
         if pipe.transformer_2 is None or pipe.config.get("boundary_ratio") is None:
             raise ValueError(
@@ -149,8 +155,13 @@ class Wan22Adapter(WanAdapter):
                 "Wan-AI/Wan2.2-T2V-A14B-Diffusers); use family 'wan' for Wan2.1"
             )
         _check_expert(trained_expert)
+        if guidance_scale_2 is not None and guidance_scale_2 < 1:
+            raise ValueError(
+                f"model.options.guidance_scale_2 must be >= 1 (1: no guidance), got {guidance_scale_2}"
+            )
         super().__init__(pipe, max_sequence_length)
         self.trained_expert = trained_expert
+        self.guidance_scale_2 = guidance_scale_2
         #: the trained pair (both experts trained): one object for the optimizer, EMA and LoRA hooks to refer to
         self._experts = WanExperts(pipe.transformer, pipe.transformer_2) if trained_expert == "both" else None
         if trained_expert != "both":
@@ -206,6 +217,14 @@ class Wan22Adapter(WanAdapter):
     def boundary(self) -> float:
         """The sigma at and above which the high-noise expert denoises."""
         return float(self.pipe.config.boundary_ratio)
+
+    def guidance_at(self, sigma: torch.Tensor, guidance_scale: float) -> float | torch.Tensor:
+        """``guidance_scale`` on the high-noise expert's rows, ``guidance_scale_2`` (when set) on the others:
+        ``WanPipeline`` switches the scale with the expert."""
+        if self.guidance_scale_2 is None:
+            return guidance_scale
+        high = torch.as_tensor(sigma) >= self.boundary
+        return torch.where(high, guidance_scale, self.guidance_scale_2).float()
 
     def trains_at(self, sigma: torch.Tensor) -> torch.Tensor:
         high = sigma >= self.boundary

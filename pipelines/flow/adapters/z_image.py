@@ -75,7 +75,8 @@ class ZImageAdapter(FlowAdapter):
         embeds, mask = cond["cap_feats"].to(dtype), cond["cap_mask"].bool()
         text = [row[keep] for row, keep in zip(embeds, mask, strict=True)]
         frames = list(x.to(dtype).unsqueeze(2).unbind(0))  # [C, 1, h, w] per sample
-        out = self.transformer(frames, (1 - sigma).to(dtype), text, return_dict=False)[0]
+        # the time is given in float32, as the pipeline gives it
+        out = self.transformer(frames, 1 - sigma, text, return_dict=False)[0]
         return -torch.stack(out).squeeze(2)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
