@@ -14,8 +14,9 @@ A built pipeline is meant to be ``save_pretrained`` to a directory and loaded ba
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 from diffusers import (
@@ -71,19 +72,6 @@ from transformers import (
     UMT5EncoderModel,
 )
 
-Family = Literal["sd3", "flux", "sana", "wan", "wan22", "qwen_image", "z_image", "flux2_klein", "flux2"]
-FAMILIES: tuple[Family, ...] = (
-    "sd3",
-    "flux",
-    "sana",
-    "wan",
-    "wan22",
-    "qwen_image",
-    "z_image",
-    "flux2_klein",
-    "flux2",
-)
-
 # A few prompts so that trained tokenizers cover ordinary words; any corpus works, unknown words fall back to
 # characters (every lower-case letter is in the initial alphabet).
 DEFAULT_CORPUS: tuple[str, ...] = (
@@ -108,34 +96,41 @@ _QWEN_IMAGE_TEMPLATE = (
     "<|im_start|>assistant\n"
 )
 
-#: adapter ``from_pretrained`` options for the tiny models: short text sequences keep tiny forwards fast, and
-#: SANA's long default instruction prefix is switched off for the same reason
-TINY_LOAD_KWARGS: dict[str, dict] = {
-    "sd3": {"max_sequence_length": 8},
-    "flux": {"max_sequence_length": 8},
-    "sana": {"max_sequence_length": 8, "complex_human_instruction": None},
-    "wan": {"max_sequence_length": 8},
-    # the low-noise expert denoises step 2 of a 3-step schedule (2 and 3 of 4): every tiny test setting reaches it
-    "wan22": {"max_sequence_length": 8, "trained_expert": "low"},
-    "qwen_image": {"max_sequence_length": 16},
-    "z_image": {"max_sequence_length": 16},
-    # the tiny Qwen3 has 3 layers: its caption is layers 1-3 (the real 36-layer encoders are read at 9, 18, 27)
-    "flux2_klein": {"max_sequence_length": 16, "text_encoder_out_layers": [1, 2, 3]},
-    # likewise the tiny Mistral-3 (the real one is read at 10, 20, 30)
-    "flux2": {"max_sequence_length": 16, "text_encoder_out_layers": [1, 2, 3]},
-}
 #: output sizes the tiny models are built for: 32x32 images, 5 frames of 16x16 video
-TINY_SIZES: dict[str, dict[str, int]] = {
-    "sd3": {"height": 32, "width": 32},
-    "flux": {"height": 32, "width": 32},
-    "sana": {"height": 32, "width": 32},
-    "wan": {"height": 16, "width": 16, "num_frames": 5},
-    "wan22": {"height": 16, "width": 16, "num_frames": 5},
-    "qwen_image": {"height": 32, "width": 32},
-    "z_image": {"height": 32, "width": 32},
-    "flux2_klein": {"height": 32, "width": 32},
-    "flux2": {"height": 32, "width": 32},
-}
+IMAGE_SIZE: dict[str, int] = {"height": 32, "width": 32}
+VIDEO_SIZE: dict[str, int] = {"height": 16, "width": 16, "num_frames": 5}
+
+
+@dataclass(frozen=True)
+class TinyFamily:
+    """How tests build and load one family's tiny pipeline.
+
+    Attributes:
+        build: ``build(corpus) -> pipeline``, the real diffusers pipeline class with random tiny components.
+        sizes: the ``height``/``width`` (and ``num_frames``) it is built for.
+        load_kwargs: adapter ``from_pretrained`` options: short text sequences keep tiny forwards fast (and
+            switch off SANA's long default instruction prefix for the same reason).
+    """
+
+    build: Callable[[Sequence[str]], DiffusionPipeline]
+    sizes: dict[str, int]
+    load_kwargs: dict[str, Any]
+
+
+_TINY_FAMILIES: dict[str, TinyFamily] = {}
+
+B = TypeVar("B", bound=Callable[..., DiffusionPipeline])
+
+
+def tiny_family(name: str, sizes: dict[str, int] = IMAGE_SIZE, **load_kwargs: Any) -> Callable[[B], B]:
+    """Register the decorated builder as family ``name``'s tiny pipeline (a new family: its builder here, with
+    this decorator, beside its adapter file)."""
+
+    def register(build: B) -> B:
+        _TINY_FAMILIES[name] = TinyFamily(build, dict(sizes), load_kwargs)
+        return build
+
+    return register
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -383,6 +378,7 @@ def tiny_autoencoder_kl(latent_channels: int = 4) -> AutoencoderKL:
     )
 
 
+@tiny_family("sd3", max_sequence_length=8)
 def build_tiny_sd3(corpus: Sequence[str] = DEFAULT_CORPUS, with_t5: bool = True) -> StableDiffusion3Pipeline:
     """SD3/SD3.5 layout: two CLIP-with-projection encoders, optional T5, MMDiT, AutoencoderKL, shift-3 Euler."""
     tokenizer = train_clip_tokenizer(corpus, model_max_length=16)
@@ -414,6 +410,7 @@ def build_tiny_sd3(corpus: Sequence[str] = DEFAULT_CORPUS, with_t5: bool = True)
     )
 
 
+@tiny_family("flux", max_sequence_length=8)
 def build_tiny_flux(corpus: Sequence[str] = DEFAULT_CORPUS) -> FluxPipeline:
     """FLUX.1 layout: CLIP (pooled) + T5 (sequence), guidance-embedded MMDiT, AutoencoderKL, dynamic shift."""
     tokenizer = train_clip_tokenizer(corpus, model_max_length=16)
@@ -447,6 +444,7 @@ def build_tiny_flux(corpus: Sequence[str] = DEFAULT_CORPUS) -> FluxPipeline:
     )
 
 
+@tiny_family("sana", max_sequence_length=8, complex_human_instruction=None)
 def build_tiny_sana(corpus: Sequence[str] = DEFAULT_CORPUS) -> SanaPipeline:
     """SANA layout: Gemma-2 text encoder, linear-attention DiT, deep-compression autoencoder (AutoencoderDC)."""
     tokenizer = train_gemma_tokenizer(corpus)
@@ -491,6 +489,7 @@ def build_tiny_sana(corpus: Sequence[str] = DEFAULT_CORPUS) -> SanaPipeline:
     )
 
 
+@tiny_family("wan", VIDEO_SIZE, max_sequence_length=8)
 def build_tiny_wan(
     corpus: Sequence[str] = DEFAULT_CORPUS, boundary_ratio: float | None = None
 ) -> WanPipeline:
@@ -533,12 +532,15 @@ def build_tiny_wan(
     )
 
 
+# the low-noise expert denoises step 2 of a 3-step schedule (2 and 3 of 4): every tiny test setting reaches it
+@tiny_family("wan22", VIDEO_SIZE, max_sequence_length=8, trained_expert="low")
 def build_tiny_wan22(corpus: Sequence[str] = DEFAULT_CORPUS) -> WanPipeline:
     """Wan2.2 A14B layout: two Wan2.1 experts switched at ``boundary_ratio`` 0.8 (the real one is 0.875; 0.8 gives
     each expert an SDE step of a 3-step schedule: sigmas 1.0 and 0.86 are the high expert's, 0.60 the low one's)."""
     return build_tiny_wan(corpus, boundary_ratio=0.8)
 
 
+@tiny_family("qwen_image", max_sequence_length=16)
 def build_tiny_qwen_image(corpus: Sequence[str] = DEFAULT_CORPUS) -> QwenImagePipeline:
     """Qwen-Image layout: Qwen2.5-VL text encoder, double-stream MMDiT on 2x2-packed latents, the one-frame
     causal video VAE (``AutoencoderKLQwenImage``, spatial factor 8), exponential dynamic shift with terminal
@@ -579,6 +581,7 @@ def build_tiny_qwen_image(corpus: Sequence[str] = DEFAULT_CORPUS) -> QwenImagePi
     )
 
 
+@tiny_family("z_image", max_sequence_length=16)
 def build_tiny_z_image(corpus: Sequence[str] = DEFAULT_CORPUS) -> ZImagePipeline:
     """Z-Image layout: Qwen3 text encoder behind its chat template, single-stream DiT with context and noise
     refiners, FLUX's 16-channel-style AutoencoderKL (here 4 channels), static shift 3 as ``Z-Image-Turbo``."""
@@ -603,6 +606,8 @@ def build_tiny_z_image(corpus: Sequence[str] = DEFAULT_CORPUS) -> ZImagePipeline
     )
 
 
+# the tiny Qwen3 has 3 layers: its caption is layers 1-3 (the real 36-layer encoders are read at 9, 18, 27)
+@tiny_family("flux2_klein", max_sequence_length=16, text_encoder_out_layers=[1, 2, 3])
 def build_tiny_flux2_klein(
     corpus: Sequence[str] = DEFAULT_CORPUS, is_distilled: bool = False
 ) -> Flux2KleinPipeline:
@@ -699,6 +704,8 @@ def train_pixtral_processor(corpus: Sequence[str], vocab_size: int = 400) -> Pix
     )
 
 
+# likewise the tiny Mistral-3 (the real one is read at 10, 20, 30)
+@tiny_family("flux2", max_sequence_length=16, text_encoder_out_layers=[1, 2, 3])
 def build_tiny_flux2(corpus: Sequence[str] = DEFAULT_CORPUS) -> Flux2Pipeline:
     """FLUX.2 [dev] layout: Mistral-3 (three hidden states of its text decoder as the caption) behind a Pixtral
     processor, guidance-embedded FLUX.2 MMDiT, ``AutoencoderKLFlux2``, exponential dynamic shift."""
@@ -848,25 +855,23 @@ def extend_shapes_vocabulary(
 
 
 def build_tiny_pipeline(
-    family: Family, corpus: Sequence[str] = DEFAULT_CORPUS, seed: int = 0
+    family: str, corpus: Sequence[str] = DEFAULT_CORPUS, seed: int = 0
 ) -> DiffusionPipeline:
     """Build the tiny random pipeline of ``family`` (one of :data:`FAMILIES`), seeded.
 
     Raises:
         ValueError: for an unknown family, listing the known ones.
     """
-    builders = {
-        "sd3": build_tiny_sd3,
-        "flux": build_tiny_flux,
-        "sana": build_tiny_sana,
-        "wan": build_tiny_wan,
-        "wan22": build_tiny_wan22,
-        "qwen_image": build_tiny_qwen_image,
-        "z_image": build_tiny_z_image,
-        "flux2_klein": build_tiny_flux2_klein,
-        "flux2": build_tiny_flux2,
-    }
-    if family not in builders:
-        raise ValueError(f"unknown pipeline family {family!r}. Available: {sorted(builders)}")
+    if family not in _TINY_FAMILIES:
+        raise ValueError(f"unknown pipeline family {family!r}. Available: {sorted(_TINY_FAMILIES)}")
     torch.manual_seed(seed)
-    return builders[family](corpus)
+    return _TINY_FAMILIES[family].build(corpus)
+
+
+#: every family with a tiny pipeline, in registration order
+FAMILIES: tuple[str, ...] = tuple(_TINY_FAMILIES)
+#: adapter ``from_pretrained`` options and output sizes of each family's tiny pipeline
+TINY_LOAD_KWARGS: dict[str, dict[str, Any]] = {
+    name: tiny.load_kwargs for name, tiny in _TINY_FAMILIES.items()
+}
+TINY_SIZES: dict[str, dict[str, int]] = {name: tiny.sizes for name, tiny in _TINY_FAMILIES.items()}
