@@ -142,8 +142,11 @@ def flow_match_sigmas(
     ``shift(linspace(1, 1/1000, S + 1)[:-1])`` with ``shift = flow_shift``: the steps their pipelines sample on,
     so a policy is trained on the noise levels it is used at (and Wan2.2's experts on the steps the pipeline
     gives them). Their Euler counterpart would space the steps down to an already shifted ``sigma_min`` (at
-    shift 3 and 10 steps its last step sits at 0.009 where the solver's is at 0.252). The last sigma is 0 (a
-    solver configured with ``final_sigmas_type: sigma_min`` would stop just short of a clean sample).
+    shift 3 and 10 steps its last step sits at 0.009 where the solver's is at 0.252). The first sigma is 1 and
+    the last 0: a rollout starts from pure noise and ends at a clean sample. (DPM-Solver's flow sigmas start at
+    ``shift(0.999)`` = 0.9997, from which its pipeline also starts on pure noise; there Flow-GRPO's SDE std
+    ``a sqrt(sigma / (1 - sigma))``, which it evaluates with the next sigma at sigma = 1, would be 58 a. A solver
+    configured with ``final_sigmas_type: sigma_min`` would stop just short of a clean sample.)
 
     Args:
         scheduler: the pipeline's scheduler.
@@ -182,7 +185,7 @@ def flow_match_sigmas(
     else:
         solver.set_timesteps(num_steps, device="cpu", **kwargs)
     sigmas = solver.sigmas.float().clone()
-    sigmas[-1] = 0.0
+    sigmas[0], sigmas[-1] = 1.0, 0.0
     return sigmas
 
 
