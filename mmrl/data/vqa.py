@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from PIL import Image, UnidentifiedImageError
 
+from pipelines.vlm.inputs import check_image_placeholders
 from rewards.images import pil_to_rgb
 
 if TYPE_CHECKING:
@@ -329,6 +330,10 @@ def load_vqa(
                     f"{where}: no {column!r} (the value is {row[column]!r}); every row needs one"
                 )
         question = format_question(question_template, row[question_column])
+        try:
+            check_image_placeholders(question, len(images))
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from None
         answer = _cell_text(row[answer_column])
         pid = _cell_text(row[id_column]) if id_column else f"{path.stem or source}-{i}"
         reference = ""

@@ -20,6 +20,24 @@ from PIL import Image
 
 logger = logging.getLogger(__name__)
 
+#: where a question's text puts an image (EasyR1's and verl's datasets, e.g. Geometry3K's problems)
+IMAGE_PLACEHOLDER = "<image>"
+
+
+def check_image_placeholders(question: str, num_images: int) -> None:
+    """Refuse a question whose ``<image>`` placeholders do not match its images one to one (a question without
+    placeholders shows its images before the text).
+
+    Raises:
+        ValueError: naming both counts.
+    """
+    count = question.count(IMAGE_PLACEHOLDER)
+    if count and count != num_images:
+        raise ValueError(
+            f"the question has {count} {IMAGE_PLACEHOLDER} placeholder(s) but {num_images} image(s); each "
+            f"{IMAGE_PLACEHOLDER} marks where one image goes"
+        )
+
 
 @dataclass
 class VLMPrompt:
@@ -45,10 +63,25 @@ class VLMPrompt:
         system: str | None = None,
         prompt_id: str | None = None,
     ) -> VLMPrompt:
-        """A single-turn user prompt: the images first, then the question (the Qwen-VL convention; a model family
-        with another layout overrides :meth:`pipelines.vlm.families.VLMFamily.prompt`)."""
-        content: list[dict[str, Any]] = [{"type": "image"} for _ in images]
-        content.append({"type": "text", "text": question})
+        """A single-turn user prompt. Each ``<image>`` in the question is where the next image goes, as EasyR1 and
+        verl read their datasets (the text between them kept, the placeholders removed); a question without
+        placeholders gets its images first, then its text (the Qwen-VL convention; a model family with another
+        layout overrides :meth:`pipelines.vlm.families.VLMFamily.prompt`).
+
+        Raises:
+            ValueError: the question has placeholders, but not one per image.
+        """
+        check_image_placeholders(question, len(images))
+        content: list[dict[str, Any]] = []
+        if IMAGE_PLACEHOLDER in question:
+            for i, text in enumerate(question.split(IMAGE_PLACEHOLDER)):
+                if i:
+                    content.append({"type": "image"})
+                if text:
+                    content.append({"type": "text", "text": text})
+        else:
+            content = [{"type": "image"} for _ in images]
+            content.append({"type": "text", "text": question})
         messages: list[dict[str, Any]] = []
         if system is not None:
             messages.append({"role": "system", "content": system})

@@ -1,8 +1,11 @@
 """The VLM family registry and its first family: Qwen2.5-VL's conventions, detected from the tiny model."""
 
+import re
+
 import pytest
 import torch
 
+from mmrl.vlm.config import VLMLora
 from pipelines.vlm.families import (
     VLMFamily,
     family_for_model_type,
@@ -11,6 +14,7 @@ from pipelines.vlm.families import (
     register_vlm_family,
 )
 from pipelines.vlm.families.qwen2_5_vl import Qwen25VL
+from pipelines.vlm.published import PUBLISHED_CONFIGS, build_on_meta
 
 
 def test_the_tiny_vlm_is_served_by_the_qwen25vl_family(tiny):
@@ -42,12 +46,30 @@ def test_image_inputs_count_the_tokens_the_processor_expands(tiny, prompts):
 
 
 def test_lora_pattern_skips_the_vision_tower_unless_trained():
-    import re
-
     pattern = get_vlm_family("qwen2_5_vl").lora_target_pattern(["q_proj", "out.0"], train_vision=False)
     assert re.fullmatch(pattern, "model.language_model.layers.0.self_attn.q_proj")
+    assert re.fullmatch(pattern, "model.language_model.layers.0.out.0")
+    assert not re.fullmatch(pattern, "model.language_model.layers.0.out.01")
     assert not re.fullmatch(pattern, "model.visual.blocks.0.attn.q_proj")
-    assert get_vlm_family("qwen2_5_vl").lora_target_pattern(["q_proj"], train_vision=True) == ["q_proj"]
+
+
+@pytest.mark.parametrize("model_id", list(PUBLISHED_CONFIGS))
+def test_a_trained_vision_tower_gets_lora_on_every_linear_layer_of_the_published_models(model_id):
+    """With ``model.train_vision`` LoRA adapts every linear layer of the tower (EasyR1's all-linear; Qwen3-VL's
+    are named qkv, proj, linear_fc1/2, none of the language model's names) and the language model's targets,
+    without it none of the tower's; counted on the published architectures built on the meta device."""
+    model = build_on_meta(model_id)
+    family = family_for_model_type(model.config.model_type)
+    linear = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    vision = {name for name in linear if family.is_vision_parameter(name)}
+    language = {name for name in linear if name not in vision and not name.endswith("lm_head")}
+    targets = VLMLora().target_modules
+    assert vision and language
+    for train_vision in (False, True):
+        pattern = family.lora_target_pattern(targets, train_vision)
+        adapted = {name for name in linear if re.fullmatch(pattern, name)}
+        assert adapted & language == language
+        assert adapted & vision == (vision if train_vision else set())
 
 
 def test_registry_names_what_is_available():

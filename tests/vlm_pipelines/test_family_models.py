@@ -127,6 +127,27 @@ def test_prompt_layout_expands_one_image_region_per_image(saved, mixed_prompts):
         assert list(as_vllm) == prompt.input_ids
 
 
+def test_image_placeholders_interleave_the_image_regions_with_the_text(saved, scene):
+    _, model, processor, _ = saved
+    family = family_for_model_type(model.config.model_type)
+    images = [scene((220, 20, 20)), scene((20, 20, 220))]
+    [prepared], _ = prepare_prompts(
+        processor, [family.prompt("compare <image> with <image>: which is red?", images)]
+    )
+    assert "<image>" not in prepared.text
+    image_token = family.image_token_id(processor)
+    ids = prepared.input_ids
+    first = ids.index(image_token)
+    last_of_first = first + family.image_inputs(processor, images[:1])[1][0] - 1
+    second = ids.index(image_token, last_of_first + 1)
+    decode = processor.tokenizer.decode
+    assert "compare" in decode(ids[:first]) and "with" not in decode(ids[:first])
+    assert "with" in decode(ids[last_of_first + 1 : second]) and "which" not in decode(ids[:second])
+    assert "which is red?" in decode(ids[second:])
+    with pytest.raises(ValueError, match="2 <image> placeholder"):
+        family.prompt("<image> or <image>?", images[:1])
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0], ids=["t1", "t0.7", "greedy"])
 def test_recomputed_logprobs_match_generate_with_multi_image_prompts(saved, mixed_prompts, temperature):
     _, model, processor, _ = saved

@@ -62,6 +62,8 @@ class VLMFamily(ABC):
         vision_special_tokens: tokens generation must never emit (they open or fill image regions).
         vision_module: attribute name of the vision tower on the backbone; parameters whose name contains it
             are the vision tower's (frozen unless ``model.train_vision``).
+        vision_lora_targets: the vision tower's linear layers (names or dotted suffixes), adapted by LoRA when
+            the tower is trained: every linear layer of the tower and its merger, as EasyR1's ``all-linear``.
         token_type_key: the model input that carries per-token modality types, or ``None``.
     """
 
@@ -69,6 +71,7 @@ class VLMFamily(ABC):
     model_types: tuple[str, ...] = ()
     vision_special_tokens: tuple[str, ...] = ()
     vision_module: str = "visual"
+    vision_lora_targets: tuple[str, ...] = ()
     token_type_key: str | None = None
 
     def prompt(
@@ -119,12 +122,17 @@ class VLMFamily(ABC):
         """Whether the parameter ``name`` belongs to the vision tower."""
         return self.vision_module in name
 
-    def lora_target_pattern(self, names: Sequence[str], train_vision: bool) -> str | list[str]:
-        """peft ``target_modules``: the names anywhere, or (vision frozen) only outside the vision tower."""
-        if train_vision:
-            return list(names)
-        escaped = "|".join(n.replace(".", r"\.") for n in names)
-        return rf"^(?!.*{self.vision_module}).*\.({escaped})$"
+    def lora_target_pattern(self, names: Sequence[str], train_vision: bool) -> str:
+        """peft ``target_modules`` (a regex on module names): ``names`` outside the vision tower, and with the
+        tower trained its :attr:`vision_lora_targets` inside it."""
+
+        def suffixes(targets: Sequence[str]) -> str:
+            return "|".join(target.replace(".", r"\.") for target in targets)
+
+        language = rf"^(?!.*{self.vision_module}).*\.({suffixes(names)})$"
+        if not train_vision:
+            return language
+        return rf"{language}|^.*{self.vision_module}.*\.({suffixes(self.vision_lora_targets)})$"
 
 
 F = TypeVar("F", bound=type[VLMFamily])

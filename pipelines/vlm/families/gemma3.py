@@ -1,7 +1,8 @@
 """Gemma 3 (``Gemma3ForConditionalGeneration``: gemma-3-4b/12b/27b-it): a SigLIP tower and bidirectional image
 attention.
 
-- Prompt: one user turn, the images first and then the question (Gemma 3's examples put images first too); the
+- Prompt: one user turn, the images where the question's ``<image>`` placeholders put them, else first and
+  then the question (Gemma 3's examples put images first too); the
   chat template writes ``<start_of_image>`` per image, which the processor expands to ``\\n\\n<start_of_image>``,
   ``mm_tokens_per_image`` x ``<image_soft_token>``, ``<end_of_image>\\n\\n``.
 - Vision special tokens: ``<start_of_image>``, ``<end_of_image>``, ``<image_soft_token>``. A sampled
@@ -35,6 +36,8 @@ class Gemma3(VLMFamily):
     model_types = ("gemma3",)
     vision_special_tokens = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
     vision_module = "vision_tower"
+    # SigLIP's attention and MLP (the projector into the language model is a parameter, not a linear layer)
+    vision_lora_targets = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
     token_type_key = "token_type_ids"
 
     def image_token_id(self, processor: Any) -> int:

@@ -1,6 +1,7 @@
 """Qwen2.5-VL (and Qwen2-VL): the first registered VLM family, and the tiny shapes VLM's.
 
-- Prompt: one user turn, the images first and then the question (the Qwen-VL chat convention).
+- Prompt: one user turn, the images where the question's ``<image>`` placeholders put them, else first and
+  then the question (the Qwen-VL chat convention).
 - Vision special tokens: ``<|vision_start|>``, ``<|vision_end|>``, ``<|vision_pad|>``, ``<|image_pad|>``,
   ``<|video_pad|>``. A sampled ``<|image_pad|>`` breaks the re-scoring forward (the model expects image features
   for every image token), and a sampled ``<|vision_start|>`` opens a region nothing fills, so generation must
@@ -60,6 +61,8 @@ class Qwen25VL(VLMFamily):
     model_types = ("qwen2_5_vl", "qwen2_vl")
     vision_special_tokens = QWEN_VISION_SPECIAL_TOKENS
     vision_module = "visual"
+    # attention, SwiGLU MLP, and the patch merger's two layers (visual.merger.mlp.0 / .2)
+    vision_lora_targets = ("qkv", "proj", "gate_proj", "up_proj", "down_proj", "mlp.0", "mlp.2")
     token_type_key = "mm_token_type_ids"
 
     def image_token_id(self, processor: Any) -> int:

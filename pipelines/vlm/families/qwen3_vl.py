@@ -3,7 +3,7 @@ of Qwen3-VL-30B-A3B / 235B-A22B): Qwen2.5-VL's conventions on a new vision tower
 
 What the family interface sees is unchanged from Qwen2.5-VL, so this class inherits it:
 
-- Prompt: one user turn, the images first and then the question.
+- Prompt: one user turn, the images where the question's ``<image>`` placeholders put them, else first.
 - Vision special tokens: ``<|vision_start|>``, ``<|vision_end|>``, ``<|vision_pad|>``, ``<|image_pad|>``,
   ``<|video_pad|>`` (the same ids as Qwen2.5-VL's), never generated.
 - Token types: ``mm_token_type_ids`` (0 text, 1 image, 2 video). Qwen3-VL needs them even more than Qwen2.5-VL:
@@ -11,7 +11,8 @@ What the family interface sees is unchanged from Qwen2.5-VL, so this class inher
   generation are lost.
 - Image features: ``pixel_values`` and ``image_grid_thw``; an image fills ``prod(grid_thw) / merge_size^2``
   tokens, with 16-pixel patches (Qwen2.5-VL: 14).
-- Vision tower: ``backbone.visual`` (its DeepStack mergers live inside it, so they are frozen with it).
+- Vision tower: ``backbone.visual`` (its DeepStack mergers live inside it, so they are frozen or trained with it;
+  its linear layers are ``qkv``, ``proj``, ``linear_fc1`` and ``linear_fc2``, not the language model's names).
 
 What differs lives inside the model (DeepStack features added to the first decoder layers, interleaved mRoPE,
 timestamped video prompts; in the MoE models, routed experts), which transformers implements; scoring calls the
@@ -31,3 +32,5 @@ class Qwen3VL(Qwen25VL):
     """Qwen3-VL conventions (see the module docstring)."""
 
     model_types = ("qwen3_vl", "qwen3_vl_moe")
+    # attention and MLP of the tower, its mergers' two layers (linear_fc1 / linear_fc2 in both)
+    vision_lora_targets = ("qkv", "proj", "linear_fc1", "linear_fc2")
