@@ -1,9 +1,10 @@
 """Rewards on open-clip models: CLIP score and HPSv2.
 
 Both embed the image and the prompt with a CLIP model and score their cosine similarity; they differ in the
-weights. Weights load through open-clip (``create_model(name, pretrained=tag or local file)``), or an already
-built ``open_clip.CLIP`` is passed as ``model=`` (tests build a tiny random one from a config registered with
-``open_clip.add_model_config``).
+weights and in how an image of another aspect ratio is fitted to the model (CLIP crops its centre, HPSv2
+letterboxes it). Weights load through open-clip (``create_model(name, pretrained=tag or local file)``), or
+an already built ``open_clip.CLIP`` is passed as ``model=`` (tests build a tiny random one from a config
+registered with ``open_clip.add_model_config``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from rewards.base import RewardOutput
-from rewards.images import ImageBatch, ImageRewardBase, prepare_pixels
+from rewards.images import ImageBatch, ImageRewardBase, ResizeMode, prepare_pixels
 from rewards.registry import register
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,10 @@ def load_open_clip(
 class OpenClipReward(ImageRewardBase):
     """Shared part of the open-clip rewards: the model, its preprocessing and its two encoders."""
 
+    #: how an image of another aspect ratio fits the model's square input
+    #: (:func:`rewards.images.clip_preprocess`)
+    resize_mode: ResizeMode = "shortest"
+
     def __init__(
         self,
         model_name: str,
@@ -84,7 +89,9 @@ class OpenClipReward(ImageRewardBase):
 
     def image_features(self, images: ImageBatch) -> torch.Tensor:
         """``[B, D]`` L2-normalised image embeddings."""
-        pixels = prepare_pixels(images, self.image_size, self.mean, self.std, self.device, self.dtype)
+        pixels = prepare_pixels(
+            images, self.image_size, self.mean, self.std, self.device, self.dtype, self.resize_mode
+        )
         return F.normalize(self.model.encode_image(pixels).float(), dim=-1)
 
     def text_features(self, prompts: list[str]) -> torch.Tensor:
@@ -157,7 +164,11 @@ class HPSv2(OpenClipReward):
 
         score = <f_img / |f_img|, f_txt / |f_txt|>   (typically 0.2 - 0.35 on real images)
 
-    as in the reference ``score.py`` (``diag(image_features @ text_features.T)``).
+    as in the reference ``score.py`` (``diag(image_features @ text_features.T)``). Images are letterboxed, not
+    cropped, as HPSv2's own scorer does (``img_score.py``, ``light_augmentation=True``: ``ResizeMaxSize``):
+    the longer side is resized to the model's input size and the rest padded with black, so a 512 x 1024
+    image is scored whole (:func:`rewards.images.clip_preprocess`, ``resize_mode="longest"``; square images
+    are only resized, as with CLIP's crop).
 
     Args:
         version: ``"v2.1"`` (default) or ``"v2.0"``: which checkpoint to download from ``xswu/HPSv2``.
@@ -168,6 +179,8 @@ class HPSv2(OpenClipReward):
         precision: weights and pixel dtype, ``"fp32"``, ``"fp16"`` or ``"bf16"``.
         device, differentiable, batch_size: see :class:`rewards.images.ImageRewardBase`.
     """
+
+    resize_mode: ResizeMode = "longest"
 
     def __init__(
         self,

@@ -8,7 +8,11 @@ same code path serves inference and differentiable use (reward backpropagation i
 
 This is the transform of open-clip's and transformers' CLIP image processors. Their PIL implementation resizes
 uint8 images; ours resizes floats, so scores of a PIL image differ from the reference scripts' by resampling
-rounding only (about 1e-3 relative on a real model).
+rounding only (about 1e-3 relative on a real model). HPSv2 letterboxes instead (``resize_mode="longest"``):
+the longer side is resized to ``size`` and the rest padded with black, so nothing is cropped away.
+
+Every image must hold at least one pixel (an empty image fails with a ``ValueError``, not deep inside a
+model), and every error about one image of a batch names its index, ``images[i]``.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -26,6 +30,10 @@ from PIL import Image
 from rewards.base import Reward, RewardOutput
 
 ImageBatch = Sequence[Image.Image] | torch.Tensor
+
+#: how an image reaches the model's square input: ``"shortest"`` resizes the shorter side and crops the
+#: centre (CLIP), ``"longest"`` resizes the longer side and pads with black (HPSv2); open-clip's names
+ResizeMode = Literal["shortest", "longest"]
 
 
 #: how far a float image may stray outside [0, 1] (rounding of a decoder's output) before it is refused
@@ -45,9 +53,23 @@ def pil_to_rgb(image: Image.Image, name: str = "image") -> Image.Image:
     (``convert`` alone clips 16-bit values to 255, white, and reads floats as 0..255, black.)
 
     Raises:
-        ValueError: a 16-bit image with values outside [0, 65535], or a float one with values not finite or
-            outside [0, 1] (by more than :data:`RANGE_TOLERANCE`); the message names the range found.
+        ValueError: the image cannot be decoded (a truncated or corrupt file, which PIL opens lazily and
+            only reads here) or is empty (0 pixels wide or high); a 16-bit image with values outside
+            [0, 65535], or a float one with values not finite or outside [0, 1] (by more than
+            :data:`RANGE_TOLERANCE`): the message names ``name`` and the range found.
     """
+    try:
+        image.load()
+    except OSError as error:  # PIL raises OSError for a truncated or undecodable file
+        raise ValueError(
+            f"{name}: the image cannot be decoded ({error}): the file is truncated or corrupt"
+        ) from None
+    if image.width < 1 or image.height < 1:
+        raise ValueError(
+            f"{name} is empty ({image.width}x{image.height} pixels): an image needs at least 1x1"
+        )
+    if image.mode == "RGB":
+        return image  # (convert would copy it)
     if image.mode not in (*_16_BIT_MODES, "F"):
         return image.convert("RGB")
     array = np.asarray(image, dtype=np.float64)
@@ -83,11 +105,13 @@ def check_image_tensor(images: torch.Tensor, name: str = "images") -> torch.Tens
     would otherwise be clamped to a different picture, scored without a word.
 
     Raises:
-        ValueError: a wrong shape or dtype, or float values outside [0, 1] or not finite (the range found is
-            named).
+        ValueError: a wrong shape (also ``H`` or ``W`` 0) or dtype, or float values outside [0, 1] or not
+            finite (the range found is named).
     """
     if images.ndim != 4 or images.shape[1] != 3:
         raise ValueError(f"{name} must be a [B, 3, H, W] tensor, got shape {tuple(images.shape)}")
+    if images.shape[2] < 1 or images.shape[3] < 1:
+        raise ValueError(f"{name} has empty images (shape {tuple(images.shape)}): an image needs H, W >= 1")
     if images.dtype == torch.uint8:
         return images.float() / 255.0
     if not images.is_floating_point():
@@ -106,25 +130,52 @@ def check_image_tensor(images: torch.Tensor, name: str = "images") -> torch.Tens
     return images
 
 
-def image_list(images: ImageBatch, name: str = "images") -> list[torch.Tensor]:
-    """Any accepted image batch -> list of ``[3, H, W]`` float tensors in [0, 1] (sizes may differ)."""
-    if isinstance(images, torch.Tensor):
-        return list(check_image_tensor(images, name).unbind(0))
+def _sequence(images: ImageBatch, name: str) -> Sequence[Any]:
     if isinstance(images, Image.Image) or not isinstance(images, Sequence):
         raise ValueError(
             f"{name} must be a list of PIL images or a [B, 3, H, W] tensor, got {type(images).__name__}"
         )
-    out = []
-    for i, image in enumerate(images):
-        if isinstance(image, Image.Image):
-            out.append(pil_to_tensor(image, f"{name}[{i}]"))
-        elif isinstance(image, torch.Tensor) and image.ndim == 3:
-            out.append(check_image_tensor(image.unsqueeze(0), f"{name}[{i}]")[0])
-        else:
-            raise ValueError(
-                f"{name}[{i}] must be a PIL image or a [3, H, W] tensor, got {type(image).__name__}"
-            )
-    return out
+    return images
+
+
+def _tensor_item(image: Any, name: str) -> torch.Tensor:
+    """One list item that is not a PIL image: a ``[3, H, W]`` tensor, checked, as float in [0, 1]."""
+    if isinstance(image, torch.Tensor) and image.ndim == 3:
+        return check_image_tensor(image.unsqueeze(0), name)[0]
+    raise ValueError(f"{name} must be a PIL image or a [3, H, W] tensor, got {type(image).__name__}")
+
+
+def image_list(images: ImageBatch, name: str = "images") -> list[torch.Tensor]:
+    """Any accepted image batch -> list of ``[3, H, W]`` float tensors in [0, 1] (sizes may differ)."""
+    if isinstance(images, torch.Tensor):
+        return list(check_image_tensor(images, name).unbind(0))
+    return [
+        pil_to_tensor(image, f"{name}[{i}]")
+        if isinstance(image, Image.Image)
+        else _tensor_item(image, f"{name}[{i}]")
+        for i, image in enumerate(_sequence(images, name))
+    ]
+
+
+def check_images(images: ImageBatch, name: str = "images") -> ImageBatch:
+    """Check a whole batch before it is cut into chunks, so that an error names the image's index in the batch
+    (a chunk's own conversion would count from the chunk's start).
+
+    Returns:
+        the checked ``[B, 3, H, W]`` float tensor, or a list of 8-bit RGB PIL images (:func:`pil_to_rgb`) and
+        checked ``[3, H, W]`` float tensors.
+
+    Raises:
+        ValueError: as :func:`check_image_tensor` and :func:`pil_to_rgb`, naming ``images[i]``.
+    """
+    if isinstance(images, torch.Tensor):
+        return check_image_tensor(images, name)
+    return [
+        pil_to_rgb(image, f"{name}[{i}]")
+        if isinstance(image, Image.Image)
+        else _tensor_item(image, f"{name}[{i}]")
+        for i, image in enumerate(_sequence(images, name))
+    ]
 
 
 def images_to_uint8(images: ImageBatch) -> list[np.ndarray]:
@@ -149,24 +200,42 @@ def clip_preprocess(
     size: tuple[int, int],
     mean: Sequence[float],
     std: Sequence[float],
+    resize_mode: ResizeMode = "shortest",
 ) -> torch.Tensor:
     """CLIP image transform on a ``[B, 3, H, W]`` tensor in [0, 1]; differentiable.
 
-    Resize (bicubic, antialiased) so that the image covers ``size`` = (height, width) with its shorter side,
-    centre crop to ``size``, normalise with ``(x - mean) / std``.
+    Resize (bicubic, antialiased) by ``s``, then fit ``size`` = (height, width), then normalise with
+    ``(x - mean) / std``:
+
+        "shortest":  s = max(height / H, width / W), centre crop to ``size``         (CLIP)
+        "longest":   s = min(height / H, width / W), pad with 0 (black) around the image, centred, to ``size``
+                     (the left and top pads are the floor of half the padding: HPSv2's ``ResizeMaxSize``)
+
+    Both give the same pixels on an image of the aspect ratio of ``size``.
     """
     _, _, h, w = pixels.shape
     out_h, out_w = size
-    scale = max(out_h / h, out_w / w)
-    new_h, new_w = max(out_h, round(h * scale)), max(out_w, round(w * scale))
+    if resize_mode == "shortest":
+        scale = max(out_h / h, out_w / w)
+        new_h, new_w = max(out_h, round(h * scale)), max(out_w, round(w * scale))
+    elif resize_mode == "longest":
+        scale = min(out_h / h, out_w / w)
+        # at least one pixel: an extreme aspect ratio must not round a side away
+        new_h, new_w = max(1, min(out_h, round(h * scale))), max(1, min(out_w, round(w * scale)))
+    else:
+        raise ValueError(f"resize_mode must be 'shortest' or 'longest', got {resize_mode!r}")
     if (new_h, new_w) != (h, w):
         pixels = F.interpolate(
             pixels, size=(new_h, new_w), mode="bicubic", align_corners=False, antialias=True
         )
         # bicubic overshoots at edges; PIL clamps to the uint8 range, so do the same
         pixels = pixels.clamp(0.0, 1.0)
-    top, left = (new_h - out_h) // 2, (new_w - out_w) // 2
-    pixels = pixels[:, :, top : top + out_h, left : left + out_w]
+    if resize_mode == "shortest":
+        top, left = (new_h - out_h) // 2, (new_w - out_w) // 2
+        pixels = pixels[:, :, top : top + out_h, left : left + out_w]
+    else:
+        top, left = (out_h - new_h) // 2, (out_w - new_w) // 2
+        pixels = F.pad(pixels, (left, out_w - new_w - left, top, out_h - new_h - top), value=0.0)
     mean_t = torch.tensor(mean, dtype=pixels.dtype, device=pixels.device).view(1, -1, 1, 1)
     std_t = torch.tensor(std, dtype=pixels.dtype, device=pixels.device).view(1, -1, 1, 1)
     return (pixels - mean_t) / std_t
@@ -179,8 +248,10 @@ def prepare_pixels(
     std: Sequence[float],
     device: torch.device | str,
     dtype: torch.dtype = torch.float32,
+    resize_mode: ResizeMode = "shortest",
 ) -> torch.Tensor:
-    """Any accepted image batch -> ``[B, 3, *size]`` normalised model input on ``device``, in ``dtype``.
+    """Any accepted image batch -> ``[B, 3, *size]`` normalised model input on ``device``, in ``dtype``
+    (:func:`clip_preprocess` with ``resize_mode``).
 
     A tensor batch is transformed in one call (and keeps its autograd graph); a list of PIL images of
     different sizes is transformed image by image. The transform runs in float32 whatever ``dtype`` is, the
@@ -189,10 +260,10 @@ def prepare_pixels(
     """
     if isinstance(images, torch.Tensor):
         pixels = check_image_tensor(images).to(device=device, dtype=torch.float32)
-        return clip_preprocess(pixels, size, mean, std).to(dtype)
+        return clip_preprocess(pixels, size, mean, std, resize_mode).to(dtype)
     return torch.cat(
         [
-            clip_preprocess(t.to(device=device, dtype=torch.float32)[None], size, mean, std)
+            clip_preprocess(t.to(device=device, dtype=torch.float32)[None], size, mean, std, resize_mode)
             for t in image_list(images)
         ]
     ).to(dtype)
@@ -256,8 +327,7 @@ class ImageRewardBase(Reward):
         """
         batch = batch_size_of(images)
         prompt_list = check_prompts(prompts, batch, self.name) if self.needs_prompts else None
-        if not isinstance(images, torch.Tensor):
-            images = list(images)
+        images = check_images(images)
         outputs = []
         with self.grad_mode():
             for start in range(0, batch, self.batch_size):

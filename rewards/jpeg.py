@@ -1,9 +1,14 @@
-"""JPEG (in)compressibility, the hand-written rewards of DDPO (Black et al. 2023, arXiv 2305.13301, sec. 6.1)
-and Flow-GRPO's compression task.
+"""JPEG (in)compressibility, the hand-written rewards of DDPO (Black et al. 2023, arXiv 2305.13301,
+sec. 6.1), on DDPO's scale:
 
     size_kB(x)                 = len(JPEG(round(255 x), quality=95)) / 1000
     jpeg_incompressibility(x)  =  size_kB(x)
     jpeg_compressibility(x)    = -size_kB(x)
+
+Flow-GRPO's compression task (arXiv 2505.05470, its ``rewards.py``) scores ``-size_kB(x) / 500`` instead (its
+incompressibility is ``size_kB(x)``, as here). GRPO's per-group normalisation, ``(r - mean) / std``, cancels
+the factor, so a run on this reward alone trains as Flow-GRPO's does; a weighted sum with other rewards does
+not: there the factor is part of the weight (weight ``w / 500`` here is Flow-GRPO's ``w``).
 
 Encoded with Pillow (libjpeg-turbo), quality 95, default 4:2:0 chroma subsampling, no optimisation pass, as the
 DDPO code does. Tensors are rounded to uint8 first, as in DDPO: ``round(255 x)`` clamped to [0, 255].
@@ -55,6 +60,7 @@ class JpegIncompressibility(_JpegReward):
 
 @register("jpeg_compressibility")
 class JpegCompressibility(_JpegReward):
-    """``score = -size_kB(JPEG(x, quality))``: rewards flat, simple images."""
+    """``score = -size_kB(JPEG(x, quality))``: rewards flat, simple images (DDPO's scale; Flow-GRPO divides by
+    500, see the module docstring)."""
 
     sign = -1.0

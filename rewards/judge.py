@@ -310,17 +310,22 @@ def build_judge(
 
 # ---- reading answers ------------------------------------------------------------------------------------------
 
-_NUMBER = r"(\d+(?:\.\d+)?)"
+# a number with its sign, so that "-1" reads as -1, out of a 1-10 scale, not as 1
+_NUMBER = r"([-+]?\d+(?:\.\d+)?)"
 _RATING_PATTERNS = (
-    re.compile(rf"\b(?:score|rating|rate)\W{{0,3}}(?:is\W{{0,2}})?{_NUMBER}", re.IGNORECASE),  # "Score: 7"
+    # "Score: 7", "rating is -1" (the separator is no sign: [^\w+-] where \W would eat the minus)
+    re.compile(rf"\b(?:score|rating|rate)[^\w+-]{{0,3}}(?:is[^\w+-]{{0,2}})?{_NUMBER}", re.IGNORECASE),
     re.compile(rf"{_NUMBER}\s*(?:/|out of)\s*\d+", re.IGNORECASE),  # "7/10", "7 out of 10"
-    re.compile(rf"(?<![\d.]){_NUMBER}(?![\d.])"),  # any number
+    # any number; a full stop after it ends the sentence ("I'd give it 8.") unless a digit follows (8.5)
+    re.compile(rf"(?<![\d.]){_NUMBER}(?!\d|\.\d)"),
 )
 
 
 def parse_rating(text: str, low: float, high: float) -> float | None:
     """The rating in ``text``: the number after "score"/"rating", else the ``x`` of "x/10" or "x out of 10",
-    else the first number; ``None`` when there is none or it is outside ``[low, high]``."""
+    else the first number ("8", "8.", "7.5"); ``None`` when there is none or it is outside the scale
+    ``[low, high]``. The sign is read with the number, so "-1" is -1: outside a 1-10 scale, not a rating
+    of 1."""
     for pattern in _RATING_PATTERNS:
         match = pattern.search(text)
         if match is not None:

@@ -73,6 +73,18 @@ def ocr_similarity(recognised: str, target: str) -> float:
     return 1.0 - min(distance, len(t)) / len(t)
 
 
+def checked_target(target: str, what: str) -> str:
+    """``target``, refused when it is empty once whitespace is removed: there is nothing to read, and
+    :func:`ocr_similarity` would divide by its length.
+
+    Raises:
+        ValueError: naming ``what`` (where the target came from).
+    """
+    if not normalise_text(target):
+        raise ValueError(f"{what} {target!r} is empty once whitespace is removed: there is no text to read")
+    return target
+
+
 def render_text(text: str, width: int, height: int, size: int) -> Image.Image:
     """A reference render: black ``text`` centred on a white ``width`` x ``height`` RGB image, in Pillow's bundled
     font at ``size`` pixels (no system font needed). What the reward should read exactly, for checks and
@@ -106,9 +118,10 @@ class OcrReward(Reward):
 
     ``mode="detect"`` finds text boxes and reads each (any layout; about 0.6-1 s per image on one CPU core);
     ``mode="recognize"`` skips detection and reads the whole image, cropped to its ink, as one line of text
-    (single-line renders on a plain background; about 30-60 ms per image, and images are recognised in
-    batches of ``batch_size``). Images lower than ``min_height`` pixels are first upscaled (bicubic) by the
-    smallest integer factor that reaches it.
+    (single-line renders on a plain background; about 30-60 ms per image). Each image is read alone in both
+    modes, as Flow-GRPO does, so a score never depends on the rest of the batch (the recogniser pads the
+    crops it reads together to the widest one). Images lower than ``min_height`` pixels are first upscaled
+    (bicubic) by the smallest integer factor that reaches it.
 
     Components: ``exact`` (1 where the normalised target was read whole). Reasons: ``None`` for an exact read,
     otherwise what was read against what was asked (``nothing read`` when no text passed ``min_confidence``).
@@ -118,7 +131,7 @@ class OcrReward(Reward):
         device: ``"cpu"``, or ``"cuda"`` (needs the onnxruntime-gpu package instead of onnxruntime).
         min_confidence: text boxes the recogniser is less sure of are dropped (PaddleOCR's ``drop_score``, 0.5).
         min_height: upscale images lower than this (pixels); 0 never upscales.
-        batch_size: line crops per recognition forward pass.
+        batch_size: text boxes of one image per recognition forward pass (``mode="detect"``).
         threads: ONNX Runtime intra-op threads (``None``: its default, every core).
 
     Raises:
@@ -175,7 +188,8 @@ class OcrReward(Reward):
         """Each sample's target: ``metadata[i]["target"]``, else the quoted span of ``prompts[i]``.
 
         Raises:
-            ValueError: a sample has neither, or the lengths do not match the batch.
+            ValueError: a sample has neither, or its target is empty (before anything is read), or the lengths
+                do not match the batch.
         """
         for name, values in (("prompts", prompts), ("metadata", metadata)):
             if values is not None and (isinstance(values, str) or len(values) != size):
@@ -186,7 +200,7 @@ class OcrReward(Reward):
             if meta is not None and not isinstance(meta, dict):
                 raise ValueError(f"reward 'ocr': metadata[{i}] must be a dict, got {type(meta).__name__}")
             if meta and meta.get("target") is not None:
-                out.append(str(meta["target"]))
+                out.append(checked_target(str(meta["target"]), f"reward 'ocr': metadata[{i}]['target']"))
                 continue
             target = quoted_text(prompts[i]) if prompts is not None else None
             if target is None:
@@ -195,18 +209,36 @@ class OcrReward(Reward):
                     f"reward 'ocr': sample {i} has no target text: {prompt} has no double-quoted span and "
                     'metadata has no "target"'
                 )
-            out.append(target)
+            out.append(checked_target(target, f"reward 'ocr': the quoted target of prompt {i}"))
         return out
+
+    def check_prompt(self, prompt: str) -> None:
+        """Refuse a prompt without a target to read: no double-quoted span (the trainers pass prompts only, so
+        the span is the target), or one that is empty once whitespace is removed.
+
+        Raises:
+            ValueError: the prompt is refused (the message says why).
+        """
+        target = quoted_text(prompt)
+        if target is None:
+            raise ValueError(
+                "the ocr reward reads the text to render from the prompt's first double-quoted span, and "
+                f"{prompt!r} has none"
+            )
+        checked_target(target, "its quoted target")
 
     def read(self, images: ImageBatch) -> list[str]:
         """The text PP-OCR reads in each image (boxes joined top to bottom, left to right; ``""``: none)."""
         arrays = [self._upscale(a)[:, :, ::-1] for a in images_to_uint8(images)]  # RGB -> BGR, as cv2 reads
         if self.mode == "recognize":
-            crops = [np.ascontiguousarray(ink_crop(a)) for a in arrays]
-            if not crops:
-                return []
-            lines, _ = self.engine.text_rec(crops)
-            return [text if score >= self.min_confidence else "" for text, score, *_ in lines]
+            texts = []
+            for array in arrays:
+                # one call per image: the recogniser pads every crop of a call to the call's widest aspect
+                # ratio, so crops recognised together would read differently than each alone
+                lines, _ = self.engine.text_rec([np.ascontiguousarray(ink_crop(array))])
+                text, score = lines[0][:2]
+                texts.append(text if score >= self.min_confidence else "")
+            return texts
         texts = []
         for array in arrays:
             result, _ = self.engine(np.ascontiguousarray(array), use_cls=False)

@@ -19,8 +19,10 @@ import threading
 import time
 import urllib.parse
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
+
+import torch
 
 from rewards.base import Reward, RewardOutput
 from rewards.images import concat_outputs
@@ -47,8 +49,14 @@ class RemoteRewardError(RuntimeError):
 class RemoteReward(Reward):
     """A reward served by ``python -m rewards.server``.
 
-    Each call sends the batch (in chunks of ``batch_size`` samples when set) and returns the server's
-    :class:`RewardOutput`, in order. Every transport failure (refused or reset connections, timeouts, a
+    Each call sends the batch (in chunks of at most ``batch_size`` samples when set) and returns the
+    server's :class:`RewardOutput`, in batch order. Before chunking, the client asks the server
+    (``GET /health``) whether its reward is batch-dependent (``Reward.batch_dependent``: the pairwise judge's
+    win rates within a group); if so, every chunk holds whole groups (:func:`linked_groups`: samples sharing a
+    prompt or a ``metadata["group"]``), since a group split over two requests would be scored as two smaller
+    groups.
+
+    Every transport failure (refused or reset connections, timeouts, a
     non-HTTP or cut-off answer, a body that is not the wire format) and 408/429/5xx answers are retried
     ``retries`` times with exponential backoff and jitter,
     ``sleep = min(max_backoff_s, backoff_s * 2**attempt) * U(1, 1.25)``; scoring is a pure function of the
@@ -64,12 +72,13 @@ class RemoteReward(Reward):
         retries: retries after the first attempt (0 = fail on the first error).
         backoff_s, max_backoff_s: base and cap of the exponential backoff.
         batch_size: most samples per request (``None`` = the whole batch in one request); lower it if the
-            server answers 413.
+            server answers 413, but not below the largest group for a batch-dependent server reward.
         deadline: seconds a whole ``score`` call may take, every chunk, attempt and backoff included
             (``None``: bounded only by ``timeout`` and ``retries``).
 
     Raises (from ``score``):
-        ValueError: the server rejected the batch (400) or it is too large (413).
+        ValueError: the server rejected the batch (400) or it is too large (413), or ``batch_size`` would
+            split a group for a batch-dependent server reward.
         PermissionError: missing or wrong token (401).
         RemoteRewardError: no valid answer after every retry or within ``deadline``, or a redirect.
     """
@@ -112,36 +121,88 @@ class RemoteReward(Reward):
         if unknown:
             raise ValueError(f"remote rewards take the batch fields {list(FIELDS)}; got also {unknown}")
         size = batch_length(batch)
-        step = self.batch_size or max(size, 1)
         end = None if self.deadline is None else time.monotonic() + self.deadline
-        outputs = []
-        for start in range(0, size, step):
-            chunk = {k: v[start : start + step] for k, v in batch.items()}
-            outputs.append(self.request(chunk, start, end))
-        return concat_outputs(outputs)
+        chunks = self.chunks(batch, size, end)
+        outputs = [
+            self.request({k: take(v, chunk) for k, v in batch.items()}, chunk, end) for chunk in chunks
+        ]
+        return in_batch_order(concat_outputs(outputs), [i for chunk in chunks for i in chunk])
 
-    def request(self, batch: dict[str, Any], offset: int = 0, end: float | None = None) -> RewardOutput:
-        """One ``POST /score`` with retries until ``end`` (a ``time.monotonic()`` value, ``None``: no end);
-        checks that the answer belongs to this request."""
+    def chunks(self, batch: dict[str, Any], size: int, end: float | None = None) -> list[list[int]]:
+        """The sample indices of each request: the whole batch without ``batch_size``; else runs of
+        ``batch_size`` samples, or for a batch-dependent server reward whole groups (:func:`linked_groups`)
+        packed in order of first appearance into requests of at most ``batch_size`` samples.
+
+        Raises:
+            ValueError: a group of a batch-dependent reward is larger than ``batch_size``.
+        """
+        step = self.batch_size
+        if step is None or size <= step:
+            return [list(range(size))] if size else []  # (an empty batch needs no request)
+        if not self.server_batch_dependent(end):
+            return [list(range(start, min(start + step, size))) for start in range(0, size, step)]
+        chunks: list[list[int]] = [[]]
+        for group in linked_groups(batch.get("prompts"), batch.get("metadata"), size):
+            if len(group) > step:
+                raise ValueError(
+                    f"reward server {self.url}: batch_size={step} would split a group of {len(group)} "
+                    f"samples ({group[:8]}{'...' if len(group) > 8 else ''}: samples sharing a prompt or a "
+                    "metadata['group'], or a batch without either), and the server's reward is "
+                    "batch-dependent (it scores each sample against its group): set batch_size >= "
+                    f"{len(group)} or None"
+                )
+            if len(chunks[-1]) + len(group) > step:
+                chunks.append([])
+            chunks[-1].extend(group)
+        return [sorted(chunk) for chunk in chunks]
+
+    def server_batch_dependent(self, end: float | None = None) -> bool:
+        """Whether the server's reward is batch-dependent, from its ``GET /health`` (a server that does not
+        say is taken to be: keeping groups whole costs nothing where they fit in a request)."""
+
+        def accept(data: bytes) -> bool | None:
+            try:
+                health = json.loads(data)
+            except (ValueError, RecursionError):
+                return None
+            if not isinstance(health, dict) or not isinstance(health.get("batch_dependent", True), bool):
+                return None
+            return health.get("batch_dependent", True)
+
+        return self._call("/health", None, accept, end)
+
+    def _call(
+        self, path: str, body: bytes | None, accept: Callable[[bytes], T | None], end: float | None
+    ) -> T:
+        """:func:`post_json` to ``path`` of this server with this client's token, timeouts and retries."""
+        return post_json(
+            f"{self.url}{path}",
+            body,
+            token=self.token,
+            timeout=self.timeout,
+            retries=self.retries,
+            backoff_s=self.backoff_s,
+            max_backoff_s=self.max_backoff_s,
+            end=end,
+            deadline=self.deadline,
+            accept=accept,
+            label=f"reward server {self.url}",
+        )
+
+    def request(self, batch: dict[str, Any], indices: list[int], end: float | None = None) -> RewardOutput:
+        """One ``POST /score`` of the samples ``indices`` of the caller's batch (named in errors) with retries
+        until ``end`` (a ``time.monotonic()`` value, ``None``: no end); checks that the answer belongs to this
+        request."""
         request_id = uuid.uuid4().hex
         body = json.dumps(encode_batch(batch, request_id)).encode()
         size = batch_length(batch)
         try:
-            return post_json(
-                f"{self.url}/score",
-                body,
-                token=self.token,
-                timeout=self.timeout,
-                retries=self.retries,
-                backoff_s=self.backoff_s,
-                max_backoff_s=self.max_backoff_s,
-                end=end,
-                deadline=self.deadline,
-                accept=lambda data: self._check(data, request_id, size),
-                label=f"reward server {self.url}",
-            )
+            return self._call("/score", body, lambda data: self._check(data, request_id, size), end)
         except ValueError as error:
-            raise ValueError(f"{error} (samples {offset}..{offset + size - 1})") from error
+            # (a chunk is never empty; one of whole groups may skip samples)
+            contiguous = indices == list(range(indices[0], indices[-1] + 1))
+            where = f"{indices[0]}..{indices[-1]}" if contiguous else str(indices)
+            raise ValueError(f"{error} (samples {where})") from error
 
     @staticmethod
     def _check(data: bytes, request_id: str, size: int) -> RewardOutput | None:
@@ -158,9 +219,59 @@ class RemoteReward(Reward):
         return output if len(output.scores) == size else None
 
 
+def linked_groups(
+    prompts: Sequence[str] | None, metadata: Sequence[dict[str, Any] | None] | None, size: int
+) -> list[list[int]]:
+    """The samples a batch-dependent reward may compare, as lists of indices in order of first appearance:
+    samples sharing a prompt or a ``metadata["group"]``, transitively (the pairwise judge groups by
+    ``metadata["group"]``, else by prompt; its ``video_frames`` form by prompt only, so both links count).
+    Without prompts, samples without a group are all one group: nothing tells their groups apart."""
+    parent = list(range(size))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]  # path halving
+            i = parent[i]
+        return i
+
+    first: dict[tuple[str, Any], int] = {}
+    for i in range(size):
+        meta = metadata[i] if metadata is not None else None
+        keys = [("prompt", prompts[i])] if prompts is not None else []
+        if isinstance(meta, dict) and meta.get("group") is not None:
+            keys.append(("group", meta["group"]))
+        for key in keys or [("unknown", None)]:
+            parent[root(i)] = root(first.setdefault(key, i))
+    groups: dict[int, list[int]] = {}
+    for i in range(size):
+        groups.setdefault(root(i), []).append(i)
+    return list(groups.values())
+
+
+def take(values: Any, indices: list[int]) -> Any:
+    """The entries ``indices`` of one batch field (a list, or a tensor along its first dimension)."""
+    if isinstance(values, torch.Tensor):
+        return values[indices]
+    return [values[i] for i in indices]
+
+
+def in_batch_order(output: RewardOutput, order: list[int]) -> RewardOutput:
+    """``output`` of the samples ``order`` (a permutation of the batch indices), put back in batch order."""
+    if order == sorted(order):
+        return output
+    position = [0] * len(order)  # position[i]: where sample i is in output
+    for k, i in enumerate(order):
+        position[i] = k
+    return RewardOutput(
+        scores=output.scores[position],
+        components={name: value[position] for name, value in output.components.items()},
+        reasons=None if output.reasons is None else [output.reasons[k] for k in position],
+    )
+
+
 def post_json(
     url: str,
-    body: bytes,
+    body: bytes | None,
     *,
     accept: Callable[[bytes], T | None],
     token: str | None = None,
@@ -172,8 +283,9 @@ def post_json(
     deadline: float | None = None,
     label: str = "server",
 ) -> T:
-    """POST the JSON ``body`` to ``url`` with retries; return ``accept(answer body)`` of the first 200 answer it
-    accepts (``accept`` returns ``None`` for an answer that is not a valid one: retried like a transport error).
+    """POST the JSON ``body`` to ``url`` (GET when ``body`` is ``None``) with retries; return ``accept(answer
+    body)`` of the first 200 answer it accepts (``accept`` returns ``None`` for an answer that is not a valid
+    one: retried like a transport error).
 
     Retried: every transport failure and 408/429/5xx answers, ``retries`` times after the first attempt, with
     ``sleep = min(max_backoff_s, backoff_s * 2**attempt) * U(1, 1.25)``, until ``end`` (a ``time.monotonic()``
@@ -236,9 +348,10 @@ def post_json(
 
 
 def post_once(
-    url: str, body: bytes, headers: dict[str, str], timeout: float
+    url: str, body: bytes | None, headers: dict[str, str], timeout: float
 ) -> tuple[int, bytes, str | None]:
-    """``(status, body, Location header)`` of one POST to ``url``, all of it within ``timeout`` seconds.
+    """``(status, body, Location header)`` of one POST of ``body`` to ``url`` (a GET when ``body`` is
+    ``None``), all of it within ``timeout`` seconds.
 
     A socket timeout bounds each read only, so a watchdog shuts the socket down at the deadline; the
     blocked read then fails and the attempt ends with :class:`TimeoutError`.
@@ -263,7 +376,7 @@ def post_once(
     watchdog.start()
     path = parts.path + (f"?{parts.query}" if parts.query else "")
     try:
-        connection.request("POST", path, body=body, headers=headers)
+        connection.request("GET" if body is None else "POST", path, body=body, headers=headers)
         response = connection.getresponse()
         data = response.read()
         if expired.is_set():  # the watchdog cut the answer short

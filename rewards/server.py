@@ -15,7 +15,8 @@ The config (YAML, every key of :class:`ServerConfig`)::
     request_timeout_s: 120
 
 Endpoints: ``POST /score`` (wire format in :mod:`rewards.wire`; ``Authorization: Bearer <token>`` when a token
-is set) and ``GET /health`` (no auth; status, reward name, request/batch/rejection counters).
+is set) and ``GET /health`` (no auth; status, reward name, whether it is ``batch_dependent``, request/batch/
+rejection counters).
 
 Dynamic batching: requests are queued; one batcher task takes the oldest, then keeps taking requests until
 ``max_batch_size`` samples are gathered or ``max_wait_ms`` has passed, calls the reward once on the
@@ -620,7 +621,15 @@ class RewardServer:
 
     async def handle_health(self, request: web.Request) -> web.Response:
         stats = self.stats.as_dict()
-        return web.json_response({"status": "ok", "reward": self.config.reward, **stats})
+        # batch_dependent: the client then keeps a batch's groups whole (rewards.remote.RemoteReward.chunks)
+        return web.json_response(
+            {
+                "status": "ok",
+                "reward": self.config.reward,
+                "batch_dependent": self.reward.batch_dependent,
+                **stats,
+            }
+        )
 
     def _reserve(self, nbytes: int, pixels: int) -> bool:
         """Take ``nbytes`` of body and ``pixels`` of decoded images from the in-flight budgets, if they fit

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import re
 import threading
+import unicodedata
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -58,8 +59,9 @@ def extract_tag(text: str, tag: str) -> str | None:
 
 
 def normalize_answer(text: str) -> str:
-    """Case-fold, collapse whitespace, strip :data:`END_PUNCTUATION` and spaces at both ends."""
-    text = " ".join(text.split()).casefold()
+    """NFKC-normalise (composed accents, "café" in one code point or two; full-width forms, "Ｐａｒｉｓ" is
+    "Paris"), case-fold, collapse whitespace, strip :data:`END_PUNCTUATION` and spaces at both ends."""
+    text = " ".join(unicodedata.normalize("NFKC", text).split()).casefold()
     return text.strip(END_PUNCTUATION + " ")
 
 
@@ -188,7 +190,8 @@ class TextVerifier(Reward):
 class ExactMatch(TextVerifier):
     """1 if the normalised answer equals a normalised ground truth (any of several), else 0.
 
-    Normalisation: case-folded, whitespace collapsed, ``.,;:!?"'`*`` and spaces stripped at both ends
+    Normalisation (:func:`normalize_answer`): Unicode NFKC (accents composed, full-width forms folded),
+    case-folded, whitespace collapsed, ``.,;:!?"'`*`` and spaces stripped at both ends
     ("  The Red Circle. " == "the red circle"); a whole-number float ground truth reads as its integer (2.0 is
     "2"), any other as Python writes it (2.5 is "2.5").
 
@@ -231,8 +234,9 @@ def _truth_text(truth: Any) -> str:
 _ONE_LETTER = re.compile(r"\(?([A-Za-z])\)?[.:)]?", flags=re.IGNORECASE)
 # a list of options: "A, C", "(A) and (C)", "A/C"
 _LETTER_LIST = re.compile(r"\(?[A-Z]\)?(?:\s*(?:,|;|/|&|and)?\s*\(?[A-Z]\)?)+\.?")
-# an answer that starts with an option and explains it: "B. the red one", "(B) red"
-_LEADING_LETTER = re.compile(r"\(?([A-Z])\)?[.:)]?\s")
+# an answer that starts with an option and explains it: "B. the red one", "(B) red", and in lower case with
+# parentheses or a full stop, "(b) red", "b. red" (a bare "a red one" is the article)
+_LEADING_LETTER = re.compile(r"(?:\(?([A-Z])\)?[.:)]?|\(([a-z])\)|([a-z])\.)\s")
 # an option letter standing alone in free text: "B", "(B)", but not the B of "Bob"
 _STANDALONE = re.compile(r"(?<![A-Za-z])\(?([A-Z])\)?(?![A-Za-z])")
 # "I" and "A" opening an answer bare (no parentheses, no ".", ":" or ")") before a lower-case word are English
@@ -253,10 +257,12 @@ class MultipleChoice(TextVerifier):
     """1 if the chosen option letter(s) equal the ground truth letter(s), else 0.
 
     The choice is read from the answer span, or from the completion's last "answer is X" / "Answer: X" when
-    there is no span. Accepted forms: ``B``, ``(B)``, ``B.``, ``B) text``; an answer opening with the pronoun
-    "I" or the article "A" reads it as that word ("I think B" chooses B); a multi-answer ground truth such as
-    ``"A,C"`` or ``["A", "C"]`` needs exactly that set (``"A, C"``, ``"(A) and (C)"``). Several different
-    letters for a single-answer question score 0 ("ambiguous"), so listing every option is never rewarded.
+    there is no span, after Unicode NFKC normalisation (full-width ``Ｂ`` is ``B``). Accepted forms: ``B``,
+    ``(B)``, ``B.``, ``B) text``, and in lower case ``b``, ``(b) text``, ``b. text``; an answer opening with
+    the pronoun "I" or the article "A" reads it as that word ("I think B" chooses B); a multi-answer ground
+    truth such as ``"A,C"`` or ``["A", "C"]`` needs exactly that set (``"A, C"``, ``"(A) and (C)"``). Several
+    different letters for a single-answer question score 0 ("ambiguous"), so listing every option is never
+    rewarded.
 
     Args:
         choices: the valid option letters.
@@ -271,7 +277,7 @@ class MultipleChoice(TextVerifier):
 
     def letters(self, answer: str, from_span: bool) -> set[str]:
         """The option letters an answer chooses (upper case)."""
-        text = answer.strip()
+        text = unicodedata.normalize("NFKC", answer).strip()  # full-width "Ｂ" is B
         match = _ONE_LETTER.fullmatch(text)
         if match:
             return {match.group(1).upper()}
@@ -287,7 +293,7 @@ class MultipleChoice(TextVerifier):
             return set(_STANDALONE.findall(text, 1))
         match = _LEADING_LETTER.match(text)
         if match:
-            return {match.group(1)}
+            return {next(letter for letter in match.groups() if letter).upper()}
         # free text in the span: every letter that stands alone counts (several = ambiguous)
         return set(_STANDALONE.findall(text))
 
@@ -301,7 +307,7 @@ class MultipleChoice(TextVerifier):
         """
         letters: set[str] = set()
         for truth in as_answers(ground_truth):
-            text = str(truth).strip()
+            text = unicodedata.normalize("NFKC", str(truth)).strip()
             if re.fullmatch(r"[A-Z]+", text):  # a capital run, as multi-answer keys write "ACD"
                 letters |= set(text)
             elif _TRUTH_LETTERS.fullmatch(text):
@@ -340,13 +346,35 @@ class MultipleChoice(TextVerifier):
         return 0.0, f"chose {sorted(chosen)}"
 
 
-_NUMBER = r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+]?\.\d+(?:[eE][-+]?\d+)?"
+# thousands groups of exactly three digits, with commas or spaces (plain, no-break, thin: SI's "1 000 000")
+_GROUPED = r"\d{1,3}(?:,\d{3})+(?!\d)|\d{1,3}(?:[ \u00a0\u2009\u202f]\d{3})+(?!\d)"
+_NUMBER = rf"[-+]?(?:{_GROUPED}|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+]?\.\d+(?:[eE][-+]?\d+)?"
 
 
 _NUMBER_WORD = re.compile(r"\b(?:" + "|".join(NUMBER_WORDS) + r")\b", flags=re.IGNORECASE)
 
 # an optional sign before the fraction negates it: "-(3/4)", and "-\frac{3}{4}" once rewritten as "-(3)/(4)"
-_FRACTION = rf"([-+]?)\(?\s*({_NUMBER})\s*\)?\s*/\s*\(?\s*({_NUMBER})\s*\)?"
+_FRACTION = rf"([-+]?)(?:\(\s*)?({_NUMBER})(?:\s*\))?\s*/\s*(?:\(\s*)?({_NUMBER})(?:\s*\))?"
+# the whole number of a mixed number, "3 1/2" (not the end of a decimal or of a grouped number)
+_MIXED_WHOLE = re.compile(r"(?<![\d.,])([-+]?\d+)\s+$")
+# what, before the last number, makes it part of something it does not stand for alone ...
+_BEFORE = re.compile(
+    r"(?:"
+    r"\d[., \u00a0\u2009\u202f]?"  # glued to digits or a separator: "1,0000", "0,5", "1 0000"
+    r"|[\d)]\s*[-+\u2013\u2014*/×·]\s*"  # an operator after a number: "5-10", "2024-01-05", "2 * 3", "1/2/3"
+    r"|(?:\^|(?<!_)_|√)\s*"  # a power, index or root: "2^3", "x_1", "√2" ("__12__" is markdown emphasis)
+    r"|\\(?:times|cdot|sqrt)\s*"
+    r")$"
+)
+# ... and after it
+_AFTER = re.compile(
+    r"^(?:"
+    r"[.,]?\d"  # glued digits
+    r"|\s*[\^/×·√π]"  # a power, a division the fraction pattern did not read ("3/x"), a product, pi
+    r"|\s*\*\s*[\d(]"  # a product ("**12**" is markdown emphasis)
+    r"|\s*\\(?:times|cdot|sqrt|pi)(?![A-Za-z])"
+    r")"
+)
 
 
 def _latex_to_plain(text: str) -> str:
@@ -354,30 +382,57 @@ def _latex_to_plain(text: str) -> str:
     for command in (r"\,", r"\!", r"\;", r"\ ", r"\left", r"\right", r"\%", "%"):
         text = text.replace(command, " " if command == r"\ " else "")
     text = re.sub(r"\\boxed\s*{(.*)}", r"\1", text)
+    text = re.sub(r"\\(?:text|textrm|mathrm|mbox)\s*{([^{}]*)}", r" \1", text)  # units: 12\text{ cm}
+    text = re.sub(r"\^\s*{?\s*\\circ\s*}?", "", text)  # degrees: 90^\circ
+    text = re.sub(r"(\d)\s*(\\[dt]?frac)", r"\1 \2", text)  # a mixed number, 3\frac{1}{2}, reads as 3 1/2
     text = re.sub(r"\\[dt]?frac\s*{([^{}]*)}\s*{([^{}]*)}", r"(\1)/(\2)", text)
     # 1.5 \times 10^{3} -> 1.5e3
     text = re.sub(r"\s*(?:\\times|\\cdot|x|\*)\s*10\s*\^\s*{?\s*([-+]?\d+)\s*}?", r"e\1", text)
     return text.replace("{,}", ",")
 
 
+def _value(number: str) -> float:
+    return float(re.sub(r"[,\s]", "", number))  # (\s: the space groups of _GROUPED)
+
+
 def parse_number(text: str) -> float | None:
-    """The value of the last number in ``text``: integers, decimals, thousands separators, scientific
-    notation (``1.5e3``, ``1.5 \\times 10^{3}``), fractions ``a/b`` and ``\\frac{a}{b}`` (a sign before a
-    fraction negates all of it: ``-\\frac{1}{2}`` and ``-(1/2)`` are -0.5), ``\\boxed{}``; units and ``%`` are
-    ignored (``"12 cm"`` -> 12, ``"50%"`` -> 50). ``None`` when there is no number."""
+    """The value of the last number in ``text``: integers, decimals, thousands groups of three digits
+    (``1,000``, ``1 000``, with no-break or thin spaces too), scientific notation (``1.5e3``,
+    ``1.5 \\times 10^{3}``), fractions ``a/b`` and ``\\frac{a}{b}`` (a sign before a fraction negates all
+    of it: ``-\\frac{1}{2}`` and ``-(1/2)`` are -0.5), mixed numbers (``3 1/2`` and ``3\\frac{1}{2}`` are
+    3.5), ``\\boxed{}``; units, degrees and ``%`` are ignored (``"12 cm"`` -> 12, ``"50%"`` -> 50).
+
+    ``None`` when there is no number, or when the last one does not stand alone, since its value is then not
+    the answer's: inside a LaTeX argument left unread (``\\frac{\\sqrt{3}}{2}``, ``\\sqrt{2}``,
+    ``2^{10}``), glued to other digits (``1,0000``, ``0,5``), after an operator joining it to the number
+    before (a range or a difference ``5-10``, a date ``2024-01-05``, a product ``2 \\times 3``), or under a
+    power, root or pi (``2^3``, ``√2``, ``2\\pi``).
+    """
     plain = _latex_to_plain(text)
     numbers = list(re.finditer(_NUMBER, plain))
     if not numbers:
         return None
+    start, end = numbers[-1].span()
     fractions = list(re.finditer(_FRACTION, plain))
     # the last number is a denominator: the answer is the whole fraction
-    if fractions and fractions[-1].end() >= numbers[-1].end():
+    if fractions and fractions[-1].end() >= end:
+        start, end = fractions[-1].span()
         sign, *parts = fractions[-1].groups()
-        numerator, denominator = (float(g.replace(",", "")) for g in parts)
+        numerator, denominator = (_value(g) for g in parts)
         if denominator == 0:
             return None
-        return -numerator / denominator if sign == "-" else numerator / denominator
-    return float(numbers[-1].group().replace(",", ""))
+        value = -numerator / denominator if sign == "-" else numerator / denominator
+        whole = None if sign else _MIXED_WHOLE.search(plain, 0, start)
+        if whole is not None:
+            start = whole.start()
+            value = _value(whole.group(1)) + (-value if whole.group(1).startswith("-") else value)
+    else:
+        value = _value(numbers[-1].group())
+    # a sign opening the number belongs to what comes before when that is a number: "5-10" is no -10
+    before = plain[: start + (plain[start] in "+-")]
+    if before.count("{") > before.count("}") or _BEFORE.search(before) or _AFTER.match(plain[end:]):
+        return None
+    return value
 
 
 @register("numeric")
@@ -386,7 +441,9 @@ class Numeric(TextVerifier):
 
         |pred - truth| <= max(rel_tol * max(|pred|, |truth|), abs_tol)     (``math.isclose``)
 
-    The number is the last one in the answer (see :func:`parse_number`), so "so x = 12 cm" reads 12.
+    The number is the last one in the answer (see :func:`parse_number`), so "so x = 12 cm" reads 12; an
+    answer whose last number is part of an expression the parser does not evaluate
+    (``\\frac{\\sqrt{3}}{2}``, ``5-10``) scores 0, never as the number it happens to end with.
 
     Args:
         rel_tol, abs_tol: tolerances (defaults: 1e-4 relative, 1e-6 absolute).
@@ -431,7 +488,7 @@ class Numeric(TextVerifier):
     def check(self, answer: str, ground_truth: Any, from_span: bool) -> tuple[float, str | None]:
         value = self._number(answer)
         if value is None or not math.isfinite(value):
-            return 0.0, f"no number in answer {answer.strip()[:80]!r}"
+            return 0.0, f"no number read in answer {answer.strip()[:80]!r} (see parse_number)"
         for truth in as_answers(ground_truth):
             target = float(truth) if isinstance(truth, (int, float)) else self._number(str(truth))
             if target is None:

@@ -144,7 +144,8 @@ def decode_png(data: Any, where: str) -> Image.Image:
         image.load()
     except WireError:
         raise
-    except (binascii.Error, ValueError, OSError, Image.DecompressionBombError) as error:
+    # (Pillow raises SyntaxError for a PNG whose chunks are broken)
+    except (binascii.Error, ValueError, OSError, SyntaxError, Image.DecompressionBombError) as error:
         raise WireError(f"{where}: not a base64-encoded PNG ({error})") from error
     try:
         return pil_to_rgb(image, where)  # a 16-bit grey PNG is scaled to 8 bits, not clipped to white

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import re
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -76,6 +78,68 @@ def test_hpsv2_loads_checkpoint_and_scores_cosine(open_clip_name, hps_checkpoint
     # HPSv2 score.py: diag(image_features @ text_features.T) of the (normalised) output_dict features
     expected = torch.diagonal(out["image_features"] @ out["text_features"].T)
     torch.testing.assert_close(reward(images=images, prompts=prompts), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_hpsv2_letterboxes_a_non_square_image(open_clip_name, hps_checkpoint, prompts):
+    """HPSv2's scorer (img_score.py, light_augmentation=True) fits an image with ResizeMaxSize: the longer
+    side resized to the model size, black padding around it; CLIP's centre crop would cut a landscape's
+    sides."""
+    import torchvision.transforms.functional as TF
+    from torchvision.transforms import InterpolationMode
+
+    reward = rewards.build("hpsv2", model_name=open_clip_name, checkpoint=str(hps_checkpoint))
+    y, x = torch.meshgrid(torch.linspace(0, 1, 32), torch.linspace(0, 1, 64), indexing="ij")
+    landscape = torch.stack([x, y, 1 - x])  # [3, 32, 64], 1:2, smooth so that bicubic does not overshoot
+    # ResizeMaxSize at size 32: 32 x 64 -> 16 x 32, then pad [left, top, right, bottom] = [0, 8, 0, 8] with 0
+    resized = TF.resize(landscape, [16, 32], InterpolationMode.BICUBIC, antialias=True)
+    letterbox = TF.pad(resized, padding=[0, 8, 0, 8], fill=0.0)
+    assert letterbox.shape == (3, 32, 32) and letterbox[:, :8].abs().max() == 0
+    with torch.no_grad():
+        f_img = F.normalize(
+            reward.model.encode_image(TF.normalize(letterbox, reward.mean, reward.std)[None]), dim=-1
+        )
+        f_txt = F.normalize(reward.model.encode_text(reward.tokenizer(prompts[:1])), dim=-1)
+    expected = (f_img * f_txt).sum(-1)
+    torch.testing.assert_close(
+        reward(images=landscape[None], prompts=prompts[:1]), expected, rtol=1e-5, atol=1e-6
+    )
+    # a PIL image of the same pixels is letterboxed too (to within uint8 rounding)
+    torch.testing.assert_close(
+        reward(images=to_pil(landscape[None]), prompts=prompts[:1]), expected, atol=2e-3, rtol=0
+    )
+    # the centre crop scores another picture; a square image is resized alike in both modes
+    crop = clip_preprocess(landscape[None], (32, 32), reward.mean, reward.std)
+    assert not torch.allclose(crop, TF.normalize(letterbox, reward.mean, reward.std)[None], atol=0.1)
+    square = torch.rand(1, 3, 48, 48, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(
+        clip_preprocess(square, (32, 32), reward.mean, reward.std, "longest"),
+        clip_preprocess(square, (32, 32), reward.mean, reward.std, "shortest"),
+        rtol=0,
+        atol=0,
+    )
+
+
+@pytest.mark.parametrize("recipe", ["flux2_dev_clip_pickscore", "flux2_dev_clip_pickscore_explore_nvfp4"])
+def test_flux2_dev_recipes_use_flow_factorys_clip(recipe):
+    """Flow-Factory's CLIP reward (rewards/clip.py) is openai/clip-vit-large-patch14 in bfloat16: ViT-L/14 at
+    224 px with QuickGELU, OpenAI's weights; in open-clip, ViT-L-14-quickgelu / openai (the plain ViT-L-14
+    config would run those weights with GELU)."""
+    import open_clip
+    import yaml
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "flow" / f"{recipe}.yaml"
+    (clip,) = [r for r in yaml.safe_load(path.read_text())["rewards"] if r["name"] == "clip_score"]
+    options = clip["options"]
+    assert (options["model_name"], options["pretrained"], options["precision"]) == (
+        "ViT-L-14-quickgelu",
+        "openai",
+        "bf16",
+    )
+    model_cfg = open_clip.get_model_config(options["model_name"])
+    tag_cfg = open_clip.get_pretrained_cfg(options["model_name"], options["pretrained"])
+    assert model_cfg["vision_cfg"] == {"image_size": 224, "layers": 24, "width": 1024, "patch_size": 14}
+    assert model_cfg["quick_gelu"] is tag_cfg["quick_gelu"] is True
+    assert tag_cfg["hf_hub"] == "timm/vit_large_patch14_clip_224.openai/"
 
 
 def test_hpsv2_rejects_a_checkpoint_of_another_architecture(open_clip_name, tmp_path):
@@ -345,3 +409,50 @@ def test_float_images_within_the_tolerance_are_accepted(images):
     with pytest.raises(ValueError, match=r"got values in \[-0\.0011, 1\.001\]"):
         check_image_tensor(edge)
     assert check_image_tensor(torch.zeros(0, 3, 4, 4)).shape == (0, 3, 4, 4)  # an empty batch has no range
+
+
+def _truncated_png() -> Image.Image:
+    """A PNG cut in half: PIL opens it (the header is intact) and fails only when the pixels are read."""
+    buffer = io.BytesIO()
+    Image.effect_noise((64, 64), 50).convert("RGB").save(buffer, "PNG")
+    return Image.open(io.BytesIO(buffer.getvalue()[: len(buffer.getvalue()) // 2]))
+
+
+class _SaysFive:
+    def answer(self, requests, logprobs):
+        from rewards.judge import JudgeAnswer
+
+        return [JudgeAnswer("5") for _ in requests]
+
+
+@pytest.mark.parametrize("name", ["clip_score", "jpeg_incompressibility", "shapes", "vlm_judge"])
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (lambda: Image.new("RGB", (0, 0)), r"images\[2\] is empty \(0x0 pixels\)"),
+        (lambda: Image.new("RGB", (0, 5)), r"images\[2\] is empty \(0x5 pixels\)"),
+        (_truncated_png, r"images\[2\]: the image cannot be decoded \(image file is truncated"),
+    ],
+)
+def test_an_empty_or_truncated_image_is_refused_by_its_index(
+    name, bad, message, open_clip_name, open_clip_weights
+):
+    """Every image reward refuses it in the shared checks of rewards.images, naming its index in the batch,
+    also where the batch is scored in chunks (clip_score, batch_size=1: the third chunk's image is
+    images[2])."""
+    options = {
+        "clip_score": {"model_name": open_clip_name, "pretrained": str(open_clip_weights), "batch_size": 1},
+        "vlm_judge": {"judge": _SaysFive()},
+    }.get(name, {})
+    reward = rewards.build(name, **options)
+    good = Image.new("RGB", (32, 32), (200, 30, 30))
+    with pytest.raises(ValueError, match=message):
+        reward(images=[good, good, bad()], prompts=["a photo of a red circle"] * 3)
+
+
+def test_a_tensor_batch_of_empty_images_is_refused(open_clip_name, open_clip_weights):
+    reward = rewards.build("clip_score", model_name=open_clip_name, pretrained=str(open_clip_weights))
+    with pytest.raises(ValueError, match=r"images has empty images \(shape \(2, 3, 0, 0\)\): .* H, W >= 1"):
+        reward(images=torch.zeros(2, 3, 0, 0), prompts=["a", "b"])
+    with pytest.raises(ValueError, match=r"images\[1\] has empty images \(shape \(1, 3, 4, 0\)\)"):
+        reward(images=[torch.zeros(3, 4, 4), torch.zeros(3, 4, 0)], prompts=["a", "b"])

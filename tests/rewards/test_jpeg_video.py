@@ -49,6 +49,24 @@ def test_jpeg_sizes_follow_the_formula_and_order() -> None:
         rewards.build("jpeg_compressibility", quality=0)
 
 
+def test_jpeg_compressibility_is_on_ddpos_scale_and_flow_grpos_divides_by_500() -> None:
+    """DDPO scores -size_kB, Flow-GRPO -size_kB / 500: the same advantages within a group, not in a sum."""
+    images = torch.rand(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    images[1] = 0.5  # flat: small file
+    kb = rewards.build("jpeg_incompressibility").score(images=images).components["jpeg_kb"]
+    ddpo = rewards.build("jpeg_compressibility")(images=images)
+    torch.testing.assert_close(ddpo, -kb, rtol=0, atol=0)
+
+    def advantages(r: torch.Tensor) -> torch.Tensor:
+        return (r - r.mean()) / r.std()
+
+    flow_grpo = -kb / 500
+    torch.testing.assert_close(advantages(ddpo), advantages(flow_grpo))
+    other = torch.tensor([0.30, 0.10, 0.20])  # another reward of weight 1
+    assert not torch.allclose(advantages(ddpo + other), advantages(flow_grpo + other), atol=0.1)
+    torch.testing.assert_close(advantages(ddpo / 500 + other), advantages(flow_grpo + other))
+
+
 def test_jpeg_tensor_rounding_as_ddpo() -> None:
     # 0.5 * 255 = 127.5 rounds to 128 (round half to even keeps 128): the same bytes as a PIL image of 128
     tensor = torch.full((1, 3, 24, 24), 0.5)

@@ -58,10 +58,28 @@ OBJECTS = ["red circle", "blue square", "green triangle", "yellow circle"]
         ("11/10, amazing", None),  # out of range
         ("0", None),
         ("no number here", None),
+        ("8.", 8.0),  # a full stop after the number ends the sentence
+        ("10.", 10.0),
+        ("I'd give it 8.", 8.0),
+        ("7.5.", 7.5),
+        ("3.\n", 3.0),
+        ("-1", None),  # -1, outside the 1-10 scale, not a rating of 1
+        ("Score: -1", None),
+        ("rating is -3", None),
     ],
 )
 def test_parse_rating(text: str, rating: float | None) -> None:
     assert parse_rating(text, 1, 10) == rating
+
+
+def test_a_signed_rating_is_read_on_a_scale_that_holds_it() -> None:
+    assert parse_rating("-3", -5, 5) == -3.0
+    assert parse_rating("Score: -5.", -5, 5) == -5.0
+    out = rewards.build("vlm_judge", judge=Says("I'd give it 8.")).score(
+        images=[Image.new("RGB", (8, 8))], prompts=["a cat"]
+    )
+    assert out.scores.tolist() == [pytest.approx((8 - 1) / (10 - 1))]
+    assert out.components["rating"].tolist() == [8.0]
 
 
 def test_choice_probability_reads_the_answer_position() -> None:
@@ -154,6 +172,42 @@ def test_pairwise_win_rates_by_hand() -> None:
     # metadata groups override the prompt
     grouped = reward.score(images=images[:2], prompts=["x", "y"], metadata=[{"group": 1}, {"group": 1}])
     torch.testing.assert_close(grouped.scores, torch.tensor([1.0, 0.0]))
+
+
+def test_a_remote_pairwise_judge_gets_whole_groups_in_each_request() -> None:
+    """With batch_size, the client packs whole groups into each request (interleaved in the batch here): the
+    server's win rates are the local ones. Chunks of consecutive samples would mix the groups: the first
+    request [red p, blue q, purple p] would score red 1, blue 0.5 alone, purple 0."""
+    from rewards.server import ServerConfig, ServerThread
+
+    judge = rewards.build("vlm_judge_pairwise", judge=PrefersRed())
+    red, purple, blue = (255, 0, 0), (128, 0, 128), (0, 0, 255)
+    images = [Image.new("RGB", (8, 8), c) for c in (red, blue, purple, red, blue, purple)]
+    prompts = ["p", "q"] * 3  # p: red, purple, blue; q: blue, red, purple
+    local = judge.score(images=images, prompts=prompts)
+    # in each group: red beats both (1), purple beats blue (0.5), blue loses both (0)
+    torch.testing.assert_close(local.scores, torch.tensor([1.0, 0.0, 0.5, 1.0, 0.0, 0.5]))
+    config = ServerConfig(reward="vlm_judge_pairwise", port=0, token="t" * 32, max_wait_ms=2.0)
+    with ServerThread(judge, config) as server:
+        remote = rewards.build("remote", url=server.url, token="t" * 32, retries=0, batch_size=3)
+        out = remote.score(images=images, prompts=prompts)
+        torch.testing.assert_close(out.scores, local.scores, rtol=0, atol=0)
+        torch.testing.assert_close(out.components["comparisons"], torch.full((6,), 4.0))
+        assert remote.chunks({"prompts": prompts}, 6) == [[0, 2, 4], [1, 3, 5]]
+        with pytest.raises(ValueError, match=r"batch_size=2 would split a group of 3 samples \(\[0, 2, 4\]"):
+            rewards.build("remote", url=server.url, token="t" * 32, retries=0, batch_size=2).score(
+                images=images, prompts=prompts
+            )
+
+
+class Says:
+    """A judge that gives the same answer to every question."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def answer(self, requests: list[JudgeRequest], logprobs: bool) -> list[JudgeAnswer]:
+        return [JudgeAnswer(self.text) for _ in requests]
 
 
 class Echo:

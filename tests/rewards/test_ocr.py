@@ -88,6 +88,42 @@ def test_targets_from_metadata_or_prompt_and_clear_errors() -> None:
 
 
 @needs_rapidocr
+def test_an_empty_target_is_refused_before_anything_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    reward = rewards.build("ocr", mode="recognize", threads=1)
+    reward.check_prompt('a sign that says "hi"')
+    with pytest.raises(ValueError, match=r"its quoted target ' ' is empty once whitespace is removed"):
+        reward.check_prompt('a blank sign that says " "')
+    with pytest.raises(ValueError, match=r"first double-quoted span, and 'a blank sign' has none"):
+        reward.check_prompt("a blank sign")
+
+    def read(images: object) -> list[str]:
+        raise AssertionError("the OCR ran on a batch it cannot score")
+
+    monkeypatch.setattr(reward, "read", read)
+    image = render_text("hi", 64, 32, 20)
+    with pytest.raises(ValueError, match=r"the quoted target of prompt 1 '' is empty"):
+        reward.score(images=[image, image], prompts=['"hi"', 'a blank sign that says ""'])
+    with pytest.raises(ValueError, match=r"metadata\[0\]\['target'\] '\\n' is empty"):
+        reward.score(images=[image], metadata=[{"target": "\n"}])
+
+
+@needs_rapidocr
+def test_recognize_mode_reads_each_image_alone_whatever_the_batch() -> None:
+    """The recogniser pads the crops of one call to the widest of them: read in one call with a long line,
+    this noisy "Hello 47" loses its last character ("Hello 4", 6/7). Read alone, as Flow-GRPO reads each
+    image, it scores the same in any batch."""
+    reward = rewards.build("ocr", mode="recognize", threads=1)
+    pixels = np.asarray(render_text("Hello 47", 140, 40, 20)).astype(np.float32)
+    noise = np.random.default_rng(2).normal(0, 40, pixels.shape)
+    noisy = Image.fromarray(np.clip(pixels + noise, 0, 255).astype(np.uint8))
+    wide = render_text("the quick brown fox jumps over the lazy dog again and again", 1400, 48, 28)
+    alone = reward.score(images=[noisy], prompts=['"Hello 47"'])
+    together = reward.score(images=[noisy, wide], prompts=['"Hello 47"', '"the quick brown fox"'])
+    assert alone.scores.tolist() == [1.0] and alone.reasons == [None]
+    assert together.scores.tolist() == [1.0, 1.0] and together.reasons == [None, None]
+
+
+@needs_rapidocr
 def test_detect_mode_reads_clean_word_renders() -> None:
     reward = rewards.build("ocr", threads=1)
     images = [render_text(word, 256, 96, 40) for word in WORDS]

@@ -236,6 +236,44 @@ def test_a_batch_dependent_reward_scores_each_request_alone(batch_dependent, exp
     assert stats["batches"] == (2 if batch_dependent else 1)
 
 
+@pytest.mark.parametrize(
+    ("batch_dependent", "groups", "expected"),
+    [
+        # groups a = [1, 2], b = [10, 20] travel whole, each in one request: means 1.5 and 15
+        (True, ["a", "b", "a", "b"], [-0.5, -5.0, 0.5, 5.0]),
+        # a reward that does not depend on its batch is cut in runs of batch_size: [1, 10], [2, 20]
+        (False, ["a", "b", "a", "b"], [-4.5, 4.5, -9.0, 9.0]),
+        # no group and no prompt: nothing tells the groups apart, so the batch is one group
+        (True, None, "would split a group of 4 samples"),
+    ],
+)
+def test_the_client_keeps_groups_whole_for_a_batch_dependent_reward(
+    batch_dependent, groups, expected
+) -> None:
+    reward = MinusBatchMean(batch_dependent)
+    with ServerThread(reward, config(reward="minus_mean")) as running:
+        assert health(running.url)["batch_dependent"] is batch_dependent
+        client = rewards.build("remote", url=running.url, token=TOKEN, retries=0, batch_size=2)
+        batch = {"completions": ["1", "10", "2", "20"]}
+        if groups is not None:
+            batch["metadata"] = [{"group": g} for g in groups]
+        if isinstance(expected, str):
+            with pytest.raises(ValueError, match=expected):
+                client.score(**batch)
+        else:
+            assert client.score(**batch).scores.tolist() == expected
+
+
+def test_linked_groups_join_samples_sharing_a_prompt_or_a_group() -> None:
+    from rewards.remote import linked_groups
+
+    prompts = ["cat", "dog", "cat", "fox", "owl", "dog"]
+    metadata = [None, {"group": 7}, {}, {"group": 7}, {"group": 9}, None]
+    # 1 and 3 share group 7, 1 and 5 the prompt "dog": {1, 3, 5}; 4 stands alone
+    assert linked_groups(prompts, metadata, 6) == [[0, 2], [1, 3, 5], [4]]
+    assert linked_groups(None, [{"group": 1}, None, {"group": 1}, None], 4) == [[0, 2], [1, 3]]
+
+
 def test_the_pairwise_judge_and_its_video_form_are_batch_dependent() -> None:
     judge = rewards.build("vlm_judge_pairwise", judge=object())
     assert judge.batch_dependent and not rewards.build("vlm_judge", judge=object()).batch_dependent

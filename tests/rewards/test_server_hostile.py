@@ -99,6 +99,21 @@ def test_png_size_reads_the_header_only() -> None:
         png_size(base64.b64encode(b"GIF89a" + bytes(40)).decode(), "images[0]")
 
 
+def test_a_png_with_a_broken_chunk_is_a_400_naming_the_image() -> None:
+    """Pillow raises SyntaxError ("broken PNG file") for a PNG whose image-data chunk length is wrong: a 400
+    naming the image, not a 500 the client would retry."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (16, 16), (10, 200, 30)).save(buffer, format="PNG")
+    good = buffer.getvalue()
+    broken = bytearray(good)
+    broken[36] = 0x13  # the IDAT chunk's length field: 19 bytes instead of 25
+    body = json.dumps({"images": [base64.b64encode(png).decode() for png in (good, bytes(broken))]}).encode()
+    with ServerThread(JPEG, config()) as server:
+        answer = exchange(server.server.port, request_bytes(body))
+        assert status_of(answer) == 400, answer
+        assert json_of(answer)["error"].startswith("malformed request: images[1]: not a base64-encoded PNG")
+
+
 def test_decompression_bombs_are_413_before_decoding() -> None:
     with ServerThread(
         JPEG, config(max_request_pixels=64 * 64 * 4, max_pixels_in_flight=64 * 64 * 8)

@@ -39,6 +39,11 @@ NUMERIC_CASES = [
     ("<answer>x = 5</answer>", ["4", "5"], 1.0),  # several acceptable answers
     ("<answer>seven</answer>", 7, 0.0),
     ("<answer>1/0</answer>", 1, 0.0),
+    ("<answer>1 000</answer>", "1000", 1.0),  # thousands groups of three with spaces
+    ("<answer>3 1/2</answer>", 3.5, 1.0),  # a mixed number
+    ("\\boxed{\\frac{\\sqrt{3}}{2}}", 2, 0.0),  # not the 2 it ends with
+    ("<answer>pages 5-10</answer>", -10, 0.0),  # a range, no negative number
+    ("<answer>1,0000</answer>", 0, 0.0),
 ]
 
 EXACT_CASES = [
@@ -50,6 +55,8 @@ EXACT_CASES = [
     ("<answer>square</answer>", ["circle", "square"], 1.0),
     ("<answer>squares</answer>", "square", 0.0),
     ("<answer></answer>", "", 0.0),
+    ("<answer>cafe\u0301</answer>", "caf\u00e9", 1.0),  # NFD vs NFC
+    ("<answer>Ｐａｒｉｓ</answer>", "Paris", 1.0),  # full-width
 ]
 
 CHOICE_CASES = [
@@ -64,6 +71,10 @@ CHOICE_CASES = [
     ("<answer>C</answer>", "A,C", 0.0),
     ("A cat is an animal.", "A", 0.0),  # a word, not a choice
     ("<answer>K</answer>", "B", 0.0),  # not among the choices
+    ("<answer>(b) red</answer>", "B", 1.0),
+    ("<answer>b. red</answer>", "B", 1.0),
+    ("<answer>Ｂ</answer>", "B", 1.0),  # full-width
+    ("<answer>a red one</answer>", "A", 0.0),  # the article, not a choice
 ]
 
 
@@ -276,6 +287,41 @@ def test_a_sign_before_a_fraction_negates_the_whole_fraction() -> None:
     )
     assert out.scores.tolist() == [1.0, 0.0]
     assert out.reasons[1] == "-0.5 is not within tolerance of '1/2'"
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("1 000", 1000.0),
+        ("1\u202f000\u00a0000", 1_000_000.0),  # narrow no-break and no-break spaces
+        ("1\u2009234.5 m", 1234.5),  # a thin space
+        ("3 1/2", 3.5),
+        ("-3 1/2", -3.5),
+        ("3\\frac{1}{2}", 3.5),
+        ("x = 5, y = -3", -3.0),
+        ("90^\\circ", 90.0),
+        ("12\\text{ cm}", 12.0),
+        ("**12**", 12.0),
+        # the last number does not stand alone: no value rather than a wrong one
+        ("\\frac{\\sqrt{3}}{2}", None),
+        ("\\sqrt{2}", None),
+        ("2^{10}", None),
+        ("2^3", None),
+        ("2\\pi", None),
+        ("2 \\times 3", None),
+        ("pages 5-10", None),
+        ("5 \u2013 10", None),
+        ("2024-01-05", None),
+        ("1,0000", None),
+        ("0,5", None),
+        ("1 0000", None),
+        ("1/2/3", None),
+    ],
+)
+def test_parse_number_reads_groups_and_mixed_numbers_and_nothing_it_cannot_read(text, value) -> None:
+    from rewards.text import parse_number
+
+    assert parse_number(text) == value
 
 
 def test_multiple_choice_reads_a_leading_pronoun_or_article_as_a_word() -> None:
