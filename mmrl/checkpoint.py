@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "atomic_write_bytes",
     "atomic_write_text",
     "latest_checkpoint",
     "load_checkpoint",
@@ -42,10 +43,16 @@ LATEST_FILE = "latest"
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file and ``os.replace`` (atomic on POSIX)."""
+    """Write ``text`` to ``path`` (UTF-8) via a temporary file and ``os.replace`` (atomic on POSIX)."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary file and ``os.replace`` (atomic on POSIX): a reader (``mmrl
+    report`` while the run writes) or a crash never leaves a file cut short."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
+    with open(tmp, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -60,9 +60,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     target = Path(args.target)
     checkpoint = Path(args.checkpoint) if args.checkpoint else None
     if target.is_dir():
-        config_path = target / "config.yaml"
-        if not config_path.is_file():
-            raise ConfigError(f"{target} is not a run directory (no config.yaml)")
+        from mmrl.run import run_config_file
+
+        config_path = run_config_file(target)  # a resumed run's newest config
         if checkpoint is None:
             checkpoint = latest_checkpoint(target / "checkpoints")
             if checkpoint is None:
@@ -79,6 +79,12 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--out {out} is a run directory: its summary.json would be replaced; choose another --out"
         )
+    # refused before the model loads and the evaluation runs, not when the results are written
+    for folder in (out, *out.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise ConfigError(f"--out {out}: {folder} is a file, not a folder; choose another --out")
+            break
     recipe, data = _recipe_of(str(config_path), args.overrides)
     cfg = validate(recipe.load_config_class(), data)
     summary = recipe.load_evaluate()(cfg, args.prompts, out, checkpoint, args.images_per_prompt)

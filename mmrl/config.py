@@ -7,8 +7,10 @@ text; modes are ``Literal`` so a typo fails at load time. ``load_config`` reads 
 
 from __future__ import annotations
 
+import datetime
 import difflib
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args
 
@@ -35,9 +37,13 @@ class ConfigError(ValueError):
 
 
 class Config(BaseModel):
-    """Base of every config section: unknown keys are errors, assignments are validated."""
+    """Base of every config section: unknown keys are errors, assignments are validated, and a float field
+    refuses ``.inf`` and ``.nan`` (an infinite learning rate or clip range would pass every bound check and
+    surface as NaN weights steps later)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, allow_inf_nan=False, protected_namespaces=()
+    )
 
 
 class RunConfig(Config):
@@ -58,7 +64,17 @@ class RunConfig(Config):
     save_every: int = Field(0, ge=0, description="Checkpoint every this many steps (0: only at the end).")
     keep_last: int = Field(2, ge=1, description="Checkpoints kept on disk; older ones are deleted.")
     resume: bool = Field(
-        False, description="Continue the run in output_dir/name from its latest checkpoint (exact resume)."
+        False,
+        description="Continue the run in output_dir/name from its latest checkpoint (exact resume). The "
+        "config may change only in keys that extend or observe the run (mmrl.run.RESUMABLE_CHANGES: "
+        "trainer.steps, evaluation and sample cadence and sizes, logging, checkpoint cadence, threads); any "
+        "other change is refused, naming each key, unless listed in resume_changes.",
+    )
+    resume_changes: list[str] = Field(
+        default_factory=list,
+        description="Dotted keys (a section accepts every key below it) that run.resume may change although "
+        "the run then no longer is what one config trains from step 0, e.g. [trainer.lr]. Empty: such "
+        "changes are refused.",
     )
     overwrite: bool = Field(False, description="Delete an existing run directory of the same name first.")
     tensorboard: bool = Field(True, description="Write TensorBoard event files under the run directory.")
@@ -135,6 +151,16 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+# YAML 1.2 floats that YAML 1.1 (PyYAML) reads as strings: an exponent without a '.' or without a sign (1e-1,
+# 1E5, 2.5e3). Typed float fields convert such strings themselves, but free-form dicts (rewards' and
+# estimators' options, model.options) would pass the string "1e-1" to code that multiplies by it.
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping, with errors that name the file and line (a key given twice is one)."""
     path = Path(path)
@@ -156,9 +182,10 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def _parse_value(text: str) -> Any:
-    """Parse an override value as YAML (``1e-5`` -> float, ``[1,2]`` -> list, ``null``), else keep the string."""
+    """Parse an override value as a config file's YAML (``1e-5`` -> float, ``[1,2]`` -> list, ``null``), else
+    keep the string."""
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError:
         return text
 
@@ -225,8 +252,27 @@ def _describe(schema: type[BaseModel], err: ValidationError) -> str:
                 desc = parent.model_fields[loc[-1]].description
                 field_help = f" ({desc})" if desc else ""
             got = e.get("input")
-            lines.append(f"{key}: {e['msg']}; got {got!r}{field_help}")
+            if e["type"] == "string_type" and isinstance(got, int | float | datetime.date):
+                # the message would show what YAML made of the text (0123 -> 83), not what was written
+                lines.append(
+                    f"{key}: {_read_as(got)}, not as text; quote it to keep it text, e.g. "
+                    f"{key.rsplit('.', 1)[-1]}: '...' in the file, \"{key}='...'\" on the command line"
+                    f"{field_help}"
+                )
+            else:
+                lines.append(f"{key}: {e['msg']}; got {got!r}{field_help}")
     return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def _read_as(value: int | float | datetime.date) -> str:
+    """What YAML 1.1 read an unquoted value as, and from which text it does so."""
+    if isinstance(value, bool):
+        return f"YAML read the value as the boolean {str(value).lower()} (from yes/no/on/off/true/false)"
+    if isinstance(value, datetime.date):
+        return f"YAML read the value as the date {value.isoformat()}"
+    if isinstance(value, int):
+        return f"YAML read the value as the number {value} (digits with a leading 0 are an octal number)"
+    return f"YAML read the value as the number {value!r}"
 
 
 def validate(schema: type[C], data: dict[str, Any]) -> C:

@@ -18,7 +18,8 @@ VLM, full fine-tune        the trained model and the processor, as ``--merge``
 
 Every export also holds ``README.md`` (a Hugging Face model card: license, base model, library, tags; the
 recipe, the rewards, the held-out scores at the start and at the exported step, the launch command) and
-``training_config.yaml`` (the run's resolved config: ``mmrl train training_config.yaml`` reproduces it).
+``training_config.yaml`` (the config the run ended with, :func:`mmrl.run.run_config_file`, as a fresh run:
+``mmrl train training_config.yaml`` trains it again).
 :func:`push_to_hub` uploads the folder with ``huggingface_hub``.
 """
 
@@ -33,9 +34,9 @@ from typing import Any
 import yaml
 
 from mmrl.checkpoint import latest_checkpoint, publish_folder
-from mmrl.config import ConfigError, load_yaml, validate
+from mmrl.config import ConfigError, load_yaml, to_yaml, validate
 from mmrl.recipes import get_recipe
-from mmrl.run import read_metrics
+from mmrl.run import changes_since, format_change, read_metrics, run_config_file
 
 __all__ = ["export_run", "model_card", "push_to_hub"]
 
@@ -146,6 +147,17 @@ def model_card(
     training = f"LoRA rank {cfg.model.lora.rank}" if cfg.model.lora is not None else "full fine-tuning"
     command_file = run_dir / "command.txt"
     command = command_file.read_text().strip() if command_file.is_file() else "(not recorded)"
+    resumed = {
+        k: v for k, v in changes_since(run_dir / "config.yaml", cfg).items() if not k.startswith("run.")
+    }
+    resumed_note = (
+        "\n- resumed with "
+        + ", ".join(f"`{format_change(k, a, b)}`" for k, (a, b) in resumed.items())
+        + f": `{CONFIG_FILE}` holds the final values, so training it from step 0 matches this run only where "
+        "they did not change the steps before the resume"
+        if resumed
+        else ""
+    )
     license_note = (
         "\n\nThe license field was not known: set it to the base model's license (`mmrl export --license`)."
         if license == "other"
@@ -168,7 +180,7 @@ def model_card(
 ## Training
 
 - command: `{command}`
-- reproduce: `mmrl train {CONFIG_FILE}` (the run's resolved config, in this folder)
+- reproduce: `mmrl train {CONFIG_FILE}` (the run's resolved config, in this folder){resumed_note}
 - learning rate {t.lr}, {training}
 
 ## Use
@@ -372,9 +384,7 @@ def export_run(
             of the checkpoint does not parse (named).
     """
     run_dir, to = Path(run_dir), Path(to)
-    config_file = run_dir / "config.yaml"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
+    config_file = run_config_file(run_dir)  # a resumed run's newest config: its steps, its final settings
     data = load_yaml(config_file)
     recipe_name = str(data.get("recipe"))
     if recipe_name not in ("flow_grpo", "vlm_rlvr"):
@@ -399,7 +409,10 @@ def export_run(
     def write(folder: Path) -> None:
         library, weights, usage = export(cfg, ckpt, folder, merge, to.name)
         (folder / CARD_FILE).write_text(model_card(run_dir, cfg, step, library, weights, license, usage))
-        shutil.copy2(config_file, folder / CONFIG_FILE)
+        # as a fresh run: `mmrl train` of a config with run.resume set would continue a run directory of
+        # that name
+        fresh = cfg.run.model_copy(update={"resume": False, "resume_changes": []})
+        (folder / CONFIG_FILE).write_text(to_yaml(cfg.model_copy(update={"run": fresh})))
         logger.info("exported %s (%s) to %s", ckpt, weights, to)
 
     # written beside ``to`` and renamed into place: an export that fails half-way (a metrics line the card

@@ -1,10 +1,13 @@
 """Run reports: one self-contained HTML page per run (``mmrl report RUN``) and several runs' curves overlaid on one
 page (``mmrl compare RUN_A RUN_B ...``).
 
-A report reads only the run directory (``config.yaml``, ``metrics.jsonl``, ``summary.json``, ``samples/``), so it
-can be refreshed while the run is writing. Everything is inside the page: the plots are PNGs drawn with
-matplotlib and embedded as base64 ``data:`` URIs, the styles are inline, there is no script and nothing is
-fetched, so the page opens offline and can be mailed or attached as one file.
+A report reads only the run directory (its config: ``config.yaml``, or a resumed run's newest
+``config.resumed-*.yaml``, :func:`mmrl.run.run_config_file`; ``metrics.jsonl``, ``summary.json``,
+``samples/``), so it can be refreshed while the run is writing. A sample image that cannot be read (cut
+short, not an image) is named on the page, and its samples are shown without images. Everything is inside the
+page: the plots are PNGs drawn with matplotlib and embedded as base64 ``data:`` URIs, the styles are inline,
+there is no script and nothing is fetched, so the page opens offline and can be mailed or attached as one
+file.
 
 The page holds the run's summary (first and last held-out scores, final metrics), one plot per group of metric
 keys (:func:`metric_panels`: rewards and their components, held-out scores, KL, clipping, entropy, NFE and
@@ -28,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from mmrl.config import load_yaml
-from mmrl.run import read_metrics
+from mmrl.run import read_metrics, run_config_file
 
 __all__ = [
     "Panel",
@@ -120,6 +123,7 @@ def metric_panels(keys: Iterable[str]) -> list[Panel]:
 class _Run:
     path: Path
     name: str
+    config_file: Path
     config_text: str
     config: dict[str, Any]
     records: list[dict[str, Any]]
@@ -129,9 +133,7 @@ class _Run:
 
 def _load_run(run_dir: str | Path) -> _Run:
     path = Path(run_dir)
-    config_file = path / "config.yaml"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{path} is not a run directory (no config.yaml)")
+    config_file = run_config_file(path)
     config_text = config_file.read_text()
     config = load_yaml(config_file)
     records = read_metrics(path) if (path / "metrics.jsonl").is_file() else []
@@ -145,7 +147,7 @@ def _load_run(run_dir: str | Path) -> _Run:
     command_file = path / "command.txt"
     command = command_file.read_text().strip() if command_file.is_file() else None
     name = str((config.get("run") or {}).get("name") or path.name)
-    return _Run(path, name, config_text, config, records, summary, command)
+    return _Run(path, name, config_file, config_text, config, records, summary, command)
 
 
 def _series(records: Sequence[Mapping[str, Any]], key: str) -> tuple[list[float], list[float]]:
@@ -306,16 +308,30 @@ def _sample_card(record: Mapping[str, Any], image_uri: str | None) -> str:
     return "".join(parts)
 
 
-def _gallery(run: _Run) -> str:
+def _open_grid(grid_file: Path) -> tuple[Any, str]:
+    """``(image, note)``: a step's sample grid (None if it has none) and, for a grid that cannot be read
+    (cut short, not an image, a broken chunk), the page's note naming the file, whose samples are then shown
+    without images: one damaged image must not cost the whole report."""
     from PIL import Image
 
+    if not grid_file.is_file():
+        return None, ""
+    try:
+        return Image.open(grid_file).convert("RGB"), ""
+    except (OSError, SyntaxError, ValueError) as err:
+        reason = f"{type(err).__name__}: {err}"
+        logger.warning("%s cannot be read (%s); its samples are shown without images", grid_file, reason)
+        text = f"{grid_file} cannot be read ({reason}); its samples are shown without images."
+        return None, f'<p class="note">{html.escape(text)}</p>'
+
+
+def _gallery(run: _Run) -> str:
     sections = []
     for tag, items in _sample_files(run).items():
         blocks = []
         for position, (step, file) in enumerate(reversed(items)):
             records = _read_samples(file)[:SAMPLES_PER_STEP]
-            grid_file = file.with_suffix(".png")
-            grid = Image.open(grid_file).convert("RGB") if grid_file.is_file() else None
+            grid, note = _open_grid(file.with_suffix(".png"))
             cards = "".join(
                 _sample_card(
                     r, _thumbnail_uri(grid, r["grid_box"]) if grid is not None and "grid_box" in r else None
@@ -327,7 +343,7 @@ def _gallery(run: _Run) -> str:
             opened = " open" if position == 0 else ""
             blocks.append(
                 f"<details{opened}><summary>step {step}{mean_text}</summary>"
-                f'<div class="cards">{cards}</div></details>'
+                f'{note}<div class="cards">{cards}</div></details>'
             )
         sections.append(f"<h3>{html.escape(tag)} samples</h3>" + "".join(blocks))
     return "".join(sections) or "<p>No samples written yet.</p>"
@@ -394,6 +410,7 @@ table.scores td{padding:0 8px 0 0}
 .ok{background:#d4f4d4} .part{background:#fff1c2} .bad{background:#f8d4d4}
 details summary{cursor:pointer;font-weight:600;margin:6px 0}
 pre{background:#f6f6f6;padding:12px;font-size:12px;overflow:auto}
+.note{background:#f8d4d4;padding:4px 8px;font-size:13px}
 """
 
 
@@ -436,7 +453,8 @@ def render_report(run_dir: str | Path) -> str:
         "<h2>Latest value of every metric</h2>",
         _table((k, _fmt(v)) for k, v in latest),
         "<h2>Config</h2>",
-        f"<details><summary>config.yaml</summary><pre>{html.escape(run.config_text)}</pre></details>",
+        f"<details><summary>{html.escape(run.config_file.name)}</summary>"
+        f"<pre>{html.escape(run.config_text)}</pre></details>",
     ]
     return _page(f"mmrl report: {run.name}", "".join(body))
 

@@ -4,6 +4,7 @@
 
     runs/NAME/
       config.yaml        the resolved config (every field), the record of the run
+      config.resumed-T.yaml  the config a resume at time T continued with, when it differs (run_config_file)
       command.txt        the command that started it
       metrics.jsonl      one JSON object per logged step: {"step": ..., "time": ..., "reward/mean": ...}
       tb/                TensorBoard event files
@@ -16,9 +17,11 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
+import re
 import shlex
 import shutil
 import sys
@@ -29,17 +32,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
-from mmrl.checkpoint import atomic_write_text, latest_checkpoint
-from mmrl.config import RunConfig, load_yaml, to_yaml
+from mmrl.checkpoint import atomic_write_bytes, atomic_write_text, latest_checkpoint
+from mmrl.config import ConfigError, RunConfig, load_yaml, to_yaml
 
 __all__ = [
+    "RESUMABLE_CHANGES",
     "MetricAccumulator",
     "Run",
+    "changes_since",
+    "check_resume_changes",
+    "config_changes",
+    "format_change",
     "launch_command",
     "read_metrics",
     "resume_checkpoint",
+    "run_config_file",
     "setup_logging",
     "write_summary_json",
 ]
@@ -175,20 +184,30 @@ class Run:
         run_cfg: the ``run`` section of the recipe config.
         full_cfg: the whole resolved config, written to ``config.yaml``.
 
-    A directory holds a run once it has metrics or checkpoints. What a run that failed during setup leaves
-    (the config record, the log, empty ``samples/``, ``tb/``) does not count: a fresh run replaces it. With
-    ``resume`` and no checkpoint yet, the run starts again at step 0 and every earlier metric line is moved to
-    ``metrics.orphaned.jsonl``, as lines after the last checkpoint are when one exists.
+    A folder is a run directory when it holds ``config.yaml`` with ``command.txt`` beside it (every run
+    writes both first); a run there counts once it has metrics or checkpoints. What a run that failed during
+    setup leaves (those two files, the log, empty ``samples/``, ``tb/``) does not count: a fresh run replaces
+    it. A resume checks the config against the run's (:func:`run_config_file`) before anything loads
+    (:func:`check_resume_changes`) and, when it differs, writes it as ``config.resumed-<time>.yaml`` beside
+    the original record. With ``resume`` and no checkpoint yet, the run starts again at step 0 and every
+    earlier metric line is moved to ``metrics.orphaned.jsonl``, as lines after the last checkpoint are when
+    one exists.
 
     Raises:
-        FileExistsError: the directory holds a previous run and neither ``resume`` nor ``overwrite`` is set, or
-            it holds files but no run (no ``config.yaml``), whatever is set (nothing already written is touched).
-        ValueError: ``run.output_dir`` or the run directory is a file.
+        FileExistsError: the directory holds a previous run and neither ``resume`` nor ``overwrite`` is set,
+            or it holds files but no run (not both ``config.yaml`` and ``command.txt``: someone's own folder,
+            perhaps holding the config being run), whatever is set (nothing already written is touched).
+        ValueError: ``run.output_dir`` or the run directory is a file; a resume changes the recipe, or keys
+            a resume may not change (:class:`~mmrl.config.ConfigError`, naming each).
     """
 
     def __init__(self, run_cfg: RunConfig, full_cfg: BaseModel) -> None:
+        # the console first: what is decided below about an existing folder must reach the user (the log file
+        # comes once the folder is known to be the run's)
+        setup_logging(run_cfg.log_level)
         self.cfg = run_cfg
         self.dir = Path(run_cfg.output_dir) / run_cfg.name
+        self.checkpoint_dir = self.dir / "checkpoints"
         for folder in (self.dir, *self.dir.parents):  # the nearest existing one must be a folder
             if folder.exists():
                 if not folder.is_dir():
@@ -196,22 +215,20 @@ class Run:
                     raise ValueError(f"{key}: {folder} is a file, not a folder; choose another {key}")
                 break
         existing = self.dir.exists() and any(self.dir.iterdir())
-        if existing and not (self.dir / "config.yaml").is_file() and not _setup_leftovers(self.dir):
-            # every run writes its config.yaml first: a folder without one is not a run, and neither resume nor
-            # overwrite (which deletes the folder) may touch it
-            raise FileExistsError(
-                f"{self.dir} holds files but no run (no config.yaml); mmrl writes a run only into an empty folder "
-                "or its own run directory: choose another run.name or run.output_dir"
+        if existing and not _is_run(self.dir):
+            # neither resume nor overwrite (which deletes the folder) may touch a folder mmrl did not
+            # write: it may hold the very config being run (exps/NAME/config.yaml)
+            found = (
+                "a config.yaml without the command.txt a run writes beside it"
+                if (self.dir / "config.yaml").is_file()
+                else "no config.yaml"
             )
-        if existing and run_cfg.resume and (self.dir / "config.yaml").is_file():
-            # another recipe's checkpoint would fail to load with a bare key name, after the model loaded
-            recorded = load_yaml(self.dir / "config.yaml").get("recipe")
-            recipe = getattr(full_cfg, "recipe", None)
-            if recorded != recipe:
-                raise ValueError(
-                    f"run.resume: {self.dir} holds a {recorded} run and this config is {recipe}: choose another "
-                    "run.name"
-                )
+            raise FileExistsError(
+                f"{self.dir} holds files but no run ({found}); mmrl writes a run only into an empty folder "
+                "or its own run directory and never replaces another folder: choose another run.name or "
+                "run.output_dir, or keep your files elsewhere (a config file may live anywhere)"
+            )
+        changes = check_resume_changes(self.dir, full_cfg, run_cfg) if existing and run_cfg.resume else {}
         if existing and not run_cfg.resume and not run_cfg.overwrite and _setup_leftovers(self.dir):
             logger.info(
                 "%s holds only what a run that stopped before its first step left; replacing it", self.dir
@@ -220,6 +237,7 @@ class Run:
             existing = False
         if existing and run_cfg.overwrite:
             shutil.rmtree(self.dir)
+            existing = False
         elif existing and not run_cfg.resume:
             raise FileExistsError(
                 f"run directory {self.dir} already holds a run; set run.resume=true to continue it, "
@@ -228,19 +246,21 @@ class Run:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.samples_dir = self.dir / "samples"
         self.samples_dir.mkdir(exist_ok=True)
-        self.checkpoint_dir = self.dir / "checkpoints"
         setup_logging(run_cfg.log_level, self.dir / "log.txt")
+        for key, (old, new) in changes.items():
+            if key in RESUMABLE_CHANGES:
+                logger.info("resuming with %s", format_change(key, old, new))
+            else:
+                logger.warning(
+                    "resuming with %s (run.resume_changes accepts it)", format_change(key, old, new)
+                )
         config_text = to_yaml(full_cfg)
-        if (
-            existing
-            and (self.dir / "config.yaml").is_file()
-            and (self.dir / "config.yaml").read_text() != config_text
-        ):
-            # Keep the original record; the resumed config is written beside it.
+        if existing and run_config_file(self.dir).read_text() != config_text:
+            # the original record stays; the config the run continues with is written beside it and is the
+            # run's config from now on (run_config_file: what export, eval and report read)
             atomic_write_text(self.dir / f"config.resumed-{int(time.time())}.yaml", config_text)
-        else:
+        elif not existing:  # (a resumed run keeps its launch command)
             atomic_write_text(self.dir / "config.yaml", config_text)
-        if not (self.dir / "command.txt").is_file():  # (a resumed run keeps the launch command)
             atomic_write_text(self.dir / "command.txt", launch_command() + "\n")
         self.metrics_path = self.dir / "metrics.jsonl"
         if run_cfg.resume and latest_checkpoint(self.checkpoint_dir) is None:
@@ -340,7 +360,10 @@ class Run:
             )
             for row, box in zip(rows, grid_boxes(len(rows), int(width), int(height)), strict=True):
                 row["grid_box"] = list(box)
-            grid.save(stem.with_suffix(".png"))
+            png = io.BytesIO()
+            grid.save(png, format="PNG")
+            # whole or not at all: `mmrl report` reads the grids while the run writes them
+            atomic_write_bytes(stem.with_suffix(".png"), png.getvalue())
             if self._tb is not None:
                 import numpy as np
 
@@ -361,24 +384,162 @@ class Run:
 
 #: what a run writes before its first step; a directory holding only these is what a failed setup left
 _SETUP_FILES = ("config.yaml", "command.txt", "log.txt", "tb", "samples")
+_RESUMED_CONFIG = re.compile(r"config\.resumed-(\d+)\.yaml")
+
+
+def _is_run(run_dir: Path) -> bool:
+    """Whether ``run_dir`` bears the marks every :class:`Run` writes first: ``config.yaml`` and
+    ``command.txt`` beside it. A ``config.yaml`` alone is someone's config file (perhaps the one being run),
+    not a run."""
+    return (run_dir / "config.yaml").is_file() and (run_dir / "command.txt").is_file()
 
 
 def _setup_leftovers(run_dir: Path) -> bool:
-    """Whether ``run_dir`` is a run that stopped before its first step: its ``config.yaml`` (every run writes
-    it first) and only what :class:`Run` writes beside it before the first step (no metrics, no checkpoints,
-    no samples, TensorBoard's own event files only), so that replacing it loses nothing. A folder without
-    ``config.yaml`` is never one, whatever else it holds (someone's ``log.txt`` or ``tb/`` notes)."""
-    if not (run_dir / "config.yaml").is_file():
+    """Whether ``run_dir`` is a run that stopped before its first step: a run directory (:func:`_is_run`)
+    holding only what :class:`Run` writes before the first step (no metrics, no checkpoints, no samples,
+    TensorBoard's own event files only), so that replacing it loses nothing."""
+    if not _is_run(run_dir):
         return False
     for entry in run_dir.iterdir():
-        resumed_config = entry.name.startswith("config.resumed-") and entry.suffix == ".yaml"
-        if entry.name not in _SETUP_FILES and not resumed_config:
+        if entry.name not in _SETUP_FILES and not _RESUMED_CONFIG.fullmatch(entry.name):
             return False
         if entry.name == "samples" and any(entry.iterdir()):
             return False
         if entry.name == "tb" and any(not f.name.startswith("events.out.tfevents.") for f in entry.iterdir()):
             return False
     return True
+
+
+def run_config_file(run_dir: str | Path) -> Path:
+    """The file holding the config a run directory's run trains with now: its newest
+    ``config.resumed-<time>.yaml`` (a resume with a changed config writes one), else ``config.yaml``. Export,
+    eval and report read this one: after ``trainer.steps=3`` on resume, the run is a 3-step run.
+
+    Raises:
+        FileNotFoundError: ``run_dir`` has no ``config.yaml`` (it is not a run directory).
+    """
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
+    resumed = [
+        (int(match[1]), path)
+        for path in run_dir.glob("config.resumed-*.yaml")
+        if (match := _RESUMED_CONFIG.fullmatch(path.name))
+    ]
+    return max(resumed)[1] if resumed else run_dir / "config.yaml"
+
+
+#: the keys a resume may change without ``run.resume_changes``: they extend the run (``trainer.steps``; a
+#: cosine schedule then spans the new total), locate it, or only decide when and how much it is observed and
+#: saved (logging, evaluation and sample cadence and sizes, checkpoint cadence, threads); every other key
+#: decides what a step computes, from the world to the learning rate
+RESUMABLE_CHANGES = (
+    "run.name",
+    "run.output_dir",
+    "run.resume",
+    "run.resume_changes",
+    "run.overwrite",
+    "run.log_every",
+    "run.save_every",
+    "run.keep_last",
+    "run.tensorboard",
+    "run.wandb",
+    "run.progress",
+    "run.log_level",
+    "run.threads",
+    "run.threads_policy",
+    "trainer.steps",
+    "trainer.eval_every",
+    "trainer.sample_every",
+    "trainer.eval_prompts",
+    "trainer.eval_images_per_prompt",
+    "data.eval_limit",
+    "data.eval_prompts",
+    "data.eval_items",
+    "out",
+)
+
+_ABSENT = object()
+
+
+def config_changes(old: Any, new: Any, prefix: str = "") -> dict[str, tuple[Any, Any]]:
+    """``{dotted key: (old value, new value)}`` of every leaf that differs between two config dicts; a key
+    only one side has is paired with :data:`_ABSENT`, a section that became a value (``model.lora: null``) is
+    one key."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        changes: dict[str, tuple[Any, Any]] = {}
+        for key in [*old, *(k for k in new if k not in old)]:
+            changes.update(config_changes(old.get(key, _ABSENT), new.get(key, _ABSENT), f"{prefix}{key}."))
+        return changes
+    return {} if old == new else {prefix.removesuffix("."): (old, new)}
+
+
+def changes_since(record: Path, cfg: BaseModel) -> dict[str, tuple[Any, Any]]:
+    """:func:`config_changes` from the config recorded in the file ``record`` to ``cfg``, both as JSON
+    values. The record is read through ``cfg``'s schema, so that fields added to mmrl since it was written
+    compare at their defaults; a record that no longer validates (an older mmrl's) is compared as written,
+    every difference shown."""
+    data = load_yaml(record)
+    try:
+        recorded = type(cfg).model_validate(data).model_dump(mode="json")
+    except ValidationError:
+        recorded = data
+    return config_changes(recorded, cfg.model_dump(mode="json"))
+
+
+def format_change(key: str, old: Any, new: Any) -> str:
+    """``key: old -> new`` of a :func:`config_changes` entry, values as JSON (a key one side lacks:
+    ``(absent)``)."""
+
+    def shown(value: Any) -> str:
+        return "(absent)" if value is _ABSENT else json.dumps(value)
+
+    return f"{key}: {shown(old)} -> {shown(new)}"
+
+
+def check_resume_changes(
+    run_dir: Path, full_cfg: BaseModel, run_cfg: RunConfig
+) -> dict[str, tuple[Any, Any]]:
+    """Refuse a resume whose config differs from the run's (:func:`run_config_file`) in a key outside
+    :data:`RESUMABLE_CHANGES` that ``run.resume_changes`` does not list (a listed section accepts every key
+    below it), naming every such key with its old and new value: the resumed steps would silently follow
+    another config (a new seed, learning rate), or fail deep in torch on weights of another shape. Without a
+    checkpoint only the recipe must match: the run restarts at step 0 under the new config.
+
+    Returns:
+        the accepted changes outside ``run.*``, ``{key: (old, new)}``, for the log.
+
+    Raises:
+        ValueError: the run is another recipe's.
+        ConfigError: a change outside those allowed.
+    """
+    record = run_config_file(run_dir)
+    data = load_yaml(record)
+    recipe = getattr(full_cfg, "recipe", None)
+    if data.get("recipe") != recipe:
+        # another recipe's checkpoint would fail to load with a bare key name, after the model loaded
+        raise ValueError(
+            f"run.resume: {run_dir} holds a {data.get('recipe')} run and this config is {recipe}: choose "
+            "another run.name"
+        )
+    if latest_checkpoint(run_dir / "checkpoints") is None:
+        return {}
+    changes = changes_since(record, full_cfg)
+    refused = {
+        key: change
+        for key, change in changes.items()
+        if key not in RESUMABLE_CHANGES
+        and not any(key == k or key.startswith(f"{k}.") for k in run_cfg.resume_changes)
+    }
+    if refused:
+        lines = "".join(f"\n  {format_change(k, a, b)}" for k, (a, b) in refused.items())
+        raise ConfigError(
+            f"run.resume: this config changes what the run in {run_dir} computes ({record.name} records it):"
+            f"{lines}\nrestore these values, start a new run (another run.name), or accept the changes "
+            f"knowingly: run.resume_changes=[{','.join(refused)}] (the run then follows neither config from "
+            "step 0)"
+        )
+    return {k: v for k, v in changes.items() if not k.startswith("run.")}
 
 
 def _metric_record(line: str, path: Path, number: int) -> dict[str, Any]:

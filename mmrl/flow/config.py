@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import model_validator
+from pydantic import field_validator, model_validator
 
 from mmrl.config import Config, Field, RunConfig
 from mmrl.core.estimators import check_estimator
@@ -80,12 +82,31 @@ class FlowModelConfig(Config):
         False, description="Recompute activations in backward (less memory)."
     )
     init_lora: str | None = Field(
-        None, description="Start from a saved LoRA (a checkpoint's adapter folder)."
+        None,
+        description="Start from a saved LoRA: a checkpoint's adapter folder, or a Hub LoRA's id "
+        "namespace/name.",
     )
     options: dict[str, Any] = Field(
         default_factory=dict,
         description="More from_pretrained / adapter options (revision, variant, max_sequence_length, ...).",
     )
+
+    @field_validator("init_lora")
+    @classmethod
+    def _init_lora_exists(cls, path: str | None) -> str | None:
+        """A local folder that is missing is refused here, not after the model loaded; ``namespace/name`` that
+        is no local path is left to the Hub (``~`` is the home folder)."""
+        if path is None:
+            return None
+        path = os.path.expanduser(path)
+        local = Path(path)
+        hub_id = not local.is_absolute() and len(local.parts) == 2 and local.parts[0][0] != "."
+        if not local.is_dir() and (local.exists() or not hub_id):
+            raise ValueError(
+                f"no LoRA folder at {path}: give a LoRA checkpoint's adapter/ folder (it holds "
+                "pytorch_lora_weights.safetensors) or a Hub LoRA's id namespace/name"
+            )
+        return path
 
     def compute_dtype(self) -> str | None:
         """What the transformer computes in under ``torch.autocast`` (None: no autocast): ``autocast``, else

@@ -1122,7 +1122,17 @@ def evaluate(
 
     Writes ``out_dir/scores.jsonl`` (prompt, image index, every reward and component), ``out_dir/summary.json``
     (the means of each) and ``out_dir/grid.png``.
+
+    Raises:
+        FileNotFoundError: ``model.lora`` is set and ``checkpoint`` has no ``adapter/`` folder.
     """
+    if checkpoint is not None and cfg.model.lora is not None and not (checkpoint / "adapter").is_dir():
+        # before the model loads: the LoRA is read from that folder after it
+        raise FileNotFoundError(
+            f"{checkpoint} has no LoRA folder ({checkpoint / 'adapter'}, holding "
+            "pytorch_lora_weights.safetensors) though model.lora is set: a LoRA run's checkpoint holds "
+            "one; a full fine-tune's is evaluated with model.lora=null"
+        )
     if prompts_file is not None:
         cfg = cfg.model_copy(update={"eval_prompts": prompts_file})
     trainer = FlowGRPOTrainer(cfg, run=None)

@@ -137,3 +137,61 @@ def test_describe_lists_every_leaf_with_its_value_and_description(capsys):
     keys = [line.split(" = ")[0] for line in lines if not line.startswith("    ")]
     assert len(keys) == len(set(keys)) > 100
     assert "trainer.awm.time_type = discrete_wo_init" in lines
+
+
+class Free(Config):
+    options: dict = Field(default_factory=dict)
+    name: str = "x"
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("1e-1", 0.1), ("1E5", 1e5), ("-2.5e-3", -2.5e-3), ("+3e2", 300.0), ("1.5e3", 1500.0), (".5e1", 5.0)],
+)
+def test_exponent_floats_are_floats_in_free_form_options_as_in_yaml_1_2(tmp_path, text, value):
+    """PyYAML (YAML 1.1) reads 1e-1 as a string; typed fields convert it, a free-form dict (rewards' options)
+    handed the string to code that multiplies by it. Files and overrides read it the same way."""
+    from_file = load_config(Free, write(tmp_path, f"options: {{w: {{object: {text}}}}}\n"))
+    from_override = load_config(Free, None, [f"options.w.object={text}"])
+    for cfg in (from_file, from_override):
+        assert cfg.options["w"]["object"] == value and type(cfg.options["w"]["object"]) is float
+
+
+@pytest.mark.parametrize("text", ["1e", "e5", "1e-", "1.2.3e4", "1e5x", "e-5"])
+def test_what_only_looks_like_an_exponent_float_stays_a_string(tmp_path, text):
+    cfg = load_config(Free, write(tmp_path, f"options: {{w: {text}}}\n"), [f"options.v={text}"])
+    assert cfg.options == {"w": text, "v": text}
+
+
+def test_a_flow_config_with_an_exponent_in_a_rewards_options_loads_it_as_a_float(tmp_path):
+    from mmrl.flow.config import FlowGRPOConfig
+
+    rewards = "rewards: [{name: shapes, options: {partial: true, criterion_weights: {object: 1e-1}}}]\n"
+    path = write(tmp_path, rewards)
+    assert load_config(FlowGRPOConfig, path).rewards[0].options["criterion_weights"] == {"object": 0.1}
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan", "1e400"])
+def test_an_infinite_or_nan_float_is_refused_naming_the_key(value):
+    """An infinite learning rate passes `gt=0` and turns the weights to NaN at the first step."""
+    with pytest.raises(ConfigError, match=r"trainer\.lr: Input should be a finite number; got (-?inf|nan)"):
+        load_config(Recipe, None, [f"trainer.lr={value}"])
+
+
+@pytest.mark.parametrize(
+    ("value", "read_as"),
+    [
+        ("0123", "the number 83 (digits with a leading 0 are an octal number)"),
+        ("2024-06-01", "the date 2024-06-01"),
+        ("no", "the boolean false (from yes/no/on/off/true/false)"),
+        ("1.5", "the number 1.5"),
+    ],
+)
+def test_a_text_field_given_a_number_date_or_bool_says_how_yaml_read_it_and_to_quote_it(value, read_as):
+    with pytest.raises(ConfigError) as err:
+        load_config(Recipe, None, [f"run.name={value}"])
+    assert (
+        f"run.name: YAML read the value as {read_as}, not as text; quote it to keep it text, e.g. "
+        "name: '...' in the file, \"run.name='...'\" on the command line" in str(err.value)
+    )
+    assert load_config(Recipe, None, [f"run.name='{value}'"]).run.name == value

@@ -185,6 +185,62 @@ def test_flow_full_finetune_export_and_errors(flow_model, tmp_path, monkeypatch)
         export_run(run, tmp_path / "y", merge=True)
 
 
+def test_the_export_of_a_resumed_run_holds_the_config_it_continued_with(flow_model, flow_lora_run, tmp_path):
+    """After `trainer.steps=3` on resume, the card says 3 of 3 steps and training_config.yaml trains 3 steps
+    as a fresh run (with run.resume it would continue a run directory of that name)."""
+    import shutil
+
+    from huggingface_hub import ModelCard
+
+    run, _ = flow_lora_run
+    shutil.copytree(run, tmp_path / "runs/lora")
+    resumed, _ = flow_run(
+        flow_model, tmp_path / "runs", "lora", "run.save_every=1", "trainer.steps=3", "run.resume=true"
+    )
+    out = export_run(resumed, tmp_path / "export")
+    card = ModelCard.load(out / "README.md").text
+    assert "for 3 of 3 steps" in card
+    assert "- resumed with `trainer.steps: 2 -> 3`: `training_config.yaml` holds the final values" in card
+    config = load_config(FlowGRPOConfig, out / "training_config.yaml")
+    assert config.trainer.steps == 3 and not config.run.resume and config.run.resume_changes == []
+
+
+def test_a_missing_lora_folder_is_named_before_the_model_loads(flow_model, flow_lora_run, tmp_path, capsys):
+    """Not as a Hub repository id diffusers cannot validate, after the model loaded."""
+    import shutil
+
+    from mmrl.config import ConfigError
+    from pipelines.flow.adapters import load_adapter
+
+    run, _ = flow_lora_run
+    shutil.copytree(run, tmp_path / "lora")
+    checkpoint = tmp_path / "lora/checkpoints/step_00000002"
+    shutil.rmtree(checkpoint / "adapter")
+    expected = (
+        f"mmrl: error: FileNotFoundError: {checkpoint} has no LoRA folder ({checkpoint / 'adapter'}, "
+        "holding pytorch_lora_weights.safetensors) though model.lora is set: a LoRA run's checkpoint holds "
+        "one; a full fine-tune's is evaluated with model.lora=null"
+    )
+    assert cli_main(["eval", str(tmp_path / "lora")]) == 2
+    assert " ".join(capsys.readouterr().err.split()) == expected
+    # a full fine-tune's checkpoint (state.pt only) evaluated with a LoRA config
+    argv = ["eval", "configs/demo/flow_shapes.yaml", "model.lora={rank: 4}", "--checkpoint", str(checkpoint)]
+    assert cli_main([*argv, "--out", str(tmp_path / "eval")]) == 2
+    assert " ".join(capsys.readouterr().err.split()) == expected
+    # model.init_lora: a local folder must exist when the config loads; a Hub id namespace/name is left to
+    # the Hub
+    with pytest.raises(
+        ConfigError, match=r"model\.init_lora: Value error, no LoRA folder at /nonexistent: give"
+    ):
+        load_config(FlowGRPOConfig, None, ["model.init_lora=/nonexistent"])
+    assert load_config(FlowGRPOConfig, None, ["model.init_lora=someone/shapes-lora"]).model.init_lora
+    adapter = load_adapter("shapes", str(flow_model), torch_dtype=torch.float32, device=torch.device("cpu"))
+    with pytest.raises(
+        FileNotFoundError, match=rf"no LoRA folder at {checkpoint / 'adapter'}: a LoRA is a folder"
+    ):
+        adapter.load_lora(checkpoint / "adapter")
+
+
 # ----------------------------------------------------------------------------------------------------- Hub upload
 class _MockHub(BaseHTTPRequestHandler):
     """The Hub endpoints ``create_repo`` + ``upload_folder`` call, answering as the Hub does: every file goes

@@ -3,6 +3,7 @@ browser (every embedded image decodes and has content) and in headless Chromium 
 rendered, the screenshot is not blank)."""
 
 import base64
+import contextlib
 import io
 import json
 import re
@@ -122,6 +123,29 @@ def test_save_samples_records_where_each_image_is_in_the_grid(tmp_path):
     run.close()
 
 
+def test_a_sample_grid_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A process killed while writing the grid leaves no PNG cut short for `mmrl report` to trip on."""
+    run = Run(RunConfig(output_dir=str(tmp_path), name="s", tensorboard=False), RunConfig())
+    images = torch.rand(2, 3, 8, 8)
+    kept = run.save_samples(1, "eval", [{"prompt": "a"}, {"prompt": "b"}], images).with_suffix(".png")
+    original = Image.Image.save
+
+    def killed_while_writing(self, fp, format=None, **params):
+        whole = io.BytesIO()
+        original(self, whole, format="PNG")
+        with open(fp, "wb") if isinstance(fp, str | Path) else contextlib.nullcontext(fp) as f:
+            f.write(whole.getvalue()[:40])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Image.Image, "save", killed_while_writing)
+    with pytest.raises(KeyboardInterrupt):
+        run.save_samples(2, "eval", [{"prompt": "a"}, {"prompt": "b"}], images)
+    monkeypatch.undo()
+    assert not (tmp_path / "s/samples/eval_00000002.png").exists()
+    Image.open(kept).load()  # the earlier grid is whole
+    run.close()
+
+
 def test_read_metrics_leaves_out_a_half_written_last_line_and_names_a_bad_one(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "a": 1}\n{"step": 1, "a": 2}\n{"step": 2, "a"')
     assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1]
@@ -223,6 +247,20 @@ def test_a_damaged_config_or_summary_is_named(flow_run, tmp_path):
     (run / "config.yaml").write_text("run: [unclosed\n")
     with pytest.raises(ConfigError, match=r"damaged/config.yaml: invalid YAML"):
         render_report(run)
+
+
+def test_an_unreadable_sample_image_is_named_and_the_rest_of_the_report_drawn(flow_run, tmp_path):
+    run = tmp_path / "cut"
+    shutil.copytree(flow_run, run)
+    grid = run / "samples/eval_00000003.png"
+    grid.write_bytes(grid.read_bytes()[:200])  # cut short
+    page = render_report(run)
+    assert f"{grid} cannot be read (OSError: image file is truncated" in page
+    assert "its samples are shown without images" in page
+    records = (run / "samples/eval_00000003.jsonl").read_text().splitlines()
+    assert json.loads(records[0])["prompt"] in page
+    # every other step's thumbnails are still there: one image fewer per sample of that step only
+    assert len(decode_images(page)) == len(decode_images(render_report(flow_run))) - len(records)
 
 
 def test_cli_report_and_compare_overlay_runs(flow_run, tmp_path):

@@ -4,12 +4,13 @@ non-finite metrics (the core demo recipe, which runs in seconds)."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
 from mmrl.bandit.trainer import BanditRecipeConfig, BanditTrainer, main
-from mmrl.config import load_config
-from mmrl.run import Run, read_metrics
+from mmrl.config import ConfigError, load_config, load_yaml
+from mmrl.run import Run, read_metrics, run_config_file
 
 
 def cfg_for(tmp_path, name, *overrides):
@@ -96,6 +97,7 @@ def test_a_corrupt_metrics_line_is_named_with_file_and_line(tmp_path) -> None:
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('{"step": 0}\nnot json\n{"step": 1}\n')
     (run_dir / "config.yaml").write_text("recipe: bandit\n")
+    (run_dir / "command.txt").write_text("mmrl train c.yaml\n")
     with pytest.raises(ValueError, match=r"r/metrics\.jsonl line 2 is not valid JSON"):
         read_metrics(run_dir)
     cfg = cfg_for(tmp_path, "r", "run.resume=true")
@@ -103,7 +105,7 @@ def test_a_corrupt_metrics_line_is_named_with_file_and_line(tmp_path) -> None:
         Run(cfg.run, cfg)  # (resume without a checkpoint moves every line aside: it reads them first)
 
 
-def test_a_run_that_failed_in_setup_does_not_block_the_rerun(tmp_path, monkeypatch) -> None:
+def test_a_run_that_failed_in_setup_does_not_block_the_rerun(tmp_path, monkeypatch, capsys) -> None:
     def broken(self):
         raise ValueError("setup failed")
 
@@ -119,8 +121,14 @@ def test_a_run_that_failed_in_setup_does_not_block_the_rerun(tmp_path, monkeypat
         "tb",
     }
     monkeypatch.setattr(BanditTrainer, "setup", original)
+    for name in ("mmrl", "pipelines", "rewards", "benchmarks"):  # as in a new process: no logging set up yet
+        monkeypatch.setattr(logging.getLogger(name), "handlers", [])
+    capsys.readouterr()
     final = main(cfg_for(tmp_path, "again", "trainer.steps=2"))
     assert final and [r["step"] for r in read_metrics(tmp_path / "again")] == [0, 1, 2]
+    # the replacement is said on the console (it was logged before any handler existed, so never shown)
+    err = " ".join(capsys.readouterr().err.split())
+    assert "holds only what a run that stopped before its first step left; replacing it" in err
     # a folder that holds files but no run is someone's: refused even with overwrite or resume, nothing touched
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine/notes.txt").write_text("keep")
@@ -140,9 +148,141 @@ def test_a_run_that_failed_in_setup_does_not_block_the_rerun(tmp_path, monkeypat
             main(cfg_for(tmp_path, "notes", "trainer.steps=2", *flags))
     assert (tmp_path / "notes/log.txt").read_text() == "my lab notes"
     (tmp_path / "notes/config.yaml").write_text("recipe: bandit\n")
+    (tmp_path / "notes/command.txt").write_text("mmrl train c.yaml\n")
     with pytest.raises(FileExistsError, match=r"notes already holds a run"):
         main(cfg_for(tmp_path, "notes", "trainer.steps=2"))
     assert (tmp_path / "notes/tb/important.csv").read_text() == "1,2"
+
+
+@pytest.mark.parametrize("flags", [[], ["run.overwrite=true"], ["run.resume=true"]])
+def test_a_folder_holding_the_users_own_config_is_refused_not_replaced(tmp_path, flags, capsys) -> None:
+    """`mmrl train exps/myexp/config.yaml run.output_dir=exps run.name=myexp`: a config.yaml without the
+    command.txt every run writes beside it is the user's file, never a failed setup to replace."""
+    from mmrl.cli import main as cli_main
+
+    (tmp_path / "exps/myexp").mkdir(parents=True)
+    config = tmp_path / "exps/myexp/config.yaml"
+    text = "# my experiment: the bandit, shorter\nrecipe: bandit\ntrainer:\n  steps: 2  # enough\n"
+    config.write_text(text)
+    argv = [
+        "train",
+        str(config),
+        f"run.output_dir={tmp_path / 'exps'}",
+        "run.name=myexp",
+        "run.progress=false",
+    ]
+    assert cli_main([*argv, *flags]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert (
+        f"mmrl: error: FileExistsError: {tmp_path / 'exps/myexp'} holds files but no run (a config.yaml "
+        "without the command.txt a run writes beside it); mmrl writes a run only into an empty folder or its "
+        "own run directory and never replaces another folder: choose another run.name or run.output_dir"
+        in err
+    )
+    assert config.read_text() == text and [p.name for p in config.parent.iterdir()] == ["config.yaml"]
+
+
+def finished(tmp_path, name, *overrides):
+    """A bandit run of 2 steps, checkpointed at its end."""
+    main(cfg_for(tmp_path, name, "trainer.steps=2", *overrides))
+    return tmp_path / name
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        (["world.seed=1", "trainer.lr=0.2"], ["world.seed: 0 -> 1", "trainer.lr: 0.1 -> 0.2"]),
+        (["policy.kind=tabular"], ['policy.kind: "linear" -> "tabular"']),
+        (["world.dim=8"], ["world.dim: 16 -> 8"]),
+    ],
+)
+def test_a_resume_that_changes_what_the_run_computes_is_refused_naming_each_key(
+    tmp_path, changes, named
+) -> None:
+    """A new seed or learning rate would continue the run silently under another config, another policy or
+    world size would fail in torch naming no key: each is refused before anything loads, naming every key."""
+    run = finished(tmp_path, "r")
+    metrics = (run / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError) as err:
+        main(cfg_for(tmp_path, "r", "trainer.steps=3", "run.resume=true", *changes))
+    message = str(err.value)
+    assert message.startswith(f"run.resume: this config changes what the run in {run} computes (config.yaml")
+    assert (
+        all(f"\n  {line}" in message for line in named)
+        and "trainer.steps" not in message.split("\nrestore")[0]
+    )
+    assert f"run.resume_changes=[{','.join(c.split('=')[0] for c in changes)}]" in message
+    assert (run / "metrics.jsonl").read_text() == metrics and not list(run.glob("config.resumed-*"))
+
+
+def test_a_resume_accepts_observing_keys_and_the_changes_listed_in_resume_changes(tmp_path) -> None:
+    run = finished(tmp_path, "r")
+    observed = [
+        "trainer.steps=3",
+        "trainer.eval_every=1",
+        "run.threads=1",
+        "run.log_every=2",
+        "run.keep_last=1",
+    ]
+    main(cfg_for(tmp_path, "r", "run.resume=true", *observed))
+    assert read_metrics(run)[-1]["step"] == 3
+    log = (run / "log.txt").read_text()
+    assert "INFO mmrl.run: resuming with trainer.steps: 2 -> 3" in log
+    # a section listed accepts every key below it; the run's config is now the resumed one
+    main(
+        cfg_for(
+            tmp_path,
+            "r",
+            "run.resume=true",
+            *observed,
+            "trainer.steps=4",
+            "trainer.lr=0.2",
+            "world.seed=1",
+            "run.resume_changes=[trainer.lr, world]",
+        )
+    )
+    log = (run / "log.txt").read_text()
+    assert "WARNING mmrl.run: resuming with trainer.lr: 0.1 -> 0.2 (run.resume_changes accepts it)" in log
+    assert "WARNING mmrl.run: resuming with world.seed: 0 -> 1 (run.resume_changes accepts it)" in log
+    recorded = load_yaml(run_config_file(run))
+    assert recorded["trainer"]["lr"] == 0.2 and recorded["trainer"]["steps"] == 4
+    assert load_yaml(run / "config.yaml")["trainer"]["steps"] == 2  # the original record is kept
+    # the accepted values are the run's from now on: resuming with them changes nothing
+    main(
+        cfg_for(
+            tmp_path, "r", "run.resume=true", *observed, "trainer.steps=5", "trainer.lr=0.2", "world.seed=1"
+        )
+    )
+    assert load_yaml(run_config_file(run))["trainer"]["steps"] == 5
+
+
+def test_eval_and_report_read_the_config_a_resumed_run_continued_with(tmp_path, monkeypatch, capsys) -> None:
+    import mmrl.bandit.trainer as bandit
+    from mmrl.cli import main as cli_main
+    from mmrl.report import render_report
+
+    run = finished(tmp_path, "r")
+    main(cfg_for(tmp_path, "r", "trainer.steps=3", "run.resume=true"))
+    assert run_config_file(run).name.startswith("config.resumed-")
+    assert "<th>steps</th><td>3 of 3</td>" in render_report(run)
+    seen = {}
+
+    def evaluate(cfg, prompts, out, checkpoint, images_per_prompt):
+        seen.update(steps=cfg.trainer.steps, checkpoint=checkpoint.name)
+        out.mkdir(parents=True)
+        return {}
+
+    monkeypatch.setattr(bandit, "evaluate", evaluate, raising=False)
+    assert cli_main(["eval", str(run)]) == 0
+    assert seen == {"steps": 3, "checkpoint": "step_00000003"}
+    # an --out that is a file is refused before the evaluation runs
+    seen.clear()
+    (tmp_path / "results.json").write_text("{}")
+    assert cli_main(["eval", str(run), "--out", str(tmp_path / "results.json")]) == 2
+    assert f"--out {tmp_path / 'results.json'}: {tmp_path / 'results.json'} is a file, not a folder" in (
+        capsys.readouterr().err
+    )
+    assert not seen
 
 
 @pytest.mark.parametrize("name", [".", "''", "..", "../elsewhere", "a/../../b", "/tmp/abs"])

@@ -310,8 +310,26 @@ class FlowAdapter(ABC):
     def _load_lora_file(
         self, directory: Path, model: torch.nn.Module, weight_name: str | None = None
     ) -> None:
+        """Load ``directory``'s LoRA file (``weight_name``, by default diffusers'
+        ``pytorch_lora_weights.safetensors``) into ``model``'s LoRA layers; ``directory`` may also be a Hub id
+        ``namespace/name`` (no such local path).
+
+        Raises:
+            FileNotFoundError: no such folder (named, with what a LoRA folder holds).
+            ValueError: the folder holds no transformer LoRA, or one that does not fit the model.
+        """
         from peft.utils import set_peft_model_state_dict
 
+        # a missing folder would reach diffusers as a Hub repository id and fail there after the model loaded,
+        # naming neither the path nor what belongs in it
+        hub_id = (
+            not directory.is_absolute() and len(directory.parts) == 2 and directory.parts[0][0] not in ".~"
+        )
+        if not directory.is_dir() and (directory.exists() or not hub_id):
+            raise FileNotFoundError(
+                f"no LoRA folder at {directory}: a LoRA is a folder as save_lora writes it (a LoRA "
+                f"checkpoint's adapter/), holding {weight_name or 'pytorch_lora_weights.safetensors'}"
+            )
         state = type(self.pipe).lora_state_dict(str(directory), weight_name=weight_name)
         state = state[0] if isinstance(state, tuple) else state
         prefix = "transformer."
