@@ -345,6 +345,10 @@ def test_decode_maps_latents_to_unit_range(load_tiny):
 def test_latent_shape_rejects_bad_sizes(load_tiny):
     with pytest.raises(ValueError, match="multiples"):
         load_tiny("sd3").latent_shape(30, 32)
+    # the tiny SD3's positional table holds 16 patches of 4 pixels per side
+    assert load_tiny("sd3").latent_shape(32, 64)[1:] == (16, 32)
+    with pytest.raises(ValueError, match=r"at most 64 pixels \(the model's positional table"):
+        load_tiny("sd3").latent_shape(32, 68)
     with pytest.raises(ValueError, match="num_frames"):
         load_tiny("wan").latent_shape(16, 16, num_frames=4)
 

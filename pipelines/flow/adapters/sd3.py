@@ -65,6 +65,13 @@ class SD3Adapter(FlowAdapter):
         f = self.vae_scale_factor * self.transformer.config.patch_size
         if height % f or width % f:
             raise ValueError(f"height and width must be multiples of {f}, got {height}x{width}")
+        # the positional table is cropped, never extended: SD3.5's 384 patches per side are 6,144 pixels
+        max_patches = self.transformer.config.pos_embed_max_size
+        if max_patches is not None and max(height, width) // f > max_patches:
+            raise ValueError(
+                f"height and width must be at most {max_patches * f} pixels (the model's positional table, "
+                f"pos_embed_max_size, holds {max_patches} patches of {f} pixels per side), got {height}x{width}"
+            )
         return (
             self.transformer.config.in_channels,
             height // self.vae_scale_factor,
