@@ -272,6 +272,12 @@ class PoolSettings(Config):
         gt=0,
         description="Seconds a request may run before its worker is replaced (null: wait forever).",
     )
+    max_worker_losses: int = Field(
+        3,
+        ge=1,
+        description="Workers one request may lose (dying, or past request_timeout, while running it) before "
+        "the request fails alone with an error naming it, instead of being retried on a new worker.",
+    )
     tis_cap: float = Field(
         2.0,
         ge=1.0,
@@ -311,6 +317,7 @@ class PoolSettings(Config):
             executor=self.executor,
             max_staleness=self.max_staleness,
             request_timeout=self.request_timeout,
+            max_worker_losses=self.max_worker_losses,
             ray=ray,
         )
 

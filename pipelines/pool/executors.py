@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,13 +63,61 @@ class Executor:
 _BUILD_LOCK = threading.Lock()
 
 
+class _MemberThread:
+    """One member's thread: runs the calls submitted to it one at a time, in order, until :meth:`stop`.
+
+    A daemon thread, not a ``ThreadPoolExecutor``'s: ``concurrent.futures`` joins its threads at interpreter
+    exit, so a hung call that was abandoned (its member killed and replaced) would keep the process from exiting.
+    A daemon thread is dropped at exit instead.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.calls: queue.SimpleQueue[tuple[Future, Callable[[], Any]] | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        """``fn()`` after every call submitted before; the future resolves with its result or exception."""
+        future: Future = Future()
+        self.calls.put((future, fn))
+        return future
+
+    def stop(self) -> None:
+        """Cancel the calls still queued; the thread ends once the call it runs (if any) returns."""
+        while True:
+            try:
+                item = self.calls.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+        self.calls.put(None)
+
+    def _serve(self) -> None:
+        while (item := self.calls.get()) is not None:
+            self._run(*item)
+            # an idle thread must not keep the last call's arguments and result (weights, trajectories) alive
+            del item
+
+    @staticmethod
+    def _run(future: Future, fn: Callable[[], Any]) -> None:
+        if not future.set_running_or_notify_cancel():  # cancelled while queued
+            return
+        try:
+            result = fn()
+        except BaseException as err:  # as in ThreadPoolExecutor: every failure reaches the caller's future
+            future.set_exception(err)
+        else:
+            future.set_result(result)
+
+
 class InProcessExecutor(Executor):
-    """Members in this process, one thread each (single GPU, no Ray).
+    """Members in this process, one daemon thread each (single GPU, no Ray).
 
     The rollout thread runs while the trainer's thread trains (torch releases the GIL in its kernels), which is
     what lets the asynchronous mode overlap generation with training even without Ray. A hung thread cannot be
-    killed in Python: :meth:`kill` abandons it (it exits when its call returns) and a restarted member is built
-    in a new thread.
+    killed in Python: :meth:`kill` abandons it (it exits when its call returns, and never holds up the
+    interpreter's exit) and a restarted member is built in a new thread.
 
     Args:
         factory: builds one member (called in the member's thread, so CUDA state is created there).
@@ -83,14 +132,14 @@ class InProcessExecutor(Executor):
     def __init__(self, factory: Callable[[], Any], num_members: int, drain_s: float = 60.0) -> None:
         self.factory = factory
         self.drain_s = drain_s
-        self.threads: list[ThreadPoolExecutor | None] = [None] * num_members
+        self.threads: list[_MemberThread | None] = [None] * num_members
         self.members: list[Any] = [None] * num_members
         self.pending: list[set[Future]] = [
             set() for _ in range(num_members)
         ]  # calls not finished, per member
 
     def start(self, index: int) -> Future:
-        thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pool-member-{index}")
+        thread = _MemberThread(f"pool-member-{index}")
         self.threads[index] = thread
 
         def build() -> None:
@@ -116,7 +165,7 @@ class InProcessExecutor(Executor):
     def kill(self, index: int) -> None:
         thread = self.threads[index]
         if thread is not None:
-            thread.shutdown(wait=False, cancel_futures=True)
+            thread.stop()
         self.threads[index] = None
         self.members[index] = None
         self.pending[index] = set()

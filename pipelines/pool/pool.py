@@ -28,17 +28,21 @@ and are delivered first at the next step, never discarded. A request is carried 
 ``max_staleness + 1`` versions (``max_staleness`` without partial rollouts).
 
 Faults. A worker whose process dies, or whose request runs past ``request_timeout``, is dropped (killed if
-hung) and replaced; its request goes back to the front of the queue for the other workers. A request's result
-is delivered exactly once, whatever happened (a late answer of a hung worker is ignored). A failing reward is
-retried ``reward_retries`` times, then :meth:`collect` raises :class:`RewardError`: never a silent zero
-reward. A lost reward worker costs an attempt only to the scoring call it was running; those queued behind it
-are re-queued as they were.
+hung) and replaced; its request goes back to the front of the queue for the other workers, unless it has now
+lost ``max_worker_losses`` workers: a request that kills or hangs every worker fails alone with a
+:class:`PoolError`. A request's result is delivered exactly once, whatever happened (a late answer of a hung
+worker is ignored). A failing reward is retried ``reward_retries`` times, then :meth:`collect` raises
+:class:`RewardError`: never a silent zero reward. A lost reward worker costs an attempt only to the scoring call
+it was running; those queued behind it are re-queued as they were. A rollout worker that fails to load a
+broadcast is taken out of service (not replaced: a new one would load the same update); its requests go to the
+others. An answer of the wrong type fails only its request, with an error naming the worker and the request.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import reprlib
 import threading
 import time
 from collections import Counter, deque
@@ -57,6 +61,7 @@ from pipelines.pool.protocol import (
     WeightUpdate,
     WeightVersionError,
 )
+from rewards import RewardOutput
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +78,7 @@ class _Entry:
     result: RolloutResult | None = None  # set when generated
     done: bool = False  # generated and, with reward workers, scored
     reward_attempts: int = 0
+    workers_lost: int = 0  # rollout workers that died or hung while running this request
     carried: bool = False  # left unfinished by a partial collect: the next collect waits for it
 
 
@@ -85,6 +91,8 @@ class _Members:
     size: int
     ready: set[int] = field(default_factory=set)
     starting: set[int] = field(default_factory=set)
+    #: member -> why it is out of service for good (not replaced), for the "no worker is left" error
+    retired: dict[int, str] = field(default_factory=dict)
     #: member -> its calls in flight (weight loads, runs, scores) by token, in the order the member executes
     #: them: the first one is executing, the others wait behind it
     queued: dict[int, dict[int, _Call]] = field(default_factory=dict)
@@ -127,6 +135,10 @@ class RolloutPool:
         request_timeout: seconds a request (or a scoring call) may run on one worker before the worker is
             considered hung and killed (and replaced, with ``respawn``); ``None`` waits forever.
         reward_retries: retries of a failed scoring call before :class:`RewardError` is raised.
+        max_worker_losses: rollout workers one request may lose (dying or exceeding ``request_timeout`` while
+            running it) before :meth:`collect` raises a :class:`PoolError` for that request instead of
+            re-queuing it. 3 (default) rides out a bad node or two; a request that kills every worker it
+            reaches (out of memory on that input, a deadlock) costs at most 3 respawns. 1 fails at the first loss.
         respawn: replace a dead or hung worker with a new one (it reloads its model and gets the latest weights).
         max_inflight: requests queued on one worker at a time. 2 (default) hides the dispatch round trip: the next
             request is already there when the current one finishes. 1 gives the finest load balancing.
@@ -150,6 +162,7 @@ class RolloutPool:
         max_staleness: int = 0,
         request_timeout: float | None = None,
         reward_retries: int = 2,
+        max_worker_losses: int = 3,
         respawn: bool = True,
         max_inflight: int = 2,
         ray: RayOptions | None = None,
@@ -167,14 +180,18 @@ class RolloutPool:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         if reward_retries < 0:
             raise ValueError(f"reward_retries must be >= 0, got {reward_retries}")
+        if max_worker_losses < 1:
+            raise ValueError(f"max_worker_losses must be >= 1, got {max_worker_losses}")
         if executor not in ("inprocess", "ray"):
             raise ValueError(f"unknown executor {executor!r}. Available: ['inprocess', 'ray']")
         self.max_staleness = max_staleness
         self.request_timeout = request_timeout
         self.reward_retries = reward_retries
+        self.max_worker_losses = max_worker_losses
         self.respawn = respawn
         self.max_inflight = max_inflight
-        #: fault and retry counters (``worker_lost``, ``requeued``, ``respawned``, ``reward_retries``, ...)
+        #: fault and retry counters (``worker_lost``, ``requeued``, ``respawned``, ``reward_retries``,
+        #: ``retired``, ...)
         self.stats: Counter[str] = Counter()
 
         def make(factory: Callable[[], Any], n: int, options: RayOptions | None) -> Executor:
@@ -292,9 +309,10 @@ class RolloutPool:
                     break
                 for members in (self._rollout, self._reward):
                     if members is not None and not members.ready and not members.starting:
-                        raise PoolError(
-                            f"no {members.name} worker is left (every one died and respawn is off)"
+                        why = "; ".join(
+                            f"worker {m} {reason}" for m, reason in sorted(members.retired.items())
                         )
+                        raise PoolError(f"no {members.name} worker is left: {why}")
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(
@@ -526,6 +544,7 @@ class RolloutPool:
         if call.kind == "start":
             members.starting.discard(m)
             if cause is not None:
+                members.retired[m] = f"could not be built: {cause!r}"
                 self._errors.append(PoolError(f"could not build {members.name} worker {m}: {cause!r}"))
                 return
             members.ready.add(m)
@@ -536,12 +555,27 @@ class RolloutPool:
                 )
         elif call.kind == "load":
             if cause is not None:
-                self._errors.append(PoolError(f"rollout worker {m} failed to load weights: {cause!r}"))
+                # it keeps its old weights and would refuse every request from now on; a replacement would load
+                # the same update: out of service, its requests go to the other workers
+                reason = f"failed to load weights: {cause!r}"
+                self._errors.append(PoolError(f"rollout worker {m} {reason}; it is out of service"))
+                self._lose(members, m, reason, [], None, replace=False)
         elif call.kind == "run":
+            rid = call.entry.request.request_id
             if cause is None:
-                result: RolloutResult = future.result()
-                result.worker = m
-                self._on_generated(call.entry, result)
+                result = future.result()
+                if isinstance(result, RolloutResult) and result.request_id == rid:
+                    result.worker = m
+                    self._on_generated(call.entry, result)
+                else:
+                    # a worker bug fails its request only: the pool and the other requests go on
+                    self._fail(
+                        call.entry,
+                        PoolError(
+                            f"rollout worker {m} answered request {rid!r} with {_describe(result)}, "
+                            "not its RolloutResult"
+                        ),
+                    )
             elif isinstance(cause, WeightVersionError):
                 # the worker missed a broadcast: give it the latest weights and let any worker retry
                 logger.warning("rollout worker %d: %s; re-sending weights and re-queuing", m, cause)
@@ -551,17 +585,21 @@ class RolloutPool:
                 )
                 self._queue.appendleft(call.entry)
             else:
+                self._fail(call.entry, PoolError(f"request {rid!r} failed on rollout worker {m}: {cause!r}"))
+        else:
+            if cause is not None:
+                self._retry_score(call.entry, cause)
+            elif isinstance(output := future.result(), RewardOutput):
+                self._on_scored(call.entry, output)
+            else:
+                rid = call.entry.request.request_id
                 self._fail(
                     call.entry,
-                    PoolError(
-                        f"request {call.entry.request.request_id!r} failed on rollout worker {m}: {cause!r}"
+                    RewardError(
+                        f"reward worker {m} answered request {rid!r} with {_describe(output)}, "
+                        "not a RewardOutput"
                     ),
                 )
-        else:
-            if cause is None:
-                self._on_scored(call.entry, future.result())
-            else:
-                self._retry_score(call.entry, cause)
 
     def _on_generated(self, entry: _Entry, result: RolloutResult) -> None:
         entry.result = result
@@ -577,7 +615,7 @@ class RolloutPool:
         else:
             self._to_score.append(entry)
 
-    def _on_scored(self, entry: _Entry, output: Any) -> None:
+    def _on_scored(self, entry: _Entry, output: RewardOutput) -> None:
         result = entry.result
         if len(output.scores) != result.num_samples:
             self._fail(
@@ -637,22 +675,44 @@ class RolloutPool:
             )
 
     def _lose(
-        self, members: _Members, m: int, reason: str, calls: list[_Call], executing: _Call | None
+        self,
+        members: _Members,
+        m: int,
+        reason: str,
+        calls: list[_Call],
+        executing: _Call | None,
+        replace: bool = True,
     ) -> None:
-        """Drop worker ``m`` (dead or hung): abandon its calls, re-queue its work, replace it.
+        """Drop worker ``m`` (dead, hung, or unable to load weights): abandon its calls, re-queue its work,
+        replace it (if ``replace`` and ``respawn``).
 
-        Only ``executing``, the call ``m`` was running, is charged a scoring attempt: the calls queued behind
-        it never ran, so they go back to the queue as they were.
+        Only ``executing``, the call ``m`` was running, is charged: a scoring attempt, or a lost worker for its
+        request, which fails once it has lost ``max_worker_losses`` workers (the request itself kills or hangs
+        them). The calls queued behind it never ran, so they go back to the queue as they were.
         """
         for token, call in list(self._calls.items()):
             if call.members is members and call.member == m:
                 del self._calls[token]
                 calls.append(call)
-        requeued = []
+        requeued, failed = [], []
         for call in reversed(calls):  # pushed to the front in reverse: the queue keeps their order
             if call.kind == "score" and call is executing:
                 self._retry_score(call.entry, PoolError(f"reward worker {m} {reason}"))
-            elif call.kind in ("run", "score"):
+                continue
+            if call.kind == "run" and call is executing:
+                call.entry.workers_lost += 1
+                if call.entry.workers_lost >= self.max_worker_losses:
+                    rid = call.entry.request.request_id
+                    failed.append(rid)
+                    self._fail(
+                        call.entry,
+                        PoolError(
+                            f"request {rid!r} lost {call.entry.workers_lost} rollout workers "
+                            f"(max_worker_losses={self.max_worker_losses}); the last one, worker {m}, {reason}"
+                        ),
+                    )
+                    continue
+            if call.kind in ("run", "score"):
                 (self._queue if call.kind == "run" else self._to_score).appendleft(call.entry)
                 requeued.append(call.entry.request.request_id)
         members.ready.discard(m)
@@ -661,17 +721,30 @@ class RolloutPool:
         members.executor.kill(m)
         self.stats["worker_lost"] += 1
         self.stats["requeued"] += len(requeued)
+        if any(call.kind == "start" for call in calls):
+            # it died while being built: rebuilding would most likely die again (out of memory, bad driver)
+            replace = False
+            reason = f"{reason} while starting"
+            self._errors.append(PoolError(f"{members.name} worker {m} {reason}"))
         logger.warning(
-            "%s worker %d %s; re-queued %s%s",
+            "%s worker %d %s; re-queued %s%s%s",
             members.name,
             m,
             reason,
             requeued or "nothing",
-            "; starting a replacement" if self.respawn else "",
+            f"; failed {failed} (max_worker_losses reached)" if failed else "",
+            "; starting a replacement" if replace and self.respawn else "; not replaced",
         )
-        if any(call.kind == "start" for call in calls):
-            # it died while being built: rebuilding would most likely die again (out of memory, bad driver)
-            self._errors.append(PoolError(f"{members.name} worker {m} {reason} while starting"))
-        elif self.respawn:
+        if replace and self.respawn:
             self.stats["respawned"] += 1
             self._start(members, m)
+        else:
+            self.stats["retired"] += 1
+            members.retired[m] = reason if not replace else f"{reason} (respawn is off)"
+
+
+def _describe(answer: Any) -> str:
+    """What a worker answered, for an error: its type and a short repr (a request id for a result)."""
+    if isinstance(answer, RolloutResult):
+        return f"the RolloutResult of request {answer.request_id!r}"
+    return f"a {type(answer).__name__} {reprlib.repr(answer)}"

@@ -17,6 +17,7 @@ otherwise silently change the distribution the log-probs describe.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,11 @@ from pipelines.vlm.backend import GenerationBackend, GenerationResult, Generatio
 from pipelines.vlm.families import VLMFamily, family_for_model_type
 from pipelines.vlm.inputs import PreparedPrompt, VLMPrompt, collate_left_padded, prepare_prompts
 from pipelines.vlm.weight_sync import merged_state_dict
+
+#: Seeded generations in one process take turns. ``generate`` samples from the process-global torch RNG, which
+#: the seeded call forks and seeds: two on concurrent threads (in-process pool workers) would draw from one
+#: stream in whatever order the threads interleave, and their samples would depend on that timing.
+_SEEDED_GENERATION = threading.Lock()
 
 
 def load_vlm(model_id_or_path: str, **kwargs: Any) -> tuple[Any, torch.nn.Module]:
@@ -149,6 +155,10 @@ class HFBackend(GenerationBackend):
     def generate(self, prompts: Sequence[VLMPrompt], params: SamplingParams) -> GenerationResult:
         """Sample ``params.n`` completions per prompt; see the module docstring for the log-prob semantics.
 
+        Seeded calls (``params.seed``) of this process run one at a time, so that concurrent ones (in-process
+        pool workers) do not draw from each other's random stream; other code drawing from the global torch RNG
+        in another thread meanwhile (dropout while training) still changes the samples.
+
         Args:
             prompts: chat prompts with images.
             params: sampling parameters.
@@ -173,6 +183,7 @@ class HFBackend(GenerationBackend):
             devices = [device.index or 0] if device.type == "cuda" else []
             seeded = params.seed is not None
             with (
+                _SEEDED_GENERATION if seeded else contextlib.nullcontext(),  # taken before the RNG is forked
                 torch.random.fork_rng(devices=devices) if seeded else contextlib.nullcontext(),
                 torch.autocast(device.type, dtype=self.autocast_dtype)
                 if self.autocast_dtype is not None

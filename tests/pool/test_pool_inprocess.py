@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import socket
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,6 +51,8 @@ def test_request_validation():
         WeightUpdate(1, "lora", {})
     with pytest.raises(ValueError, match="max_staleness"):
         RolloutPool(RolloutWorker, max_staleness=-1)
+    with pytest.raises(ValueError, match="max_worker_losses must be >= 1, got 0"):
+        RolloutPool(RolloutWorker, max_worker_losses=0)
 
 
 def test_pool_samples_equal_direct_rollouts(flow_factory, shapes_dir, requests_factory):
@@ -278,6 +285,183 @@ def test_no_worker_left_is_an_error_not_a_hang(requests_factory):
                 pool.collect(timeout=30)
     finally:
         release.set()
+
+
+def test_a_request_that_hangs_every_worker_fails_alone():
+    release = threading.Event()
+
+    def task(request: RolloutRequest) -> int:
+        if request.request_id == "poison":
+            release.wait(30)  # deadlocks on this input, whichever worker runs it
+        return request.seed
+
+    requests = [RolloutRequest(rid, ["p"], ["x"], [1], seed=i) for i, rid in enumerate(["poison", "ok"])]
+    factory = functools.partial(RolloutWorker, task)
+    try:
+        with RolloutPool(factory, num_workers=2, request_timeout=0.3) as pool:
+            pool.submit(requests)
+            # the default max_worker_losses=3: three workers are replaced, then the request is given up
+            with pytest.raises(
+                PoolError,
+                match=r"request 'poison' lost 3 rollout workers \(max_worker_losses=3\); the last one, worker \d, "
+                r"exceeded request_timeout=0.3s on request 'poison'",
+            ):
+                pool.collect(timeout=15)
+            batch = pool.collect(timeout=15)  # the other request is delivered as usual
+            assert [(r.request_id, r.output) for r in batch.results] == [("ok", 1)]
+            assert pool.stats["worker_lost"] == 3 and pool.stats["respawned"] == 3
+            assert pool.num_workers == 2
+    finally:
+        release.set()
+
+
+def test_a_recipes_pool_section_sets_the_losses_a_request_may_cause():
+    """``pool.max_worker_losses: 1`` in a recipe: the poison request fails at its first lost worker."""
+    from mmrl.sections import PoolSettings
+
+    release = threading.Event()
+
+    def task(request: RolloutRequest) -> int:
+        if request.request_id == "poison":
+            release.wait(30)
+        return request.seed
+
+    factory = functools.partial(RolloutWorker, task)
+    settings = PoolSettings(num_workers=2, request_timeout=0.3, max_worker_losses=1)
+    try:
+        with settings.build_pool(factory) as pool:
+            pool.submit([RolloutRequest("poison", ["p"], ["x"], [1], seed=0)])
+            with pytest.raises(PoolError, match=r"lost 1 rollout workers \(max_worker_losses=1\)"):
+                pool.collect(timeout=15)
+            assert pool.stats["worker_lost"] == 1
+    finally:
+        release.set()
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        PoolSettings(max_worker_losses=0)
+
+
+def test_an_abandoned_hung_worker_does_not_keep_the_interpreter_from_exiting():
+    # a daemon thread per in-process member: a ThreadPoolExecutor's would be joined at exit, forever
+    script = textwrap.dedent(
+        """
+        import functools, threading
+        from pipelines.pool.pool import RolloutPool
+        from pipelines.pool.protocol import RolloutRequest
+        from pipelines.pool.workers import RolloutWorker
+
+        hung, never = [], threading.Event()
+
+        def task(request):
+            if not hung:  # the first call deadlocks for good
+                hung.append(1)
+                never.wait()
+            return request.seed
+
+        with RolloutPool(functools.partial(RolloutWorker, task), request_timeout=0.3) as pool:
+            batch = pool.run([RolloutRequest("a", ["p"], ["x"], [1], seed=7)], timeout=30)
+            print("outputs", [r.output for r in batch.results], "lost", pool.stats["worker_lost"], flush=True)
+        """
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True, timeout=90
+        )
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"the process did not exit; its output: {err.stdout!r}")
+    assert done.returncode == 0, done.stderr
+    assert "outputs [7] lost 1" in done.stdout
+
+
+class _LoadFailsOnce(RolloutWorker):
+    """A worker whose weight load raises for the first ``len(failures)`` loads of the whole pool (a payload that
+    does not match, out of memory while loading)."""
+
+    def __init__(self, fn, failures: list) -> None:
+        super().__init__(fn)
+        self.failures = failures
+
+    def apply_weights(self, update: WeightUpdate) -> None:
+        if self.failures:
+            self.failures.pop()
+            raise ValueError("LoRA payload does not match the worker's adapter")
+
+
+def test_a_worker_that_fails_to_load_weights_is_taken_out_of_service(requests_factory):
+    lost_load = r"failed to load weights: ValueError\(\"LoRA payload does not match the worker's adapter\"\)"
+    # one worker: a clear error, then no worker left; before, its refusals were re-queued in a busy loop
+    factory = functools.partial(_LoadFailsOnce, lambda request: request.seed, failures=[1])
+    with RolloutPool(factory) as pool:
+        pool.broadcast(WeightUpdate(1, "full", {}))
+        pool.submit(requests_factory("a", 2))
+        with pytest.raises(PoolError, match=rf"rollout worker 0 {lost_load}; it is out of service"):
+            pool.collect(timeout=10)
+        with pytest.raises(PoolError, match=rf"no rollout worker is left: worker 0 {lost_load}"):
+            pool.collect(timeout=10)
+        assert pool.stats["version_refusals"] == 0 and pool.stats["retired"] == 1
+        assert pool.pending() == 4  # both requests (2 samples each) wait: none ran with the old weights
+    # two workers, one load fails: the other serves every request with the new weights
+    factory = functools.partial(_LoadFailsOnce, lambda request: request.seed, failures=[1])
+    with RolloutPool(factory, num_workers=2) as pool:
+        pool.broadcast(WeightUpdate(1, "full", {}))
+        with pytest.raises(PoolError, match=rf"rollout worker \d {lost_load}; it is out of service") as err:
+            pool.run(requests_factory("b", 4), timeout=10)
+        batch = pool.collect(timeout=10)
+        bad = int(str(err.value).split()[2])  # "rollout worker <index> failed ..."
+        assert [r.output for r in batch.results] == [0, 1, 2, 3] and batch.lags == [0, 0, 0, 0]
+        assert {r.worker for r in batch.results} == {1 - bad} and pool.num_workers == 1
+        assert pool.stats["version_refusals"] == 0 and pool.stats["respawned"] == 0
+
+
+class _WrongAnswers(RolloutWorker):
+    """Answers request ``"dict"`` with a dict and request ``"other"`` with another request's result (worker
+    bugs); any other request as it should."""
+
+    def run(self, request: RolloutRequest) -> object:
+        if request.request_id == "dict":
+            return {"request_id": request.request_id}
+        result = super().run(request)
+        return replace(result, request_id="someone-else") if request.request_id == "other" else result
+
+
+class _TensorReward(rewards.Reward):
+    """Returns a bare tensor where a ``RewardOutput`` is due."""
+
+    def score(self, **batch):
+        return torch.zeros(len(batch["completions"]))
+
+
+def test_a_malformed_answer_fails_only_its_request():
+    def req(rid: str, seed: int = 0) -> RolloutRequest:
+        return RolloutRequest(rid, ["p"], ["x"], [1], seed=seed)
+
+    with RolloutPool(functools.partial(_WrongAnswers, lambda request: request.seed)) as pool:
+        pool.submit([req("dict"), req("other"), req("fine", seed=5)])
+        with pytest.raises(
+            PoolError,
+            match=r"rollout worker 0 answered request 'dict' with a dict \{'request_id': 'dict'\}, "
+            "not its RolloutResult",
+        ):
+            pool.collect(timeout=10)
+        with pytest.raises(
+            PoolError,
+            match="rollout worker 0 answered request 'other' with the RolloutResult of request 'someone-else'",
+        ):
+            pool.collect(timeout=10)
+        assert [(r.request_id, r.output) for r in pool.collect(timeout=10).results] == [("fine", 5)]
+        # the pool did not break down: later requests are served
+        assert [r.output for r in pool.run([req("later", seed=6)], timeout=10).results] == [6]
+    factory = functools.partial(_TextWorker, lambda request: [request.request_id])
+    with RolloutPool(factory, reward=functools.partial(RewardWorker, _TensorReward())) as pool:
+        for rid in ("d", "e"):  # every request fails alone, with its own error
+            with pytest.raises(
+                RewardError,
+                match=rf"reward worker 0 answered request '{rid}' with a Tensor tensor\(\[0\.\]\), "
+                "not a RewardOutput",
+            ):
+                pool.run([req(rid)], timeout=10)
+        assert pool.stats["reward_retries"] == 0
 
 
 def _free_port() -> int:

@@ -16,9 +16,9 @@ import rewards
 from pipelines.flow.rollout import SamplingConfig, rollout
 from pipelines.pool.executors import RayOptions
 from pipelines.pool.pool import RolloutPool
-from pipelines.pool.protocol import PoolError
+from pipelines.pool.protocol import PoolError, RolloutRequest
 from pipelines.pool.weights import make_update
-from pipelines.pool.workers import RewardWorker
+from pipelines.pool.workers import RewardWorker, RolloutWorker
 
 ray = pytest.importorskip("ray")
 JPEG = rewards.build("jpeg_compressibility")
@@ -148,3 +148,27 @@ def test_ray_vlm_worker_equals_inprocess(ray_pool, vlm_factory, vlm_requests):
             torch.equal(x.logprobs, y.logprobs)
             for x, y in zip(a.output.samples, b.output.samples, strict=True)
         )
+
+
+def test_ray_request_that_kills_every_worker_fails_alone(ray_pool):
+    # (ray_pool: the test cluster is up) a local function, so that Ray pickles it by value for the actors
+    def task(request: RolloutRequest) -> int:
+        if request.request_id == "poison":
+            os._exit(137)  # the actor's process dies on this input (out of memory, a segfault)
+        return request.seed
+
+    requests = [RolloutRequest(rid, ["p"], ["x"], [1], seed=i) for i, rid in enumerate(["poison", "ok"])]
+    # no CPU reserved: the 2-CPU cluster is taken by the flow actors of ray_pool
+    with RolloutPool(
+        functools.partial(RolloutWorker, task), executor="ray", ray=RayOptions(num_cpus=0)
+    ) as pool:
+        pool.submit(requests)
+        with pytest.raises(
+            PoolError,
+            match=r"request 'poison' lost 3 rollout workers \(max_worker_losses=3\); the last one, worker 0, "
+            r"died \(\w+\)",
+        ):
+            pool.collect(timeout=120)
+        batch = pool.collect(timeout=120)  # "ok", queued behind it, was re-queued at no cost each time
+        assert [(r.request_id, r.output) for r in batch.results] == [("ok", 1)]
+        assert pool.stats["worker_lost"] == 3 and pool.stats["respawned"] == 3

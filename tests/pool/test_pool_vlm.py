@@ -71,3 +71,22 @@ def test_vlm_partial_rollouts_resume_next_step(vlm_factory, vlm_requests):
     ids = [r.request_id for r in first.results + second.results]
     assert sorted(ids) == sorted(f"a{i}" for i in range(10))  # each exactly once
     assert second.version == 0 and set(second.lags) == {0}
+
+
+def test_vlm_concurrent_inprocess_workers_sample_as_one(vlm_factory, vlm_requests):
+    # two worker threads generate at once: each seeded generate must draw from its own stream, not interleave
+    # with the other's on the process-global RNG (hf_backend takes turns)
+    requests = vlm_requests("c", 4, [4, 4])
+    with RolloutPool(vlm_factory) as pool:
+        one = pool.run(requests, timeout=120)
+    with RolloutPool(vlm_factory, num_workers=2, max_inflight=1) as pool:
+        two = pool.run(requests, timeout=120)
+    assert {r.worker for r in two.results} == {0, 1}  # both workers generated
+    for a, b in zip(one.results, two.results, strict=True):
+        assert [s.completion_token_ids for s in a.output.samples] == [
+            s.completion_token_ids for s in b.output.samples
+        ]
+        assert all(
+            torch.equal(x.logprobs, y.logprobs)
+            for x, y in zip(a.output.samples, b.output.samples, strict=True)
+        )
