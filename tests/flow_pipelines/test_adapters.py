@@ -31,6 +31,17 @@ def _config(family: str, **overrides) -> SamplingConfig:
     return SamplingConfig(**kwargs)
 
 
+def euler_stepping(sigmas: torch.Tensor) -> FlowMatchEulerDiscreteScheduler:
+    """An Euler scheduler that steps exactly ``sigmas`` ``[S+1]`` whatever step count the pipeline asks for: what
+    a rollout on a multistep solver's sigmas (SANA, Wan) integrates, for its pipeline to repeat."""
+    euler = FlowMatchEulerDiscreteScheduler(shift=1.0)  # (shift 1: the sigmas are taken as given)
+    set_timesteps = euler.set_timesteps
+    euler.set_timesteps = lambda *args, **kwargs: set_timesteps(
+        sigmas=sigmas[:-1].tolist(), device=kwargs.get("device")
+    )
+    return euler
+
+
 def test_registry_lists_every_family():
     assert set(FAMILIES) | {"shapes"} == set(list_adapters())
     with pytest.raises(KeyError, match="Available"):
@@ -54,13 +65,7 @@ def test_ode_rollout_equals_the_diffusers_pipeline(family, load_tiny):
     ours = rollout(adapter, PROMPTS[:1], 1, config, noise=noise)
     assert ours.sde_steps.sum() == 0 and torch.isnan(ours.log_probs).all()
     if not isinstance(pipe.scheduler, FlowMatchEulerDiscreteScheduler):
-        solver_sigmas = ours.sigmas[:-1].tolist()
-        euler = FlowMatchEulerDiscreteScheduler(shift=1.0)
-        set_timesteps = euler.set_timesteps
-        euler.set_timesteps = lambda *args, **kwargs: set_timesteps(
-            sigmas=solver_sigmas, device=kwargs.get("device")
-        )
-        pipe.scheduler = euler
+        pipe.scheduler = euler_stepping(ours.sigmas)
 
     call = {"num_inference_steps": config.num_steps, "output_type": "latent", **sizes}
     if family == "flux":
@@ -429,13 +434,7 @@ def test_wan22_second_guidance_scale_guides_the_low_noise_experts_steps_as_the_p
     ours = rollout(adapter, PROMPTS[:1], 1, config, noise=noise)
     assert adapter.guidance_at(ours.sigmas[:-1], 2.0).tolist() == [2.0, 2.0, 1.5, 1.5]  # boundary 0.8
 
-    solver_sigmas = ours.sigmas[:-1].tolist()
-    euler = FlowMatchEulerDiscreteScheduler(shift=1.0)
-    set_timesteps = euler.set_timesteps
-    euler.set_timesteps = lambda *args, **kwargs: set_timesteps(
-        sigmas=solver_sigmas, device=kwargs.get("device")
-    )
-    adapter.pipe.scheduler = euler
+    adapter.pipe.scheduler = euler_stepping(ours.sigmas)
     call = {"prompt": PROMPTS[0], "num_inference_steps": 4, "output_type": "latent", "max_sequence_length": 8}
     theirs = adapter.pipe(latents=noise, guidance_scale=2.0, guidance_scale_2=1.5, **call, **sizes).frames
     torch.testing.assert_close(ours.latents[:, -1], theirs.float(), rtol=1e-4, atol=1e-4)
