@@ -310,6 +310,10 @@ def test_a_request_that_hangs_every_worker_fails_alone():
             batch = pool.collect(timeout=15)  # the other request is delivered as usual
             assert [(r.request_id, r.output) for r in batch.results] == [("ok", 1)]
             assert pool.stats["worker_lost"] == 3 and pool.stats["respawned"] == 3
+            # the last replacement may still be starting on a busy machine: both are back within seconds
+            deadline = time.monotonic() + 10
+            while pool.num_workers < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
             assert pool.num_workers == 2
     finally:
         release.set()
