@@ -287,16 +287,17 @@ def test_no_worker_left_is_an_error_not_a_hang(requests_factory):
         release.set()
 
 
+def _hang_on_poison(request: RolloutRequest, release: threading.Event) -> int:
+    """A task that deadlocks on the request named "poison", whichever worker runs it, until ``release``."""
+    if request.request_id == "poison":
+        release.wait(30)
+    return request.seed
+
+
 def test_a_request_that_hangs_every_worker_fails_alone():
     release = threading.Event()
-
-    def task(request: RolloutRequest) -> int:
-        if request.request_id == "poison":
-            release.wait(30)  # deadlocks on this input, whichever worker runs it
-        return request.seed
-
     requests = [RolloutRequest(rid, ["p"], ["x"], [1], seed=i) for i, rid in enumerate(["poison", "ok"])]
-    factory = functools.partial(RolloutWorker, task)
+    factory = functools.partial(RolloutWorker, functools.partial(_hang_on_poison, release=release))
     try:
         with RolloutPool(factory, num_workers=2, request_timeout=0.3) as pool:
             pool.submit(requests)
@@ -324,13 +325,7 @@ def test_a_recipes_pool_section_sets_the_losses_a_request_may_cause():
     from mmrl.sections import PoolSettings
 
     release = threading.Event()
-
-    def task(request: RolloutRequest) -> int:
-        if request.request_id == "poison":
-            release.wait(30)
-        return request.seed
-
-    factory = functools.partial(RolloutWorker, task)
+    factory = functools.partial(RolloutWorker, functools.partial(_hang_on_poison, release=release))
     settings = PoolSettings(num_workers=2, request_timeout=0.3, max_worker_losses=1)
     try:
         with settings.build_pool(factory) as pool:
