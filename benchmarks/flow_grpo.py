@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -24,16 +26,19 @@ from mmrl.run import Run, read_metrics
 
 
 class Timers:
-    """Wall time spent inside transformer forwards, autograd backward passes and reward calls."""
+    """Wall time spent inside denoiser forwards (the policy's, and those of the modules swapped in for it),
+    autograd backward passes and reward calls."""
 
     def __init__(self) -> None:
         self.forward = self.backward = self.reward = 0.0
+        self.forward_calls = 0
         self._t0 = 0.0
         self._depth = 0
 
     def pre(self, *_: object) -> None:
         if self._depth == 0:
             self._t0 = time.perf_counter()
+            self.forward_calls += 1
         self._depth += 1
 
     def post(self, *_: object) -> None:
@@ -56,9 +61,25 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     trainer = FlowGRPOTrainer(cfg, run)
     trainer.setup()
     timers = Timers()
-    transformer = trainer.adapter.transformer
-    transformer.register_forward_pre_hook(timers.pre)
-    transformer.register_forward_hook(timers.post)
+    timed: set[int] = set()
+
+    def time_forwards(module: torch.nn.Module) -> None:
+        if id(module) not in timed:
+            timed.add(id(module))
+            module.register_forward_pre_hook(timers.pre)
+            module.register_forward_hook(timers.post)
+
+    time_forwards(trainer.adapter.transformer)
+    # the distillation teacher, a full fine-tune's reference and the quantized explorer run in its place
+    swapped_denoiser = trainer.adapter.swapped_denoiser
+
+    @contextmanager
+    def timed_swap(module: torch.nn.Module) -> Iterator[None]:
+        time_forwards(module)
+        with swapped_denoiser(module):
+            yield
+
+    trainer.adapter.swapped_denoiser = timed_swap
     backward = torch.autograd.backward
 
     def timed_backward(*a: object, **k: object) -> None:
@@ -117,6 +138,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "backward_frac": bwd / step_time,
         "reward_frac": rew / step_time,
         "overhead_frac": other / step_time,
+        "forward_calls": timers.forward_calls,
     }
     print(json.dumps(result))
     return result
