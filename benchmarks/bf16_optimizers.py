@@ -4,9 +4,10 @@ costs.
 
     python -m benchmarks.bf16_optimizers [--steps 2000] [--lrs 1e-6 1e-5 1e-4] [--timing-repeats 7] [--threads 2]
 
-1. Fidelity: a 64 x 64 least-squares fit from noisy minibatches (fixed data, start and minibatch order), run with
-   float32 AdamW (the float32 run: what float32 master weights train) and, on bfloat16 weights, plain AdamW,
-   KahanAdamW with its float32 second moment, and KahanAdamW with bfloat16 states (EasyR1's ``adamw_bf16``).
+1. Fidelity: a 64 x 64 least-squares fit from noisy minibatches (fixed data, minibatch order and start, the start
+   in bfloat16 values for every variant), run with float32 AdamW (the float32 run: what float32 master weights
+   train) and, on bfloat16 weights, plain AdamW, KahanAdamW with its float32 second moment, and KahanAdamW with
+   bfloat16 states (EasyR1's ``adamw_bf16``).
    Reported per learning rate: the distance of the weights each holds (KahanAdamW's plus its compensation) to the
    float32 run's, as a share of how far the float32 run moved, and the final loss.
 2. Step time: one optimizer step over the tensors of one published Qwen3-VL-4B decoder layer (attention and MLP
@@ -57,7 +58,9 @@ def regression(dtype: torch.dtype, factory: Factory, lr: float, steps: int) -> t
     """The fit of the module docstring: the weights the optimizer holds after ``steps`` and their loss."""
     torch.manual_seed(0)
     inputs, target = torch.randn(4096, 64), torch.randn(64, 64) * 0.05
-    param = torch.nn.Parameter((torch.randn(64, 64) * 0.05).to(dtype))
+    # one start for every variant: bfloat16 values (as a bfloat16 checkpoint's), so the float32 run starts
+    # where the bfloat16 ones do and the distance between runs is the optimizers' alone
+    param = torch.nn.Parameter((torch.randn(64, 64) * 0.05).to(torch.bfloat16).to(dtype))
     optimizer = factory([param], lr)
     generator = torch.Generator().manual_seed(1)
     for _ in range(steps):

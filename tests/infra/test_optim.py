@@ -72,9 +72,9 @@ def test_the_first_step_lands_in_weight_plus_compensation(magnitude, lr, weight_
 def test_bfloat16_weights_follow_the_float32_run_only_with_the_compensation(lr):
     """The benchmark's least-squares fit, 1,000 steps: at the learning rates of full VLM fine-tuning pure bfloat16
     AdamW loses most of its steps to rounding (86-99% of the float32 run's move off it); KahanAdamW keeps them
-    (1.4% and 0.1% off at 1e-5 and 1e-4: the forward still sees bfloat16 weights), and its float32 second moment
-    keeps it 5x and 45x closer than bfloat16 states (EasyR1's adamw_bf16, ``variance_dtype=None``: 6.9% and 4.9%),
-    whose variance cannot decay."""
+    (0.09% and 0.04% off at 1e-5 and 1e-4, every run starting from the same bfloat16 values), and its float32
+    second moment keeps it about 80x and 140x closer than bfloat16 states (EasyR1's adamw_bf16,
+    ``variance_dtype=None``: 6.8% and 4.9%), whose variance cannot decay."""
     variants = {name: (dtype, factory) for name, (dtype, factory, _) in VARIANTS.items()}
     start, _ = regression(*variants["float32 AdamW (master weights)"], lr, steps=0)
     reference, _ = regression(*variants["float32 AdamW (master weights)"], lr, steps=1000)
@@ -85,9 +85,9 @@ def test_bfloat16_weights_follow_the_float32_run_only_with_the_compensation(lr):
 
     kahan = off("bfloat16 KahanAdamW")
     assert off("bfloat16 AdamW") > 0.5
-    assert kahan < 0.02
+    assert kahan < 0.002
     # EasyR1's states are compensated too (far closer than plain AdamW), only less well
-    assert 3 * kahan < off("bfloat16 KahanAdamW, bfloat16 states (EasyR1)") < 0.2
+    assert 30 * kahan < off("bfloat16 KahanAdamW, bfloat16 states (EasyR1)") < 0.2
 
 
 def test_resuming_from_a_saved_state_repeats_the_run_bit_for_bit():
