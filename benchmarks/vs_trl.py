@@ -477,10 +477,16 @@ def eval_worker(
 # --------------------------------------------------------------------------------------------- driver
 
 
-def _spawn(args: list[str], threads: int) -> dict:
+#: libgomp's own spin (its count when neither OMP_WAIT_POLICY nor GOMP_SPINCOUNT is set), written out so that
+#: a worker does not choose its wait policy from the load at its own start (pipelines/threads.py)
+LIBGOMP_DEFAULT_WAIT = {"GOMP_SPINCOUNT": "300000"}
+
+
+def _spawn(args: list[str], threads: int, wait_policy: dict[str, str]) -> dict:
     # the Rust tokenizers keep a thread pool of their own, which OMP_NUM_THREADS does not cap: off on both sides,
-    # so the process CPU seconds count the threads the comparison names
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    # so the process CPU seconds count the threads the comparison names; every worker runs under the one OpenMP
+    # wait policy the driver chose
+    env = dict(os.environ, **wait_policy, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.vs_trl", *args], env=env, capture_output=True, text=True
     )
@@ -651,7 +657,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return summarize([json.loads(line) for line in Path(args.summarize).read_text().splitlines() if line])
     mark_steps(args.marks)  # refuse bad marks before any run starts
     _config(args.config, "mmrl_single", 0, args.threads, recipe_overrides=args.overrides)  # and a bad --set
-    default_wait_policy()  # before any torch import: on a busy machine the workers inherit PASSIVE
+    # one wait policy for every worker, chosen here from the load at the start (PASSIVE on a busy machine), not
+    # by each worker from the load at its own start
+    wait_policy = default_wait_policy() or LIBGOMP_DEFAULT_WAIT
     if args.worker is not None:
         work = Path(args.work_dir)
         if args.worker == "eval":
@@ -693,14 +701,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(
         f"task {args.task} ({args.config}{'; ' + ' '.join(args.overrides) if args.overrides else ''}); "
         f"order {args.order}; results: {out}; weights: {work}; "
-        f"threads {args.threads}",
+        f"threads {args.threads}; OpenMP wait policy {wait_policy}",
         flush=True,
     )
     for seed in range(args.seeds):
         for variant in args.variants:
             record = {
                 "kind": "train",
-                **_spawn(["--worker", variant, "--seed", str(seed), *common], args.threads),
+                "wait_policy": wait_policy,
+                **_spawn(["--worker", variant, "--seed", str(seed), *common], args.threads, wait_policy),
             }
             records.append(record)
             with open(out, "a") as f:
@@ -710,7 +719,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"rollouts, peak RSS {record['peak_rss_mib']:.0f} MiB",
                 flush=True,
             )
-        record = {"kind": "eval", **_spawn(["--worker", "eval", "--seed", str(seed), *common], args.threads)}
+        record = {
+            "kind": "eval",
+            **_spawn(["--worker", "eval", "--seed", str(seed), *common], args.threads, wait_policy),
+        }
         records.append(record)
         with open(out, "a") as f:
             f.write(json.dumps(record) + "\n")

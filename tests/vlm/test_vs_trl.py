@@ -345,3 +345,23 @@ def test_summary_judges_goals_on_the_first_score_and_averages_the_others():
     assert summary["accuracy"]["mmrl_single"] == pytest.approx({0: 0.4, 64: 0.6, 128: 0.7})
     assert summary["scores"]["templates"]["trl"] == pytest.approx({0: 0.3, 64: 0.3, 128: 0.25})
     assert summary["single_reach"] == 64  # mean 0.6 >= TRL's final mean 0.6 after half its rollouts
+
+
+def test_every_worker_runs_under_the_wait_policy_the_driver_chose(monkeypatch):
+    """A worker that chose its own OpenMP wait policy from the load at its start could run TRL spinning and mmrl
+    sleeping: the driver passes its choice, libgomp's default spin written out on an idle machine."""
+    seen = []
+
+    def fake_run(command, env, **_):
+        seen.append({key: env.get(key) for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")})
+        return type("Done", (), {"returncode": 0, "stdout": '{"ok": 1}\n', "stderr": ""})()
+
+    monkeypatch.setattr(vs_trl.subprocess, "run", fake_run)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert vs_trl._spawn(["--worker", "trl"], 2, vs_trl.LIBGOMP_DEFAULT_WAIT) == {"ok": 1}
+    assert vs_trl._spawn(["--worker", "eval"], 1, {"OMP_WAIT_POLICY": "PASSIVE"}) == {"ok": 1}
+    assert seen == [
+        {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "300000", "OMP_NUM_THREADS": "2"},
+        {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None, "OMP_NUM_THREADS": "1"},
+    ]
