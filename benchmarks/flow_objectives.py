@@ -488,7 +488,7 @@ def summarize(runs: dict[int, dict[str, object]], target: float) -> dict[str, ob
     ``mean_curve``: at each step that every seed evaluated, the mean of each field over seeds (NFE and training
     seconds too: seeds spend the same NFE per step, and their seconds differ by the host's load). ``final``: each
     field's mean, min and max over the seeds' last evaluations; ``final_by_kind``: the seed mean of the final
-    weights' strict score per prompt kind. ``reaches_target``: the first point of
+    weights' strict score and pass@K per prompt kind. ``reaches_target``: the first point of
     ``mean_curve`` after step 0 whose strict score is ``>= target``, or ``None``.
     """
     curves = [run["curve"] for run in runs.values()]
@@ -512,7 +512,11 @@ def summarize(runs: dict[int, dict[str, object]], target: float) -> dict[str, ob
     final_by_kind = {
         kind: {
             "prompts": kinds[kind]["prompts"],
-            "mean": statistics.fmean(r["by_kind"][kind]["mean"] for r in runs.values()),
+            **{  # the mean and pass@K
+                stat: statistics.fmean(r["by_kind"][kind][stat] for r in runs.values())
+                for stat in kinds[kind]
+                if stat not in ("prompts", "failures")
+            },
             "failures": {
                 name: statistics.fmean(r["by_kind"][kind]["failures"][name] for r in runs.values())
                 for name in FAILURES

@@ -52,8 +52,13 @@ def test_summary_means_over_seeds_and_first_crossing():
     }
     for seed, count_score in ((0, 0.2), (1, 0.4)):
         runs[seed]["by_kind"] = {
-            "all": {"prompts": 8, "mean": 0.5, "failures": _failures(0.5)},
-            "count": {"prompts": 2, "mean": count_score, "failures": _failures(count_score)},
+            "all": {"prompts": 8, "mean": 0.5, "pass@4": 0.75, "failures": _failures(0.5)},
+            "count": {
+                "prompts": 2,
+                "mean": count_score,
+                "pass@4": 2 * count_score,
+                "failures": _failures(count_score),
+            },
         }
     summary = flow_objectives.summarize(runs, target=0.515)
     assert [p["step"] for p in summary["mean_curve"]] == [0, 10, 20]  # steps every seed evaluated
@@ -64,7 +69,10 @@ def test_summary_means_over_seeds_and_first_crossing():
     final = summary["final"]["strict"]  # each seed's last evaluation: 0.60 (step 20) and 0.70 (step 25)
     assert (final["mean"], final["min"], final["max"]) == pytest.approx((0.65, 0.60, 0.70))
     count = summary["final_by_kind"]["count"]
-    assert (count["prompts"], count["mean"]) == (2, pytest.approx(0.3))
+    assert (count["prompts"], count["mean"], count["pass@4"]) == (2, pytest.approx(0.3), pytest.approx(0.6))
+    # the Markdown's per-kind table shows pass@K beside the mean
+    kind_table = flow_objectives.kind_table({"recipe": summary["final_by_kind"]})
+    assert "pass@4 count (2)" in kind_table and "| 0.500 | 0.300 | 0.750 | 0.600 |" in kind_table
     assert count["failures"]["right"] == pytest.approx(0.3) and count["failures"]["shape"] == pytest.approx(
         0.7
     )
