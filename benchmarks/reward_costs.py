@@ -126,8 +126,12 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    every_case = cases(args.n)
+    unknown = sorted(set(args.only or ()) - set(every_case))
+    if unknown:
+        parser.error(f"--only {' '.join(unknown)}: no such case; the cases are {', '.join(every_case)}")
     results = {}
-    for name, (build, batch, what) in cases(args.n).items():
+    for name, (build, batch, what) in every_case.items():
         if args.only and name not in args.only:
             continue
         results[name] = {**measure(build, batch, args.repeats), "images": what}
