@@ -657,9 +657,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return summarize([json.loads(line) for line in Path(args.summarize).read_text().splitlines() if line])
     mark_steps(args.marks)  # refuse bad marks before any run starts
     _config(args.config, "mmrl_single", 0, args.threads, recipe_overrides=args.overrides)  # and a bad --set
-    # one wait policy for every worker, chosen here from the load at the start (PASSIVE on a busy machine), not
-    # by each worker from the load at its own start
-    wait_policy = default_wait_policy() or LIBGOMP_DEFAULT_WAIT
     if args.worker is not None:
         work = Path(args.work_dir)
         if args.worker == "eval":
@@ -679,6 +676,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
         print(json.dumps(result))
         return result
+    # one wait policy for every worker, chosen here from the load at the start (PASSIVE on a busy machine), not
+    # by each worker from the load at its own start
+    wait_policy = default_wait_policy() or LIBGOMP_DEFAULT_WAIT
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="vs_trl_"))
     work.mkdir(parents=True, exist_ok=True)
     out = Path(args.out or work / "results.jsonl")
