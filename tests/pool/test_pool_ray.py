@@ -19,6 +19,7 @@ from pipelines.pool.pool import RolloutPool
 from pipelines.pool.protocol import PoolError, RolloutRequest
 from pipelines.pool.weights import make_update
 from pipelines.pool.workers import RewardWorker, RolloutWorker
+from tests.pool.test_pool_vlm import assert_same_samples
 
 ray = pytest.importorskip("ray")
 JPEG = rewards.build("jpeg_compressibility")
@@ -140,14 +141,7 @@ def test_ray_vlm_worker_equals_inprocess(ray_pool, vlm_factory, vlm_requests):
     # no CPU reserved: the 2-CPU cluster is taken by the flow actors of ray_pool
     with RolloutPool(vlm_factory, executor="ray", ray=RayOptions(num_cpus=0)) as remote:
         got = remote.run(requests, timeout=120)
-    for a, b in zip(expected.results, got.results, strict=True):
-        assert [s.completion_token_ids for s in a.output.samples] == [
-            s.completion_token_ids for s in b.output.samples
-        ]
-        assert all(
-            torch.equal(x.logprobs, y.logprobs)
-            for x, y in zip(a.output.samples, b.output.samples, strict=True)
-        )
+    assert_same_samples(expected, got)
 
 
 def test_ray_request_that_kills_every_worker_fails_alone(ray_pool):

@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import torch
 
-from pipelines.pool.pool import RolloutPool
+from pipelines.pool.pool import PoolBatch, RolloutPool
 from pipelines.pool.protocol import RolloutRequest
 from pipelines.pool.weights import make_update
 from pipelines.vlm.backend import SamplingParams
 from pipelines.vlm.hf_backend import HFBackend
+
+
+def assert_same_samples(expected: PoolBatch, got: PoolBatch) -> None:
+    """Two pool batches of VLM requests hold the same completions with the same log-probs, request by request."""
+    for a, b in zip(expected.results, got.results, strict=True):
+        assert [s.completion_token_ids for s in a.output.samples] == [
+            s.completion_token_ids for s in b.output.samples
+        ]
+        assert all(
+            torch.equal(x.logprobs, y.logprobs)
+            for x, y in zip(a.output.samples, b.output.samples, strict=True)
+        )
 
 
 def _expected(backend: HFBackend, request: RolloutRequest) -> list[list[int]]:
@@ -82,11 +94,4 @@ def test_vlm_concurrent_inprocess_workers_sample_as_one(vlm_factory, vlm_request
     with RolloutPool(vlm_factory, num_workers=2, max_inflight=1) as pool:
         two = pool.run(requests, timeout=120)
     assert {r.worker for r in two.results} == {0, 1}  # both workers generated
-    for a, b in zip(one.results, two.results, strict=True):
-        assert [s.completion_token_ids for s in a.output.samples] == [
-            s.completion_token_ids for s in b.output.samples
-        ]
-        assert all(
-            torch.equal(x.logprobs, y.logprobs)
-            for x, y in zip(a.output.samples, b.output.samples, strict=True)
-        )
+    assert_same_samples(one, two)
