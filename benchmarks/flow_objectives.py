@@ -5,7 +5,8 @@
     python -m benchmarks.flow_objectives --recipes nft awm --seeds 0 --steps 100 --eval-every 20
 
 Each recipe is a demo config plus overrides (``RECIPES``; ``--list`` prints them). Every run starts from the
-committed base checkpoint (``checkpoints/shapes_flow``), samples and evaluates CFG-free, and is evaluated every
+committed base checkpoint (``checkpoints/shapes_flow``; the override ``model.path=DIR`` starts every run, and
+``--ceiling``'s scores, from another base), samples and evaluates CFG-free, and is evaluated every
 ``--eval-every`` steps on the same held-out prompts with the fixed evaluation noise: the strict shapes score (1
 only if object, count, colour and position are all right) and each criterion alone. Runs go seed by seed, every
 recipe of a seed before the next seed (interleaved: a slow period of the host hits all recipes alike).
@@ -34,6 +35,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -364,15 +366,22 @@ def by_kind(trainer: FlowGRPOTrainer, images_per_prompt: int = 1) -> dict[str, d
 
 
 def ceiling(
-    config: str, guidance_scales: list[float], images_per_prompt: int, eval_prompts: int, threads: int | None
+    config: str,
+    guidance_scales: list[float],
+    images_per_prompt: int,
+    eval_prompts: int,
+    threads: int | None,
+    overrides: Sequence[str] = (),
 ) -> dict[str, dict[str, dict[str, float]]]:
-    """:func:`by_kind` of the untrained base of ``config`` at each CFG scale: ``{"cfg G": by_kind(...)}``."""
+    """:func:`by_kind` of the untrained base of ``config`` at each CFG scale: ``{"cfg G": by_kind(...)}``.
+    ``overrides`` apply first (``model.path=DIR`` scores another base)."""
     out = {}
     for scale in guidance_scales:
         cfg = load_config(
             FlowGRPOConfig,
             config,
             [
+                *overrides,
                 f"sampling.guidance_scale={scale}",
                 f"trainer.eval_prompts={eval_prompts}",
                 f"run.threads={threads if threads is not None else 'null'}",
@@ -629,7 +638,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument(
         "--guidance", type=float, nargs="+", default=[1.0, 3.0], help="(--ceiling) CFG scales"
     )
-    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides applied to every recipe")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        help="key.sub=value overrides applied to every recipe (and to --ceiling's base)",
+    )
     args = parser.parse_args(argv)
     if args.list:
         for name, recipe in RECIPES.items():
@@ -645,7 +658,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     if args.ceiling is not None:
         if args.ceiling < 1:
             parser.error(f"--ceiling must be >= 1, got {args.ceiling}")
-        rows = ceiling(FLAT, args.guidance, args.ceiling, args.eval_prompts, args.threads)
+        rows = ceiling(FLAT, args.guidance, args.ceiling, args.eval_prompts, args.threads, args.overrides)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "ceiling.json").write_text(json.dumps(rows, indent=1))
         print(kind_table(rows))

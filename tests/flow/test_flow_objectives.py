@@ -176,6 +176,14 @@ def test_ceiling_pass_at_k_bounds_the_mean_and_k1_is_the_evaluation(monkeypatch)
             assert row["failures"]["right"] == pytest.approx(row["mean"]), kind
 
 
+def test_ceiling_applies_the_overrides_to_the_base(monkeypatch, tmp_path):
+    # an override of the base's folder reaches the model's loading: another base is scored, not the committed one
+    monkeypatch.chdir(ROOT)
+    missing = tmp_path / "no_base"
+    with pytest.raises(OSError, match="no_base"):
+        flow_objectives.ceiling(flow_objectives.FLAT, [1.0], 1, 8, 1, [f"model.path={missing}"])
+
+
 def test_failure_names_why_a_sample_scores_zero():
     def obj(shape, colour, x):  # a 6-px object at column x, row 10
         return DetectedObject(shape, colour, (x, 10.0, x + 6.0, 16.0), 30.0)
