@@ -53,7 +53,7 @@ def test_constant_group_gives_zero_not_nan():
     assert torch.equal(out, torch.zeros(4))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(grouped_rewards())
 def test_group_advantages_sum_to_zero_per_group(batch):
     r, g = batch
@@ -63,7 +63,7 @@ def test_group_advantages_sum_to_zero_per_group(batch):
             assert abs(float(adv[g == gid].sum())) < 1e-6 * max(1.0, float(adv.abs().max()))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(grouped_rewards(min_size=2))
 def test_rloo_matches_loop_and_sums_to_zero(batch):
     r, g = batch
@@ -80,7 +80,7 @@ def test_rloo_rejects_singleton_group():
         A.rloo(torch.tensor([1.0, 0.0, 1.0]), torch.tensor([0, 0, 1]))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(grouped_rewards(odd=True, binary=True))
 def test_median_centered_one_pivot_per_group(batch):
     r, g = batch
@@ -252,7 +252,7 @@ def test_single_rollout_formula_and_no_centering_by_default():
     torch.testing.assert_close(A.single_rollout(zeros, prior), zeros - prior)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100)
 @given(
     st.lists(st.floats(-5, 5, allow_nan=False), min_size=1, max_size=20),
     st.floats(0.0, 3.0),
@@ -327,7 +327,7 @@ def test_process_supervised_hand_values():
     assert per_row[1].abs().max() == 0  # equal step rewards: nothing to learn from
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(st.data())
 def test_process_supervised_properties(data):
     num_rows, num_tokens = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 9))

@@ -19,7 +19,7 @@ def brute_force_best(p, budget, n_min, n_max):
     return best
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=80)
 @given(
     st.lists(st.sampled_from([0.0, 0.05, 0.1, 0.3, 0.5, 0.7, 0.9, 0.97, 1.0]), min_size=1, max_size=4),
     st.integers(1, 3),
@@ -75,7 +75,7 @@ def test_infeasible_budget_raises(fn):
         fn(torch.tensor([0.5, 1.5]), 4)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=80)
 @given(
     st.lists(st.floats(0, 1), min_size=1, max_size=30),
     st.integers(1, 4),
@@ -158,7 +158,7 @@ def test_uniform_allocation_names_the_bound_the_budget_breaks():
     assert str(above.value) == "budget 9 exceeds n_max * prompts = 4 * 2 = 8; lower the budget or raise n_max"
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(st.integers(1, 12), st.integers(1, 12), st.integers(1, 4), st.integers(0, 2**16))
 def test_prompt_passes_draw_every_prompt_once_per_pass(pool_size, k, passes, seed):
     """Over ``passes`` full passes (``passes * pool_size`` draws) every prompt is drawn exactly ``passes`` times,

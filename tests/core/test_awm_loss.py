@@ -77,7 +77,7 @@ def test_bfloat16_predictions_are_scored_in_float32():
 points = st.tuples(st.integers(1, 4), st.integers(1, 6), st.integers(0, 10_000))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40)
 @given(points, st.sampled_from(WEIGHTINGS), st.floats(0.05, 1.0))
 def test_zero_advantages_give_zero_policy_gradient(shape, weighting, clip):
     n, d, seed = shape
@@ -90,7 +90,7 @@ def test_zero_advantages_give_zero_policy_gradient(shape, weighting, clip):
     assert torch.count_nonzero(v.grad) == 0
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(points, st.sampled_from(WEIGHTINGS), st.floats(0.1, 3.0), st.booleans())
 def test_one_step_fits_a_positive_sample_closer_and_pushes_a_negative_one_away(
     shape, weighting, size, positive

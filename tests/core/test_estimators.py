@@ -82,7 +82,7 @@ def _multi_reward_groups(draw, odd: bool):
 
 
 @pytest.mark.parametrize("name", _GROUP_ESTIMATORS)
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40)
 @given(data=st.data())
 def test_a_constant_group_gets_exactly_zero_advantage_for_every_estimator(name, data):
     batch, constant = data.draw(_multi_reward_groups(odd=get_estimator(name).odd_groups))

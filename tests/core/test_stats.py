@@ -182,7 +182,7 @@ def test_grouped_prior_survives_state_dict_and_merge():
         PromptStats().load_state_dict(whole.state_dict())
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=50)
 @given(st.lists(st.tuples(st.sampled_from(["a", "b", "c", "d"]), st.floats(0, 1)), min_size=1, max_size=30))
 def test_grouped_centre_lies_between_the_global_mean_and_the_groups_own_mean(rows):
     """m_g is a convex combination of the group's data mean and the global centre, and a store whose groups
@@ -204,7 +204,7 @@ def test_grouped_centre_lies_between_the_global_mean_and_the_groups_own_mean(row
     torch.testing.assert_close(empty.alpha_beta(q), plain.alpha_beta(q))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(
     st.lists(
         st.lists(st.tuples(st.sampled_from(["a", "b", "c", "d"]), st.floats(0, 1)), min_size=1, max_size=8),

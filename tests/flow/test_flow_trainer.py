@@ -695,15 +695,31 @@ def test_awm_step_trains_on_policy_in_each_rollout_mode(model_dir, tmp_path, rol
     assert trainer.train_step()["policy/kl"] > 0.0
 
 
-def test_awm_advantage_sign_moves_the_sample_fit_and_zero_advantages_move_nothing(model_dir, tmp_path):
+def remember_regression_points(trainer):
+    """``{"value": (rows, sigma, x_t, target)}``, the last regression points ``trainer`` drew, kept from now on."""
+    points = {}
+    draw = trainer.regression_points
+
+    def remember(*args, **kwargs):
+        points["value"] = draw(*args, **kwargs)
+        return points["value"]
+
+    trainer.regression_points = remember
+    return points
+
+
+@pytest.mark.parametrize("objective", [AWM, ("trainer.objective=nft",)])
+def test_advantage_sign_moves_the_sample_fit_and_zero_advantages_move_nothing(model_dir, tmp_path, objective):
+    """AWM and DiffusionNFT on their first update (the weights are the sampling policy): a sample with A > 0 is
+    fitted more closely, one with A < 0 less (NFT: optimality r = 1/2 + A / (2 A_max) above or below 1/2), and
+    A = 0 gives no gradient at all."""
     from mmrl.core.losses import awm_log_likelihood
-    from mmrl.flow.objectives.awm import awm_update
 
     cfg = make_cfg(
         model_dir,
         tmp_path,
-        "awmsign",
-        *AWM,
+        "sign",
+        *objective,
         "trainer.beta=0.0",
         "trainer.weight_decay=0.0",
         "trainer.lr=1e-4",
@@ -711,16 +727,9 @@ def test_awm_advantage_sign_moves_the_sample_fit_and_zero_advantages_move_nothin
     trainer = FlowGRPOTrainer(cfg, None)
     trainer.setup()
     batch = trainer.collect()
-    points = {}
-    noised = trainer.regression_points
+    points = remember_regression_points(trainer)
 
-    def remember(*args, **kwargs):
-        points["value"] = noised(*args, **kwargs)
-        return points["value"]
-
-    trainer.regression_points = remember
-
-    def log_p_of_sample(sample):  # mean AWM log-likelihood of one sample's points, at the update's points
+    def log_p_of_sample(sample):  # mean AWM log-likelihood (the fit) of one sample's points, at the update's
         rows, sigma, x_t, target = points["value"]
         keep = torch.nonzero(rows == sample).flatten()
         with torch.no_grad():
@@ -729,18 +738,17 @@ def test_awm_advantage_sign_moves_the_sample_fit_and_zero_advantages_move_nothin
 
     # zero advantages: zero gradient, and Adam without weight decay leaves the weights exactly where they were
     before = [p.detach().clone() for p in trainer.trainable]
-    awm_update(trainer, replace(batch, sample_adv=torch.zeros(8)))
+    trainer.objective.update(trainer, replace(batch, sample_adv=torch.zeros(8)))
     assert all(torch.equal(b, p) for b, p in zip(before, trainer.trainable, strict=True))
     for sign in (1.0, -1.0):  # only sample 3 weighted: its points fit better (A > 0) or worse (A < 0)
         adv = torch.zeros(8)
         adv[3] = sign
         state = [p.detach().clone() for p in trainer.trainable]
         trainer.optimizer.state.clear()  # each sign's step from a fresh Adam: no momentum of the other sign
-        trainer.regression_points = lambda *a, **k: points[
-            "value"
-        ]  # the same points for the update and the check
+        # the same points for the update and the check
+        trainer.regression_points = lambda *args, **kwargs: points["value"]
         start = log_p_of_sample(3)
-        awm_update(trainer, replace(batch, sample_adv=adv))
+        trainer.objective.update(trainer, replace(batch, sample_adv=adv))
         assert (log_p_of_sample(3) - start) * sign > 0
         with torch.no_grad():
             for p, s in zip(trainer.trainable, state, strict=True):
@@ -810,6 +818,67 @@ def test_awm_with_a_soft_updated_old_policy_pulls_toward_it_and_resumes_exactly(
     assert {k: v for k, v in resumed.items() if k not in drop} == {
         k: v for k, v in straight.items() if k not in drop
     }
+
+
+@pytest.mark.parametrize(
+    "overrides, weights",
+    [
+        (("trainer.objective=grpo", "trainer.beta=0.5"), {"policy/kl": 0.5}),
+        ((*AWM, "trainer.beta=0.5"), {"policy/kl": 0.5}),
+        (
+            (*AWM, "trainer.beta=0", "trainer.old_policy_decay=0.5", "trainer.awm.old_kl_beta=2.0"),
+            {"policy/kl_old": 2.0},
+        ),
+        (
+            (*AWM, "trainer.beta=0.5", "trainer.old_policy_decay=0.5"),
+            {"policy/kl": 0.5, "policy/kl_old": 1.0},
+        ),
+    ],
+)
+def test_zero_advantages_leave_exactly_the_kl_terms_in_the_loss(model_dir, tmp_path, overrides, weights):
+    """With every advantage 0 the clipped surrogate is 0, so the loss an update minimises is its KL terms alone:
+    ``beta * KL(ref)`` (+ AWM's ``old_kl_beta * KL(old)``), added, not subtracted (a pull toward, not away)."""
+    cfg = make_cfg(model_dir, tmp_path, "klterms", *overrides)
+    trainer = FlowGRPOTrainer(cfg, None)
+    trainer.setup()
+    trainer.train_step()  # the weights leave the reference and the soft-updated old policy
+    batch = trainer.collect()
+    trainer.metrics.reduce()  # the rollout's metrics
+    zero = replace(batch, adv=torch.zeros_like(batch.adv), sample_adv=torch.zeros_like(batch.sample_adv))
+    trainer.objective.update(trainer, zero)
+    metrics = trainer.metrics.reduce()
+    assert all(metrics[name] > 1e-6 for name in weights)
+    expected = sum(weight * metrics[name] for name, weight in weights.items())
+    assert metrics["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_awm_clips_the_advantages_then_rescales_them_to_advantage_max(model_dir, tmp_path, monkeypatch):
+    """``A^ = clip(A, -adv_clip_max, adv_clip_max) * advantage_max / adv_clip_max``, each point weighted by its
+    sample's: at 5 and 1 (the paper's A / 5), A = 7, -2.5, 1, 0, -9, 5, 2, -1 weigh 1, -0.5, 0.2, 0, -1, 1, 0.4,
+    -0.2."""
+    from mmrl.core import losses as loss_lib
+    from mmrl.flow.objectives.awm import awm_update
+
+    cfg = make_cfg(
+        model_dir, tmp_path, "awmscale", *AWM, "trainer.adv_clip_max=5", "trainer.awm.advantage_max=1"
+    )
+    trainer = FlowGRPOTrainer(cfg, None)
+    trainer.setup()
+    batch = trainer.collect()
+    points = remember_regression_points(trainer)
+    seen = []
+    surrogate = loss_lib.clipped_surrogate
+
+    def record(logp, old, adv, *args, **kwargs):
+        seen.append(adv.detach().clone())
+        return surrogate(logp, old, adv, *args, **kwargs)
+
+    monkeypatch.setattr(loss_lib, "clipped_surrogate", record)
+    advantages = torch.tensor([7.0, -2.5, 1.0, 0.0, -9.0, 5.0, 2.0, -1.0])
+    awm_update(trainer, replace(batch, sample_adv=advantages))
+    scaled = torch.tensor([1.0, -0.5, 0.2, 0.0, -1.0, 1.0, 0.4, -0.2])
+    # every point once (the minibatches' order aside)
+    torch.testing.assert_close(torch.cat(seen).sort().values, scaled[points["value"][0]].sort().values)
 
 
 def test_awm_config_errors_name_the_key(model_dir, tmp_path):

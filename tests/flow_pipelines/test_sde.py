@@ -150,7 +150,7 @@ def test_deterministic_transition_has_zero_log_prob():
     assert torch.equal(gaussian_log_prob(mean, mean, torch.zeros(2, 1)), torch.zeros(2))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40)
 @given(
     kind=st.sampled_from(SDE_KINDS),
     sigma=st.floats(0.05, 1.0),

@@ -29,7 +29,7 @@ def test_on_float32_parameters_it_is_torch_adamw():
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100)
 @given(
     magnitude=st.floats(1e-3, 10.0),
     lr=st.floats(1e-7, 1e-3),

@@ -73,7 +73,7 @@ def test_accuracy_on_perturbed_renders(reward, size):
     assert min(accuracy.values()) >= 0.95, accuracy
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(
     prompt=st.sampled_from(all_prompts()),
     seed=st.integers(0, 2**31),

@@ -344,6 +344,32 @@ def test_update_takes_old_policy_statistics_from_the_gradient_forward(model_dir,
         assert metrics["clip/low_frac"] == metrics["clip/high_frac"] == 0.0
 
 
+def test_zero_advantages_leave_exactly_beta_times_the_k3_kl_in_the_loss(model_dir, tmp_path):
+    """With every advantage 0 the policy term is 0, so the token-mean loss is ``beta`` times the mean k3 estimate
+    of the KL to the reference: added, a pull toward the reference, not away from it."""
+    cfg = make_cfg(
+        model_dir,
+        tmp_path,
+        "k3",
+        "trainer.mode=group",
+        "trainer.beta=0.5",
+        "trainer.loss_agg=token_mean",
+        "trainer.minibatch_size=64",
+    )
+    trainer = VLMRLVRTrainer(cfg, None)
+    trainer.setup()
+    pairs, _, keep, *_ = trainer.collect()
+    every = torch.ones_like(keep)
+    trainer.update(
+        pairs, torch.arange(len(pairs), dtype=torch.float32) % 2 - 0.5, every
+    )  # leave the reference
+    trainer.metrics.reduce()
+    trainer.update(pairs, torch.zeros(len(pairs)), every)
+    metrics = trainer.metrics.reduce()
+    assert metrics["policy/kl"] > 1e-6
+    assert metrics["loss"] == pytest.approx(0.5 * metrics["policy/kl"], rel=1e-5)
+
+
 def test_main_writes_peft_adapter_and_eval(model_dir, tmp_path, monkeypatch):
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
