@@ -545,9 +545,14 @@ def summarize(runs: dict[int, dict[str, object]], target: float) -> dict[str, ob
 def to_markdown(results: dict[str, object]) -> str:
     """The summary table (one row per recipe) and each recipe's seed-mean curve, as Markdown."""
     target = results["target"]
+    overrides = results["overrides"]
     lines = [
         f"Seeds {results['seeds']}; held-out strict score on {results['eval_prompts']} prompts; train s = seconds "
-        "inside training steps (evaluations excluded).",
+        "inside training steps (evaluations excluded)."
+        # what the recipes' descriptions below do not say: these replace their settings (a --steps schedule)
+        + (
+            f" Every recipe with `{' '.join(overrides)}` applied after its own settings." if overrides else ""
+        ),
         "",
         f"| recipe | steps | NFE | train s | strict (min-max) | {' | '.join(CRITERIA)} | reaches {target:.3f} at |",
         "| --- | --- | --- | --- | --- |" + " --- |" * len(CRITERIA) + " --- |",
@@ -678,6 +683,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "eval_every": args.eval_every,
         "eval_prompts": args.eval_prompts,
         "target": args.target,
+        "overrides": overrides,
         "recipes": {name: dataclasses.asdict(RECIPES[name]) for name in args.recipes},
         "runs": {name: {} for name in args.recipes},
         "summaries": {},

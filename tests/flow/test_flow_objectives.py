@@ -141,6 +141,9 @@ def test_tiny_benchmark_writes_json_and_table(tmp_path, monkeypatch):
     )
     assert "| nft | " in table.split("per prompt kind")[1]
     assert table.count("| step | NFE | train s | strict | object | count | colour | position |") == 3
+    # the overrides every recipe ran with, which its description does not name (here --steps 2's schedule)
+    assert results["overrides"][-1] == "trainer.steps=2"
+    assert f"Every recipe with `{' '.join(results['overrides'])}` applied" in table
 
 
 def test_minutes_cap_stops_the_run_and_evaluates_there(monkeypatch):
