@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 import rewards
@@ -12,19 +13,24 @@ from pipelines.flow.adapters import ShapesAdapter
 from pipelines.flow.adapters.shapes import SHAPES_GUIDANCE_SCALE, SHAPES_NUM_STEPS, SHAPES_RESOLUTION
 from pipelines.flow.rollout import SamplingConfig, rescore, rollout
 
-CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "shapes_flow"
+ROOT = Path(__file__).resolve().parents[2]
+#: each committed shapes base and the most its folder may hold on disk
+BASES = {"shapes_flow": 12e6, "shapes_flow_w192": 24e6}
 
 
-def test_checkpoint_is_small_and_has_a_card():
-    size = sum(f.stat().st_size for f in CHECKPOINT.rglob("*") if f.is_file())
-    assert size <= 12e6
-    card = (CHECKPOINT / "card.md").read_text()
-    assert "mmrl train configs/pretrain/shapes_flow.yaml" in card and "strict score" in card
-    assert "python -m mmrl.flow.pretrain_shapes --eval-only checkpoints/shapes_flow" in card
+@pytest.mark.parametrize("name", sorted(BASES))
+def test_checkpoint_is_small_and_has_a_card(name):
+    folder = ROOT / "checkpoints" / name
+    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    assert size <= BASES[name]
+    card = (folder / "card.md").read_text()
+    assert f"mmrl train configs/pretrain/{name}.yaml" in card and "strict score" in card
+    assert f"python -m mmrl.flow.pretrain_shapes --eval-only checkpoints/{name}" in card
 
 
-def test_checkpoint_generates_and_scores():
-    adapter = ShapesAdapter.from_pretrained(str(CHECKPOINT))
+@pytest.mark.parametrize("name", sorted(BASES))
+def test_checkpoint_generates_and_scores(name):
+    adapter = ShapesAdapter.from_pretrained(str(ROOT / "checkpoints" / name))
     prompts = shapes.sample_prompts(8, 0, "heldout")
     config = SamplingConfig(
         num_steps=SHAPES_NUM_STEPS,

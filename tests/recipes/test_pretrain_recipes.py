@@ -22,6 +22,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "pretrain"
 NO_VAE_NO_T5 = {"vae": None, "text_encoder_3": None, "tokenizer_3": None}
 RECIPE_OF = {
     "shapes_flow.yaml": "flow_pretrain_shapes",
+    "shapes_flow_w192.yaml": "flow_pretrain_shapes",
     "shapes_vlm.yaml": "vlm_sft_shapes",
     "shapes_vlm_reason.yaml": "vlm_sft_reason",
     "shapes_vlm_reason_slips.yaml": "vlm_sft_reason",
@@ -102,6 +103,16 @@ def test_flow_recipe_publishes_a_diffusers_pipeline_with_card(tmp_path):
     ).transformer.proj_out.weight.detach()
     torch.testing.assert_close(published, state["ema"]["0.proj_out.weight"], rtol=0, atol=0)
     assert not torch.equal(published, live)
+
+
+def test_the_width_192_base_was_made_by_its_committed_config():
+    schema = get_recipe("flow_pretrain_shapes").load_config_class()
+    folder = Path(__file__).resolve().parents[2] / "checkpoints" / "shapes_flow_w192"
+    assert load_config(schema, folder / "config.yaml") == load_config(
+        schema, CONFIGS / "shapes_flow_w192.yaml"
+    )
+    transformer = StableDiffusion3Pipeline.from_pretrained(folder, **NO_VAE_NO_T5).transformer.config
+    assert transformer.num_attention_heads * transformer.attention_head_dim == 192
 
 
 def test_flow_recipe_continues_a_saved_model_on_the_digits_world(tmp_path):
