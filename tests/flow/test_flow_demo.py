@@ -56,9 +56,9 @@ def test_guidance_distillation_demo_gains_ten_points_in_20_steps(tmp_path, monke
     assert len(gaps) == 20 and gaps[-1] < 0.8 * gaps[0]  # the CFG-free velocity moved toward the guided one
 
 
-def test_the_main_jobs_recipe_from_the_width_192_base_gains_eight_points_in_20_steps(tmp_path, monkeypatch):
-    # from the wider base's 0.605 CFG-free, 0.745 / 0.775 at step 25 of the 300-step schedule (seeds 0 / 1;
+def test_the_main_jobs_recipe_from_the_width_192_base_gains_six_points_in_20_steps(tmp_path, monkeypatch):
+    # from the wider base's 0.605 CFG-free, 0.685 / 0.700 / 0.750 at step 25 of the 300-step schedule (seeds 0-2;
     # BENCHMARKS.md, "A wider base")
     monkeypatch.chdir(ROOT)
     base, final = _first_steps(tmp_path, "flow_shapes_w192_distill.yaml", 20, base_score=0.605)
-    assert final["eval/reward_mean"] >= base["eval/reward_mean"] + 0.08
+    assert final["eval/reward_mean"] >= base["eval/reward_mean"] + 0.06
