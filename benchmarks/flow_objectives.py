@@ -545,14 +545,14 @@ def summarize(runs: dict[int, dict[str, object]], target: float) -> dict[str, ob
 def to_markdown(results: dict[str, object]) -> str:
     """The summary table (one row per recipe) and each recipe's seed-mean curve, as Markdown."""
     target = results["target"]
+    # what the recipes' descriptions below do not say: these replace their settings (a --steps schedule)
     overrides = results["overrides"]
+    applied = (
+        f" Every recipe with `{' '.join(overrides)}` applied after its own settings." if overrides else ""
+    )
     lines = [
         f"Seeds {results['seeds']}; held-out strict score on {results['eval_prompts']} prompts; train s = seconds "
-        "inside training steps (evaluations excluded)."
-        # what the recipes' descriptions below do not say: these replace their settings (a --steps schedule)
-        + (
-            f" Every recipe with `{' '.join(overrides)}` applied after its own settings." if overrides else ""
-        ),
+        f"inside training steps (evaluations excluded).{applied}",
         "",
         f"| recipe | steps | NFE | train s | strict (min-max) | {' | '.join(CRITERIA)} | reaches {target:.3f} at |",
         "| --- | --- | --- | --- | --- |" + " --- |" * len(CRITERIA) + " --- |",
