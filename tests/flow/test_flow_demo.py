@@ -45,8 +45,8 @@ def test_demo_recipe_raises_heldout_strict_score(tmp_path, monkeypatch):
 
 
 def test_guidance_distillation_demo_gains_ten_points_in_20_steps(tmp_path, monkeypatch):
-    # 20 steps at the starting learning rate: 0.455-0.530 over seeds 0-4 (BENCHMARKS.md, "The main job"), from
-    # the base's 0.35; the NFT demo needs 300 steps for 0.529 (four seeds)
+    # 20 steps at the starting learning rate: 0.455-0.530 over seeds 0-4 (BENCHMARKS.md, "The main job on the
+    # width-128 base"), from the base's 0.35; the NFT demo needs 300 steps for 0.529 (four seeds)
     monkeypatch.chdir(ROOT)
     base, final = _first_steps(tmp_path, "flow_shapes_distill.yaml", 20)
     assert final["eval/reward_mean"] >= base["eval/reward_mean"] + 0.10
@@ -56,7 +56,7 @@ def test_guidance_distillation_demo_gains_ten_points_in_20_steps(tmp_path, monke
     assert len(gaps) == 20 and gaps[-1] < 0.8 * gaps[0]  # the CFG-free velocity moved toward the guided one
 
 
-def test_the_main_jobs_recipe_from_the_width_192_base_gains_six_points_in_20_steps(tmp_path, monkeypatch):
+def test_the_main_job_from_the_width_192_base_gains_six_points_in_20_steps(tmp_path, monkeypatch):
     # from the wider base's 0.605 CFG-free, 0.685 / 0.700 / 0.750 at step 25 of the 300-step schedule (seeds 0-2;
     # BENCHMARKS.md, "A wider base")
     monkeypatch.chdir(ROOT)
