@@ -5,8 +5,9 @@
     python -m benchmarks.flow_objectives --recipes nft awm --seeds 0 --steps 100 --eval-every 20
 
 Each recipe is a demo config plus overrides (``RECIPES``; ``--list`` prints them). Every run starts from the
-committed base checkpoint (``checkpoints/shapes_flow``; the override ``model.path=DIR`` starts every run, and
-``--ceiling``'s scores, from another base), samples and evaluates CFG-free, and is evaluated every
+committed base checkpoint (``checkpoints/shapes_flow``; ``main_job``, README's main job, from
+``checkpoints/shapes_flow_w192``; the override ``model.path=DIR`` starts every run, and ``--ceiling``'s scores, from
+another base), samples and evaluates CFG-free, and is evaluated every
 ``--eval-every`` steps on the same held-out prompts with the fixed evaluation noise: the strict shapes score (1
 only if object, count, colour and position are all right) and each criterion alone. Runs go seed by seed, every
 recipe of a seed before the next seed (interleaved: a slow period of the host hits all recipes alike).
@@ -64,6 +65,7 @@ __all__ = [
 FLAT = "configs/demo/flow_shapes.yaml"
 BRANCH = "configs/demo/flow_shapes_branch.yaml"
 EXPLORE = "configs/demo/flow_shapes_explore.yaml"
+MAIN_JOB = "configs/demo/flow_shapes_w192_distill.yaml"
 
 # the partial credit with the bottleneck criterion weighted up (rewards.shapes.ShapesReward criterion_weights)
 COUNT_WEIGHTED = "criterion_weights: {count: 3.0}"
@@ -147,6 +149,12 @@ RECIPES: dict[str, Recipe] = {
         FLAT,
         ("trainer.steps=120", "trainer.guidance_distill.weight=1.0"),
         "the demo plus guidance distillation toward the base's CFG-3 velocity (weight 1), cosine over 120 steps",
+    ),
+    "main_job": Recipe(
+        MAIN_JOB,
+        (),
+        "the README's main job as it is: awm_distill from the width-192 base (checkpoints/shapes_flow_w192), its "
+        "teacher at CFG 1.5 and weight 0.3; cosine over 300 steps",
     ),
     "awm_distill": Recipe(
         FLAT,

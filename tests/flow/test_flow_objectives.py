@@ -34,6 +34,28 @@ def test_every_recipe_loads_and_unknown_names_are_refused(monkeypatch):
         flow_objectives.recipe_config("ppo", 0, 1, 8, [])
 
 
+def test_the_main_job_recipe_is_the_lighter_pull_measured_from_the_width_192_base(monkeypatch):
+    # BENCHMARKS.md's weight-0.3 figures ran awm_distill_w03 with these overrides; main_job must be that config
+    monkeypatch.chdir(ROOT)
+    main_job = flow_objectives.recipe_config("main_job", 0, 1, 200, ["run.name=run"])
+    measured = flow_objectives.recipe_config(
+        "awm_distill_w03",
+        0,
+        1,
+        200,
+        [
+            "run.name=run",
+            "trainer.steps=300",
+            "model.path=checkpoints/shapes_flow_w192",
+            "trainer.guidance_distill.guidance_scale=1.5",
+        ],
+    )
+    assert main_job == measured
+    assert main_job.trainer.guidance_distill.weight == 0.3 and main_job.model.path.endswith(
+        "shapes_flow_w192"
+    )
+
+
 def _failures(right: float) -> dict[str, float]:
     return {name: {"right": right, "shape": 1.0 - right}.get(name, 0.0) for name in flow_objectives.FAILURES}
 
