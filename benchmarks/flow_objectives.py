@@ -9,8 +9,8 @@ committed base checkpoint (``checkpoints/shapes_flow``; ``main_job``, README's m
 ``checkpoints/shapes_flow_w192``; the override ``model.path=DIR`` starts every run, and ``--ceiling``'s scores, from
 another base), samples and evaluates CFG-free, and is evaluated every ``--eval-every`` steps on the same held-out
 prompts with the fixed evaluation noise: the strict shapes score (1 only if object, count, colour and position are
-all right) and each criterion alone. Runs go seed by seed, every
-recipe of a seed before the next seed (interleaved: a slow period of the host hits all recipes alike).
+all right) and each criterion alone. Runs go seed by seed, every recipe of a seed before the next seed
+(interleaved: a slow period of the host hits all recipes alike).
 
 For each evaluation the benchmark records the steps done, the transformer evaluations spent (``nfe/total``:
 rollouts, explorer previews and regression forwards; evaluations excluded) and the training seconds (the time
